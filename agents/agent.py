@@ -1,0 +1,82 @@
+"""Agents and the app a worker loads: ``jetloop worker --app module:attr``."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from agents.model import ModelAdapter
+from agents.tools import Tool
+from schemas import validate_name
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_steps: int = 16
+    model_attempts: int = 3
+    model_attempt_window_seconds: float = 1800.0
+
+
+@dataclass(frozen=True)
+class Agent:
+    name: str
+    instructions: str
+    model: ModelAdapter
+    tools: tuple[Tool, ...] = ()
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        validate_name("agent name", self.name)
+        seen: set[str] = set()
+        for t in self.tools:
+            if t.name in seen:
+                raise ValueError(f"agent {self.name}: two tools are named {t.name!r}")
+            seen.add(t.name)
+            if t.approval:
+                raise ValueError(
+                    f"agent {self.name}: tool {t.name!r} asks for approval, which this "
+                    "version of jetloop does not run yet"
+                )
+
+    def tool(self, name: str) -> Tool | None:
+        for t in self.tools:
+            if t.name == name:
+                return t
+        return None
+
+
+class App:
+    """The agents one worker serves."""
+
+    def __init__(self, agents: Iterable[Agent] = ()) -> None:
+        self.agents: dict[str, Agent] = {}
+        for a in agents:
+            self.add(a)
+
+    def add(self, agent: Agent) -> None:
+        if agent.name in self.agents:
+            raise ValueError(f"two agents are named {agent.name!r}")
+        self.agents[agent.name] = agent
+
+    def agent(self, name: str) -> Agent | None:
+        return self.agents.get(name)
+
+
+def load_app(spec: str) -> App:
+    """Load ``module:attr``; the attribute is an ``App``, an ``Agent`` or a factory of one."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--app {spec!r}: expected module:attr")
+    module = importlib.import_module(module_name)
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"--app {spec!r}: module {module_name} has no {attr!r}") from None
+    if callable(obj) and not isinstance(obj, App | Agent):
+        obj = obj()
+    if isinstance(obj, Agent):
+        return App([obj])
+    if isinstance(obj, App):
+        return obj
+    raise ValueError(f"--app {spec!r}: expected an App or an Agent, got {type(obj).__name__}")

@@ -1,0 +1,96 @@
+"""The model adapter seam: what a provider adapter implements, and the scripted model.
+
+The engine hands an adapter the agent's instructions, the conversation (one history schema)
+and the tools; the adapter answers with text and the tool calls it wants. Provider adapters
+(OpenAI, Anthropic, …) implement the same ``ModelAdapter`` protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from schemas import HistoryEntry
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One conversation entry, with large payloads already resolved."""
+
+    role: str  # "user" | "assistant" | "tool"
+    text: str | None = None
+    calls: list[ToolCallRequest] = field(default_factory=list)
+    call_id: str | None = None
+    tool: str | None = None
+    status: str | None = None
+    result: Any = None
+
+    @classmethod
+    def from_entry(cls, e: HistoryEntry, text: str | None, result: Any) -> Message:
+        return cls(
+            role=e.role.value,
+            text=text,
+            calls=[
+                ToolCallRequest(name=c.tool, arguments=c.args, provider_id=c.provider_id)
+                for c in e.calls
+            ],
+            call_id=e.call_id,
+            tool=e.tool,
+            status=e.status.value if e.status else None,
+            result=result,
+        )
+
+
+@dataclass(frozen=True)
+class ToolCallRequest:
+    name: str
+    arguments: dict[str, Any]
+    provider_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    agent: str
+    instructions: str
+    messages: list[Message]
+    tools: list[ToolSpec]
+    attempt: int
+
+
+@dataclass(frozen=True)
+class ModelResponse:
+    text: str = ""
+    tool_calls: list[ToolCallRequest] = field(default_factory=list)
+    usage: dict[str, int] = field(default_factory=dict)
+
+
+class ModelAdapter(Protocol):
+    async def complete(self, request: ModelRequest) -> ModelResponse: ...
+
+
+class ModelError(Exception):
+    """The model call failed; the step is tried again within its attempts."""
+
+
+ScriptFn = Callable[[ModelRequest], ModelResponse | Awaitable[ModelResponse]]
+
+
+class ScriptedModel:
+    """A deterministic model from a plain function: for demos and tests, no network."""
+
+    def __init__(self, script: ScriptFn) -> None:
+        self.script = script
+
+    async def complete(self, request: ModelRequest) -> ModelResponse:
+        out = self.script(request)
+        if isinstance(out, ModelResponse):
+            return out
+        return await out

@@ -1,0 +1,34 @@
+"""From a delivered message to the handler of its kind."""
+
+from __future__ import annotations
+
+from consumers.call_tool import on_call_tool
+from consumers.errors import DeadLetter
+from consumers.join import on_join
+from consumers.run_model import on_run_model
+from consumers.runtime import Delivery
+from consumers.session import on_turn_done, on_turn_request
+from schemas import StepKind, StepMessage, decode
+
+
+async def route_turn(d: Delivery) -> None:
+    await on_turn_request(d)
+
+
+async def route_step(d: Delivery) -> None:
+    step = decode(StepMessage, d.msg.data)
+    expected = d.msg.subject.split(".")
+    if len(expected) != 5 or expected[3] != step.kind.value or expected[4] != step.session_id:
+        raise DeadLetter(
+            f"step subject {d.msg.subject!r} does not match its body "
+            f"({step.kind.value} of session {step.session_id})"
+        )
+    match step.kind:
+        case StepKind.RUN_MODEL:
+            await on_run_model(d, step)
+        case StepKind.CALL_TOOL:
+            await on_call_tool(d, step)
+        case StepKind.JOIN:
+            await on_join(d, step)
+        case StepKind.TURN_DONE:
+            await on_turn_done(d, step)

@@ -1,0 +1,196 @@
+"""RunModel: ask the model for the next step of a turn, and commit its answer ahead of work.
+
+Rules kept: state first (a step already answered is never asked again, only re-emitted);
+claim then work then commit with CAS (a lost CAS is a takeover: nothing more is written,
+published or acked); write ahead (the answer and every call it plans are committed before
+any call is made); commit, publish, ack.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+
+from agents import Agent, Message, ModelRequest, ModelResponse, ToolSpec
+from consumers.errors import DeadLetter, RetryLater
+from consumers.followers import answer, finished
+from consumers.runtime import Delivery, Runtime
+from schemas import (
+    Event,
+    EventType,
+    HistoryEntry,
+    PlannedCall,
+    StepMessage,
+    TurnPhase,
+    TurnRecord,
+    TurnStatus,
+    idempotency_key,
+)
+from streams.bus import event_out
+from streams.state import turn_key
+
+log = structlog.get_logger("jetloop.run_model")
+
+
+async def on_run_model(d: Delivery, step: StepMessage) -> None:
+    rt = d.rt
+    sid, tid, n = step.session_id, step.turn_id, step.model_step
+    cur = await rt.state.turn(sid, tid)
+    if cur is None:
+        raise DeadLetter(f"run_model for turn {tid} of session {sid}, which has no record")
+    turn = cur.value
+    if turn.status in (TurnStatus.COMPLETED, TurnStatus.FAILED):
+        await finished(turn).publish(rt.bus)
+        return
+    if turn.model_step > n:
+        return
+    if turn.model_step == n and turn.phase == TurnPhase.CALLS:
+        await answer(turn).publish(rt.bus)
+        return
+    if turn.model_step < n:
+        raise DeadLetter(f"run_model for step {n} but turn {tid} is at step {turn.model_step}")
+
+    agent = rt.app.agent(turn.agent)
+    if agent is None:
+        raise RetryLater(5.0, f"agent {turn.agent!r} is not served by this worker")
+
+    now = time.time()
+    limits = agent.limits
+    exhausted = turn.attempts >= limits.model_attempts or (
+        turn.first_attempt_at is not None
+        and now - turn.first_attempt_at > limits.model_attempt_window_seconds
+    )
+    if exhausted or n >= limits.max_model_steps:
+        reason = (
+            f"model step {n} failed after {turn.attempts} attempts"
+            if exhausted
+            else f"the turn reached its limit of {limits.max_model_steps} model steps"
+        )
+        failed = turn.model_copy(
+            update={"status": TurnStatus.FAILED, "error": reason, "attempt": None}
+        )
+        await d.claim(turn_key(sid, tid), failed, cur.revision)
+        await finished(failed).publish(rt.bus)
+        return
+
+    resumed = turn.attempt
+    attempt = rt.new_attempt(turn.attempts + 1)
+    claimed = turn.model_copy(
+        update={
+            "status": TurnStatus.RUNNING,
+            "attempt": attempt,
+            "attempts": attempt.no,
+            "first_attempt_at": turn.first_attempt_at or now,
+        }
+    )
+    await d.claim(turn_key(sid, tid), claimed, cur.revision)
+    structlog.contextvars.bind_contextvars(attempt=attempt.no)
+    if resumed is not None:
+        await rt.bus.publish(
+            [
+                event_out(
+                    Event(
+                        key=f"{step.step_key()}.resumed.{attempt.no}",
+                        type=EventType.CRASH_RESUMED,
+                        session_id=sid,
+                        turn_id=tid,
+                        data={
+                            "step": step.step_key(),
+                            "lost_attempt": resumed.no,
+                            "lost_worker": resumed.worker,
+                        },
+                    )
+                )
+            ]
+        )
+
+    history = await rt.history.read(sid)
+    request = ModelRequest(
+        agent=agent.name,
+        instructions=agent.instructions,
+        messages=[await _message(rt, e) for e in history],
+        tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in agent.tools],
+        attempt=attempt.no,
+    )
+    await rt.faults.point("run_model.in_call")
+    try:
+        response = await agent.model.complete(request)
+    except Exception as exc:
+        log.warning("model.call_failed", error=str(exc))
+        # The attempt ended (it was not lost): record that, so the next one is no resume.
+        await d.commit(
+            claimed.model_copy(update={"attempt": None, "error": f"attempt {attempt.no}: {exc}"})
+        )
+        raise RetryLater(min(30.0, 0.5 * 2 ** (attempt.no - 1)), f"model call failed: {exc}") from exc
+
+    committed = await _plan(rt, agent, claimed, response)
+    await rt.faults.point("run_model.before_commit")
+    await d.commit(committed)
+    log.info("model.answered", calls=len(committed.calls), status=committed.status.value)
+    await rt.faults.point("run_model.after_commit")
+    if committed.status == TurnStatus.COMPLETED:
+        await finished(committed).publish(rt.bus)
+    else:
+        await answer(committed).publish(rt.bus)
+
+
+async def _message(rt: Runtime, e: HistoryEntry) -> Message:
+    text = e.text
+    if e.text_ref is not None:
+        text = (await rt.blobs.get(e.text_ref)).decode()
+    result: Any = e.result
+    if e.result_ref is not None:
+        result = json.loads(await rt.blobs.get(e.result_ref))
+    return Message.from_entry(e, text, result)
+
+
+async def _plan(rt: Runtime, agent: Agent, turn: TurnRecord, resp: ModelResponse) -> TurnRecord:
+    """The write-ahead checkpoint: the answer and every call it asks for, not yet made."""
+    sid, tid, n = turn.session_id, turn.turn_id, turn.model_step
+    assert turn.attempt is not None
+    text: str | None = resp.text
+    text_ref = None
+    raw = (resp.text or "").encode()
+    if rt.blobs.too_big(raw):
+        text_ref = await rt.blobs.put(f"{sid}.{tid}.m{n}.a{turn.attempt.no}.text", raw)
+        text = None
+    calls = []
+    for i, c in enumerate(resp.tool_calls):
+        t = agent.tool(c.name)
+        invalid = None
+        if t is None:
+            invalid = f"unknown tool {c.name!r}"
+            effect = "read"
+        else:
+            effect = t.effect.value
+            try:
+                t.args_model.model_validate(c.arguments)
+            except ValidationError as exc:
+                invalid = f"invalid arguments for {c.name}: {exc.errors()[0]['msg']}"
+        calls.append(
+            PlannedCall(
+                index=i,
+                call_id=f"{tid}-{n}-{i}",
+                provider_id=c.provider_id,
+                tool=c.name,
+                args=c.arguments,
+                effect=effect,
+                idempotency_key=idempotency_key(sid, tid, n, i),
+                invalid=invalid,
+            )
+        )
+    update: dict[str, Any] = {
+        "answer_text": text,
+        "answer_ref": text_ref,
+        "attempt": None,
+        "calls": calls,
+    }
+    if calls:
+        update["phase"] = TurnPhase.CALLS
+    else:
+        update["status"] = TurnStatus.COMPLETED
+    return turn.model_copy(update=update)

@@ -1,0 +1,143 @@
+"""The session: accepts turn requests in order, runs one turn at a time, queues the rest.
+
+Turn requests come from ``JL_TURNS`` (a work queue, so the first stored message of a
+session is the next one to accept: FIFO even with many workers). The same request id names
+the same turn (``turn_id_for``), and the turn record is created only if absent, so a
+duplicate request is dropped however late it comes. ``turn_done`` moves the session on.
+"""
+
+from __future__ import annotations
+
+import structlog
+from nats.js.errors import NotFoundError
+
+from consumers.errors import DeadLetter, RetryLater
+from consumers.followers import Followers, turn_start
+from consumers.runtime import Delivery
+from schemas import (
+    Event,
+    EventType,
+    SessionRecord,
+    StepMessage,
+    TurnRecord,
+    TurnRequest,
+    TurnStatus,
+    decode,
+    turn_id_for,
+    validate_name,
+)
+from streams.bus import event_out
+from streams.state import Conflict, session_key, turn_key
+from streams.topology import TURNS_STREAM, session_turns_filter
+
+log = structlog.get_logger("jetloop.session")
+
+TERMINAL = (TurnStatus.COMPLETED, TurnStatus.FAILED)
+
+
+def _parse_subject(subject: str) -> tuple[str, str]:
+    parts = subject.split(".")
+    if len(parts) != 4:
+        raise DeadLetter(f"turn subject {subject!r} is not jl.turn.<agent>.<session>")
+    try:
+        return validate_name("agent", parts[2]), validate_name("session id", parts[3])
+    except ValueError as exc:
+        raise DeadLetter(str(exc)) from None
+
+
+async def on_turn_request(d: Delivery) -> None:
+    rt = d.rt
+    agent_name, sid = _parse_subject(d.msg.subject)
+    request_id = (d.msg.headers or {}).get("Nats-Msg-Id")
+    if not request_id:
+        raise DeadLetter("turn request has no Nats-Msg-Id (the request id)")
+    req = decode(TurnRequest, d.msg.data)
+    if rt.app.agent(agent_name) is None:
+        raise DeadLetter(f"unknown agent {agent_name!r}")
+    structlog.contextvars.bind_contextvars(session=sid)
+
+    # FIFO: accept only the first stored request of this session.
+    seq = d.msg.metadata.sequence.stream
+    try:
+        first = await rt.js.get_msg(TURNS_STREAM, seq=1, subject=session_turns_filter(sid), next=True)
+        if first.seq is not None and first.seq < seq:
+            raise RetryLater(0.1, f"an earlier request of session {sid} is not accepted yet")
+    except NotFoundError:
+        pass
+
+    tid = turn_id_for(sid, request_id)
+    structlog.contextvars.bind_contextvars(turn=tid)
+    cur = await rt.state.session(sid)
+    if cur is not None and cur.value.agent != agent_name:
+        raise DeadLetter(f"session {sid} belongs to agent {cur.value.agent!r}, not {agent_name!r}")
+
+    turn = await rt.state.turn(sid, tid)
+    if turn is None:
+        record = TurnRecord(
+            session_id=sid, turn_id=tid, agent=agent_name, request_id=request_id, text=req.text
+        )
+        try:
+            await rt.state.write(turn_key(sid, tid), record, None)
+        except Conflict:
+            raise RetryLater(0.05, "turn created concurrently") from None
+        turn_rec = record
+    else:
+        turn_rec = turn.value
+        if turn_rec.status in TERMINAL:
+            log.info("turn.duplicate_request", request_id=request_id)
+            return
+
+    try:
+        if cur is None:
+            session = SessionRecord(session_id=sid, agent=agent_name, active=tid)
+            await rt.state.write(session_key(sid), session, None)
+        else:
+            session = cur.value
+            if session.active != tid and tid not in session.queue:
+                if session.active is None:
+                    session = session.model_copy(update={"active": tid})
+                else:
+                    session = session.model_copy(update={"queue": [*session.queue, tid]})
+                await rt.state.write(session_key(sid), session, cur.revision)
+    except Conflict:
+        raise RetryLater(0.05, "session changed concurrently") from None
+
+    accepted = Event(
+        key=f"{sid}.{tid}.accepted",
+        type=EventType.TURN_ACCEPTED,
+        session_id=sid,
+        turn_id=tid,
+        data={"request_id": request_id, "queued": session.active != tid},
+    )
+    out = Followers([event_out(accepted)])
+    if session.active == tid and turn_rec.status == TurnStatus.QUEUED:
+        out = out + turn_start(turn_rec)
+    await out.publish(rt.bus)
+
+
+async def on_turn_done(d: Delivery, step: StepMessage) -> None:
+    """The active turn ended: make the next queued turn active and start it."""
+    rt = d.rt
+    sid = step.session_id
+    cur = await rt.state.session(sid)
+    if cur is None:
+        raise DeadLetter(f"turn_done for session {sid}, which has no record")
+    session = cur.value
+    if session.active == step.turn_id:
+        nxt = session.queue[0] if session.queue else None
+        session = session.model_copy(
+            update={
+                "active": nxt,
+                "queue": session.queue[1:],
+                "turns_done": session.turns_done + 1,
+            }
+        )
+        try:
+            await rt.state.write(session_key(sid), session, cur.revision)
+        except Conflict:
+            raise RetryLater(0.05, "session changed concurrently") from None
+    if session.active is None:
+        return
+    nxt_turn = await rt.state.turn(sid, session.active)
+    if nxt_turn is not None and nxt_turn.value.status == TurnStatus.QUEUED:
+        await turn_start(nxt_turn.value).publish(rt.bus)

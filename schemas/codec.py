@@ -1,0 +1,37 @@
+"""msgpack encoding of the pydantic models, and the one error a bad body raises."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgpack
+from pydantic import BaseModel, ValidationError
+
+SCHEMA_VERSION = 1
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class DecodeError(ValueError):
+    """A body that is not msgpack, or does not validate against its model."""
+
+
+def encode(model: BaseModel) -> bytes:
+    data = model.model_dump(mode="json", exclude_none=True)
+    packed: bytes = msgpack.packb(data, use_bin_type=True)
+    return packed
+
+
+def decode(model: type[M], data: bytes) -> M:
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise DecodeError(f"body is not msgpack: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise DecodeError(f"body is not a map but {type(raw).__name__}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise DecodeError(f"{model.__name__} invalid at {where}: {first['msg']}") from exc

@@ -1,0 +1,38 @@
+"""Entries of a session's conversation, appended to ``JL_EVENTS`` (never rewritten)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from schemas.codec import SCHEMA_VERSION
+from schemas.records import BlobRef, PlannedCall
+
+
+class HistoryRole(StrEnum):
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+class ToolStatus(StrEnum):
+    OK = "ok"
+    ERROR = "error"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+
+
+class HistoryEntry(BaseModel):
+    v: int = SCHEMA_VERSION
+    key: str  # the event key; a reader keeps the first entry of each key
+    role: HistoryRole
+    turn_id: str
+    text: str | None = None
+    text_ref: BlobRef | None = None
+    calls: list[PlannedCall] = Field(default_factory=list)
+    call_id: str | None = None
+    tool: str | None = None
+    status: ToolStatus | None = None
+    result: Any = None
+    result_ref: BlobRef | None = None

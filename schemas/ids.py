@@ -1,0 +1,43 @@
+"""Identity: every key is derived from what identifies a thing, never from a clock.
+
+ARCHITECTURE.md rule 5. A session id and an agent name become subject tokens and KV key
+parts, so they are restricted to characters valid in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def validate_name(kind: str, value: str) -> str:
+    if not NAME_RE.match(value):
+        raise ValueError(
+            f"{kind} {value!r} is not valid: use 1-64 characters from A-Z a-z 0-9 _ -"
+        )
+    return value
+
+
+def _digest(*parts: str, size: int = 10) -> str:
+    h = hashlib.blake2b(digest_size=size)
+    for p in parts:
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def turn_id_for(session_id: str, request_id: str) -> str:
+    """The turn a request starts: the same request id always names the same turn."""
+    return "t" + _digest(session_id, request_id)
+
+
+def call_key(session_id: str, turn_id: str, model_step: int, index: int) -> str:
+    """The KV key part and step key of one call: session, turn, model step, position."""
+    return f"{session_id}.{turn_id}.{model_step}.{index}"
+
+
+def idempotency_key(session_id: str, turn_id: str, model_step: int, index: int) -> str:
+    """The key handed to a tool: identical on every attempt of the checkpointed call."""
+    return "jl-" + _digest(call_key(session_id, turn_id, model_step, index), size=16)

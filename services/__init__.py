@@ -1,0 +1,1 @@
+"""The runnable processes: worker, embedded server launcher, client, CLI."""

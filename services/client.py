@@ -1,0 +1,177 @@
+"""Driving sessions from Python: send a message, wait for its turn, follow the log.
+
+    async with await Client.connect("nats://127.0.0.1:4222") as jl:
+        turn = await jl.send("demo", "s1", "look up T-1")
+        result = await jl.wait(turn)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from nats.aio.client import Client as Nats
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+from schemas import (
+    Event,
+    EventType,
+    TurnRecord,
+    TurnRequest,
+    TurnStatus,
+    decode,
+    encode,
+    turn_id_for,
+    validate_name,
+)
+from streams import topology
+from streams.blobs import BlobStore
+from streams.connection import connect
+from streams.state import StateStore
+
+
+class TurnFailed(Exception):
+    def __init__(self, turn: TurnRecord) -> None:
+        super().__init__(f"turn {turn.turn_id} failed: {turn.error}")
+        self.turn = turn
+
+
+@dataclass(frozen=True)
+class TurnHandle:
+    agent: str
+    session_id: str
+    request_id: str
+    turn_id: str
+    duplicate: bool
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    turn_id: str
+    status: TurnStatus
+    text: str | None
+    error: str | None
+
+
+class Client:
+    def __init__(self, nc: Nats, own: bool = False) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self._own = own
+
+    @classmethod
+    async def connect(cls, urls: str | Sequence[str]) -> Client:
+        if isinstance(urls, str):
+            urls = [u.strip() for u in urls.split(",") if u.strip()]
+        return cls(await connect(urls, name="jetloop-client"), own=True)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own and not self.nc.is_closed:
+            await self.nc.close()
+
+    async def _state(self) -> StateStore:
+        return StateStore(await self.js.key_value(topology.STATE_BUCKET))
+
+    async def send(
+        self, agent: str, session_id: str, text: str, request_id: str | None = None
+    ) -> TurnHandle:
+        """Publish a user message; the request id (``Nats-Msg-Id``) makes a resend harmless."""
+        validate_name("agent", agent)
+        validate_name("session id", session_id)
+        rid = request_id or uuid.uuid4().hex
+        ack = await self.js.publish(
+            topology.turn_subject(agent, session_id),
+            encode(TurnRequest(text=text)),
+            headers={"Nats-Msg-Id": rid, "Jl-Kind": "turn.request", "Jl-Session": session_id},
+        )
+        return TurnHandle(agent, session_id, rid, turn_id_for(session_id, rid), bool(ack.duplicate))
+
+    async def turn(self, session_id: str, turn_id: str) -> TurnRecord | None:
+        v = await (await self._state()).turn(session_id, turn_id)
+        return v.value if v else None
+
+    async def answer_text(self, turn: TurnRecord) -> str | None:
+        if turn.answer_ref is not None:
+            blobs = BlobStore(await self.js.object_store(topology.BLOB_BUCKET), 0)
+            return (await blobs.get(turn.answer_ref)).decode()
+        return turn.answer_text
+
+    async def wait(self, handle: TurnHandle, timeout: float = 60.0) -> TurnResult:
+        """Wait until the turn ends; raise ``TurnFailed`` if it failed."""
+
+        async def ended() -> TurnRecord:
+            async for ev in self.events(handle.session_id, types=("turn.>",)):
+                if ev.turn_id == handle.turn_id and ev.type in (
+                    EventType.TURN_COMPLETED,
+                    EventType.TURN_FAILED,
+                ):
+                    break
+            t = await self.turn(handle.session_id, handle.turn_id)
+            assert t is not None
+            return t
+
+        turn = await asyncio.wait_for(ended(), timeout)
+        if turn.status == TurnStatus.FAILED:
+            raise TurnFailed(turn)
+        return TurnResult(turn.turn_id, turn.status, await self.answer_text(turn), turn.error)
+
+    async def events(
+        self,
+        session_id: str,
+        types: Sequence[str] = (">",),
+        from_start: bool = True,
+    ) -> AsyncIterator[Event]:
+        """Follow a session's log (history entries excluded unless asked for)."""
+        subjects = [topology.event_subject(session_id, t) for t in types]
+        cfg = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.ALL if from_start else api.DeliverPolicy.NEW,
+            ack_policy=api.AckPolicy.NONE,
+            inactive_threshold=30.0,
+            mem_storage=True,
+            num_replicas=1,
+            filter_subjects=subjects if len(subjects) > 1 else None,
+            filter_subject=subjects[0] if len(subjects) == 1 else None,
+        )
+        sub = await self.js.pull_subscribe(
+            subjects[0], stream=topology.EVENTS_STREAM, config=cfg
+        )
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(64, timeout=1.0)
+                except TimeoutError:
+                    continue
+                for m in msgs:
+                    if ".history." in m.subject:
+                        continue
+                    yield decode(Event, m.data)
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the consumer ages out by itself
+                pass
+
+    async def dead_letters(self, limit: int = 100) -> list[tuple[str, str, bytes]]:
+        """(subject, reason, body) of stored dead letters, oldest first."""
+        out: list[tuple[str, str, bytes]] = []
+        seq = 1
+        while len(out) < limit:
+            try:
+                m = await self.js.get_msg(topology.DEAD_STREAM, seq=seq, subject="jl.dead.>",
+                                          next=True)
+            except NotFoundError:
+                break
+            hdrs = m.headers or {}
+            out.append((hdrs.get("Jl-Dead-Subject", m.subject or ""),
+                        hdrs.get("Jl-Dead-Reason", ""), m.data or b""))
+            seq = (m.seq or seq) + 1
+        return out

@@ -1,0 +1,74 @@
+"""Settings from the environment (``JETLOOP_*``) and an optional ``jetloop.env`` file.
+
+A wrong setting fails at start with its name (``SettingsError``), never later.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from streams.topology import TopologyConfig
+
+
+class SettingsError(ValueError):
+    """A setting has a wrong value; the message names it."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="JETLOOP_", env_file="jetloop.env", extra="ignore", frozen=True
+    )
+
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated"
+    )
+    store_dir: Path = Field(Path(".jetloop"), description="store directory of `jetloop up`")
+    embedded_port: int = Field(4222, ge=0, le=65535, description="client port of `jetloop up`")
+    app: str = Field("demo.agent:app", description="the agents a worker serves (module:attr)")
+    lease_seconds: float = Field(
+        5.0, gt=0.5, le=300, description="ack-wait of step messages: the lease of an attempt"
+    )
+    replicas: int = Field(1, ge=1, le=5, description="replicas of streams and buckets (3 for R3)")
+    blob_threshold: int = Field(
+        64 * 1024, ge=1024, le=900 * 1024, description="payloads above this go to jl_blobs"
+    )
+    model_concurrency: int = Field(8, ge=1, description="model steps one worker runs at once")
+    tool_concurrency: int = Field(16, ge=1, description="tool steps one worker runs at once")
+    session_concurrency: int = Field(32, ge=1, description="session steps run at once")
+    drain_seconds: float = Field(10.0, ge=0, description="graceful stop: time to finish steps")
+    worker_id: str | None = Field(None, description="name of this worker in claims and logs")
+    log_format: Literal["json", "console"] = Field("json", description="log lines format")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info")
+    vendor_db: Path = Field(
+        Path(".jetloop/vendor.sqlite"), description="the demo ticketing vendor's database"
+    )
+
+    @field_validator("nats_url")
+    @classmethod
+    def _urls(cls, v: str) -> str:
+        for u in v.split(","):
+            if not u.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ValueError(f"{u.strip()!r} is not a nats:// URL")
+        return v
+
+    @property
+    def nats_urls(self) -> list[str]:
+        return [u.strip() for u in self.nats_url.split(",") if u.strip()]
+
+    def topology(self) -> TopologyConfig:
+        return TopologyConfig(replicas=self.replicas, lease_seconds=self.lease_seconds)
+
+
+def load_settings(**overrides: object) -> Settings:
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            name = "JETLOOP_" + "_".join(str(p) for p in err["loc"]).upper()
+            lines.append(f"setting {name}: {err['msg']} (got {err.get('input')!r})")
+        raise SettingsError("; ".join(lines)) from None

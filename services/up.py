@@ -1,0 +1,54 @@
+"""``jetloop up``: the embedded default in one process tree.
+
+Starts nats-server from the wheel on the store directory (unless ``--nats`` names servers),
+applies the topology, and runs a worker for every pool with the given app. Ctrl-C stops
+the worker (drain) and then the server. Running it again resumes what was in flight: the
+state and the queues are in the store directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import structlog
+
+from agents import load_app
+from services.embedded import EmbeddedServer
+from services.settings import Settings
+from services.worker import Worker
+
+log = structlog.get_logger("jetloop.up")
+
+
+async def run_up(settings: Settings, external: bool) -> None:
+    server: EmbeddedServer | None = None
+    if not external:
+        server = EmbeddedServer(
+            settings.store_dir,
+            port=settings.embedded_port,
+            log_file=settings.store_dir / "nats-server.log",
+        )
+        server.start()
+        await server.wait_jetstream()
+        settings = settings.model_copy(update={"nats_url": server.url})
+        log.info("nats.started", url=server.url, store=str(settings.store_dir))
+    os.environ.setdefault("JETLOOP_VENDOR_DB", str(settings.store_dir / "vendor.sqlite"))
+    try:
+        worker = Worker(settings, load_app(settings.app))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, worker.stop_soon)
+        task = asyncio.create_task(worker.run())
+        await worker.wait_started()
+        log.info(
+            "jetloop.up",
+            nats=settings.nats_url,
+            hint="try: jetloop send --agent demo --session s1 'create ticket printer on fire'",
+        )
+        await task
+    finally:
+        if server is not None:
+            server.stop()
+            log.info("nats.stopped")

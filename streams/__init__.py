@@ -1,0 +1,1 @@
+"""Everything that talks to NATS: topology, state bucket, blobs, history, publishing."""

@@ -1,0 +1,38 @@
+"""Connecting to NATS the way NATS-NOTES says a durable worker must."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import nats
+import structlog
+from nats.aio.client import Client
+
+log = structlog.get_logger("jetloop.nats")
+
+
+async def connect(urls: Sequence[str], name: str) -> Client:
+    """Every server URL, unlimited reconnects, short waits, pings well under 120 s."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats.error", error=str(exc))
+
+    async def on_disconnect() -> None:
+        log.warning("nats.disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats.reconnected")
+
+    return await nats.connect(
+        servers=list(urls),
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        ping_interval=5,
+        max_outstanding_pings=3,
+        connect_timeout=5,
+        allow_reconnect=True,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+    )

@@ -1,0 +1,116 @@
+"""Typed access to the ``jl_state`` bucket: every write is a CAS on a revision (rule 2, 9).
+
+``create`` fails when the key exists, ``update`` when the revision moved on. Both raise
+``Conflict`` so callers decide in one place whether that is a takeover or a race to retry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from nats.errors import ConnectionClosedError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+from pydantic import BaseModel
+
+from schemas import CallRecord, SessionRecord, TurnRecord, decode, encode
+
+R = TypeVar("R", bound=BaseModel)
+
+
+class Conflict(Exception):
+    """A CAS lost: the key exists (create) or its revision moved on (update)."""
+
+    def __init__(self, key: str, expected: int | None) -> None:
+        super().__init__(f"state key {key} changed (expected revision {expected})")
+        self.key = key
+        self.expected = expected
+
+
+@dataclass(frozen=True)
+class Versioned(Generic[R]):
+    value: R
+    revision: int
+
+
+def session_key(session_id: str) -> str:
+    return f"session.{session_id}"
+
+
+def turn_key(session_id: str, turn_id: str) -> str:
+    return f"turn.{session_id}.{turn_id}"
+
+
+def call_state_key(call_key: str) -> str:
+    return f"call.{call_key}"
+
+
+class StateStore:
+    """The state bucket, with one typed accessor per record kind."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    async def _get(self, model: type[R], key: str) -> Versioned[R] | None:
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        return Versioned(decode(model, entry.value), entry.revision)
+
+    async def _create_raw(self, key: str, data: bytes) -> int:
+        try:
+            rev: int = await self.kv.create(key, data)
+        except KeyWrongLastSequenceError as exc:
+            raise Conflict(key, None) from exc
+        return rev
+
+    async def _update_raw(self, key: str, data: bytes, revision: int) -> int:
+        try:
+            rev: int = await self.kv.update(key, data, last=revision)
+        except KeyWrongLastSequenceError as exc:
+            raise Conflict(key, revision) from exc
+        return rev
+
+    async def write(self, key: str, value: BaseModel, revision: int | None) -> int:
+        """Create when ``revision`` is None, else CAS-update from ``revision``.
+
+        A write whose PubAck was lost (timeout, reconnect) is read back: if the key holds
+        exactly what we wrote, it landed. A retry of the CAS itself would answer "wrong last
+        sequence" and look like a takeover (NATS-NOTES).
+        """
+        data = encode(value)
+        try:
+            if revision is None:
+                return await self._create_raw(key, data)
+            return await self._update_raw(key, data, revision)
+        except (TimeoutError, NatsTimeoutError, ConnectionClosedError):
+            try:
+                entry = await self.kv.get(key)
+            except KeyNotFoundError:
+                raise
+            if entry.value == data:
+                rev: int = entry.revision
+                return rev
+            raise
+
+    async def revision(self, key: str) -> int | None:
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None
+        rev: int = entry.revision
+        return rev
+
+    async def session(self, session_id: str) -> Versioned[SessionRecord] | None:
+        return await self._get(SessionRecord, session_key(session_id))
+
+    async def turn(self, session_id: str, turn_id: str) -> Versioned[TurnRecord] | None:
+        return await self._get(TurnRecord, turn_key(session_id, turn_id))
+
+    async def call(self, call_key: str) -> Versioned[CallRecord] | None:
+        return await self._get(CallRecord, call_state_key(call_key))

@@ -1,0 +1,209 @@
+"""The JetStream topology, declared once and applied idempotently at start-up.
+
+Every stream, consumer and bucket jetloop uses is named here; nothing else in the code
+spells a subject by hand. ``apply`` creates what is missing and updates what exists with a
+whole config (NATS-NOTES: a read-modify-write update can drop fields nats-py does not know).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext, api
+from nats.js.errors import BadRequestError, NotFoundError
+
+TURNS_STREAM = "JL_TURNS"
+STEPS_STREAM = "JL_STEPS"
+EVENTS_STREAM = "JL_EVENTS"
+DEAD_STREAM = "JL_DEAD"
+STATE_BUCKET = "jl_state"
+BLOB_BUCKET = "jl_blobs"
+
+SESSION_POOL = "session"
+MODEL_POOL = "model"
+TOOL_POOL = "tool"
+POOLS = (SESSION_POOL, MODEL_POOL, TOOL_POOL)
+
+TURNS_CONSUMER = "jl_turns"
+
+
+def turn_subject(agent: str, session_id: str) -> str:
+    return f"jl.turn.{agent}.{session_id}"
+
+
+def session_turns_filter(session_id: str) -> str:
+    return f"jl.turn.*.{session_id}"
+
+
+def step_subject(pool: str, kind: str, session_id: str) -> str:
+    return f"jl.step.{pool}.{kind}.{session_id}"
+
+
+def step_consumer(pool: str) -> str:
+    return f"jl_{pool}"
+
+
+def event_subject(session_id: str, event_type: str) -> str:
+    return f"jl.event.{session_id}.{event_type}"
+
+
+def history_subject(session_id: str, role: str) -> str:
+    return f"jl.event.{session_id}.history.{role}"
+
+
+def history_filter(session_id: str) -> str:
+    return f"jl.event.{session_id}.history.>"
+
+
+def session_events_filter(session_id: str) -> str:
+    return f"jl.event.{session_id}.>"
+
+
+def dead_subject(original_subject: str) -> str:
+    return f"jl.dead.{original_subject}"
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """What an operator may tune; the rest of the topology is fixed by the design."""
+
+    replicas: int = 1
+    lease_seconds: float = 5.0
+    step_dedupe_seconds: float = 3600.0
+    event_dedupe_seconds: float = 3600.0
+    turn_dedupe_seconds: float = 3600.0
+    state_history: int = 8
+    max_ack_pending: int = 1000
+
+
+def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
+    r = cfg.replicas
+    return [
+        api.StreamConfig(
+            name=TURNS_STREAM,
+            description="jetloop turn requests and user messages",
+            subjects=["jl.turn.>"],
+            # A work queue: an accepted request is deleted, so the first stored message of a
+            # session is the next to accept (FIFO); state dedupes what the window forgets.
+            retention=api.RetentionPolicy.WORK_QUEUE,
+            storage=api.StorageType.FILE,
+            num_replicas=r,
+            duplicate_window=cfg.turn_dedupe_seconds,
+            allow_direct=True,
+        ),
+        api.StreamConfig(
+            name=STEPS_STREAM,
+            description="jetloop step work items",
+            subjects=["jl.step.>"],
+            # Limits retention keeps acked steps (and so their dedupe ids) across restarts.
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            num_replicas=r,
+            duplicate_window=cfg.step_dedupe_seconds,
+            max_age=7 * 24 * 3600.0,
+        ),
+        api.StreamConfig(
+            name=EVENTS_STREAM,
+            description="jetloop session logs: history, outcomes, audit",
+            subjects=["jl.event.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            num_replicas=r,
+            duplicate_window=cfg.event_dedupe_seconds,
+            allow_direct=True,
+        ),
+        api.StreamConfig(
+            name=DEAD_STREAM,
+            description="jetloop dead letters: messages that could not be handled, with reason",
+            subjects=["jl.dead.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            num_replicas=r,
+            duplicate_window=cfg.step_dedupe_seconds,
+        ),
+        api.StreamConfig(
+            name=f"KV_{STATE_BUCKET}",
+            description="jetloop state: sessions, turns, calls",
+            subjects=[f"$KV.{STATE_BUCKET}.>"],
+            storage=api.StorageType.FILE,
+            num_replicas=r,
+            allow_direct=True,
+            allow_rollup_hdrs=True,
+            allow_msg_ttl=True,
+            allow_atomic=True,
+            deny_delete=True,
+            discard=api.DiscardPolicy.NEW,
+            max_msgs_per_subject=cfg.state_history,
+            duplicate_window=120.0,
+        ),
+    ]
+
+
+def consumer_configs(cfg: TopologyConfig) -> list[tuple[str, api.ConsumerConfig]]:
+    common = {
+        "ack_policy": api.AckPolicy.EXPLICIT,
+        "ack_wait": cfg.lease_seconds,
+        # Attempts are counted in state (claims), not deliveries: never give up here.
+        "max_deliver": -1,
+        "max_ack_pending": cfg.max_ack_pending,
+        "deliver_policy": api.DeliverPolicy.ALL,
+    }
+    out: list[tuple[str, api.ConsumerConfig]] = [
+        (
+            TURNS_STREAM,
+            api.ConsumerConfig(
+                durable_name=TURNS_CONSUMER,
+                name=TURNS_CONSUMER,
+                filter_subject="jl.turn.>",
+                **common,  # type: ignore[arg-type]
+            ),
+        )
+    ]
+    for pool in POOLS:
+        out.append(
+            (
+                STEPS_STREAM,
+                api.ConsumerConfig(
+                    durable_name=step_consumer(pool),
+                    name=step_consumer(pool),
+                    filter_subject=f"jl.step.{pool}.>",
+                    **common,  # type: ignore[arg-type]
+                ),
+            )
+        )
+    return out
+
+
+async def apply(js: JetStreamContext, cfg: TopologyConfig) -> None:
+    """Create or update every stream, consumer and bucket; safe to run any number of times."""
+    for sc in stream_configs(cfg):
+        try:
+            await js.add_stream(sc)
+        except BadRequestError:
+            await js.update_stream(sc)
+    for stream, cc in consumer_configs(cfg):
+        await js.add_consumer(stream, cc)
+    try:
+        await js.object_store(BLOB_BUCKET)
+    except NotFoundError:
+        await js.create_object_store(
+            BLOB_BUCKET,
+            config=api.ObjectStoreConfig(
+                bucket=BLOB_BUCKET,
+                description="jetloop large payloads",
+                storage=api.StorageType.FILE,
+                replicas=cfg.replicas,
+            ),
+        )
+
+
+async def present(js: JetStreamContext) -> list[str]:
+    """Names of the parts of the topology that are missing (empty when all is there)."""
+    missing: list[str] = []
+    for sc in stream_configs(TopologyConfig()):
+        assert sc.name is not None
+        try:
+            await js.stream_info(sc.name)
+        except NotFoundError:
+            missing.append(sc.name)
+    return missing

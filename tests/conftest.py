@@ -1,0 +1,98 @@
+"""Fixtures: a real nats-server per test (or per module) on a free port with its own store."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from demo.vendor import Vendor
+from services.client import Client
+from services.embedded import EmbeddedServer
+from services.harness import WorkerProcess
+from services.settings import Settings
+from streams import topology
+from streams.connection import connect
+
+LEASE = 2.0
+TEST_ENV = {"JETLOOP_LEASE_SECONDS": str(LEASE), "JETLOOP_DRAIN_SECONDS": "5"}
+
+_ids = itertools.count(1)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EmbeddedServer]:
+    srv = EmbeddedServer(tmp_path / "store", port=0, log_file=tmp_path / "nats.log")
+    srv.start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture
+async def nats_ready(server: EmbeddedServer) -> EmbeddedServer:
+    await server.wait_jetstream()
+    nc = await connect([server.url], "test-topology")
+    try:
+        await topology.apply(nc.jetstream(), Settings(lease_seconds=LEASE).topology())
+    finally:
+        await nc.close()
+    return server
+
+
+@pytest.fixture
+async def client(nats_ready: EmbeddedServer) -> AsyncIterator[Client]:
+    c = await Client.connect(nats_ready.url)
+    yield c
+    await c.close()
+
+
+@pytest.fixture
+def vendor_db(tmp_path: Path) -> Path:
+    return tmp_path / "vendor.sqlite"
+
+
+@pytest.fixture
+def vendor(vendor_db: Path) -> Vendor:
+    return Vendor(vendor_db)
+
+
+@pytest.fixture
+def workers(
+    tmp_path: Path, nats_ready: EmbeddedServer, vendor_db: Path
+) -> Iterator[WorkerFactory]:
+    factory = WorkerFactory(tmp_path, nats_ready.url, vendor_db)
+    yield factory
+    factory.close()
+
+
+class WorkerFactory:
+    def __init__(self, tmp: Path, url: str, vendor_db: Path) -> None:
+        self.tmp = tmp
+        self.url = url
+        self.vendor_db = vendor_db
+        self.procs: list[WorkerProcess] = []
+
+    def start(self, name: str | None = None, **kw: Any) -> WorkerProcess:
+        wid = name or f"w{next(_ids)}"
+        env = {**TEST_ENV, "JETLOOP_VENDOR_DB": str(self.vendor_db), **kw.pop("env", {})}
+        w = WorkerProcess(self.url, "tests.apps:app", self.tmp / f"{wid}.log", worker_id=wid,
+                          env=env, **kw)
+        self.procs.append(w.start())
+        return w
+
+    def close(self) -> None:
+        for w in self.procs:
+            w.kill()
+
+
+def script(*steps: list[dict[str, Any]], answer: str = "done") -> str:
+    """The user text that makes the test model run these steps."""
+    return json.dumps({"steps": list(steps), "answer": answer})
+
+
+def call(tool: str, **args: Any) -> dict[str, Any]:
+    return {"tool": tool, "args": args}

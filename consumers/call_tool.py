@@ -119,8 +119,16 @@ async def on_call_tool(d: Delivery, step: StepMessage) -> None:
     prior = rec.attempts if rec else 0
     first_at = rec.first_attempt_at if rec and rec.first_attempt_at else time.time()
     if prior >= tool.max_attempts or time.time() - first_at > tool.attempt_window_seconds:
-        await _settle(d, turn, n, i, _record(ckey, call, rec), _exhausted(rec, effect), revision,
-                      "attempts_exhausted")
+        await _settle(
+            d,
+            turn,
+            n,
+            i,
+            _record(ckey, call, rec),
+            _exhausted(rec, effect),
+            revision,
+            "attempts_exhausted",
+        )
         return
 
     await rt.faults.point("call_tool.before_mark")
@@ -157,7 +165,9 @@ async def on_call_tool(d: Delivery, step: StepMessage) -> None:
             raise RetryLater(min(30.0, 0.5 * 2 ** (attempt.no - 1)), str(exc)) from exc
         log.warning("tool.failed", error=str(exc), will_retry=False)
         if effect.is_write:
-            outcome = CallOutcome(state=CallState.OUTCOME_UNKNOWN, error=f"{type(exc).__name__}: {exc}")
+            outcome = CallOutcome(
+                state=CallState.OUTCOME_UNKNOWN, error=f"{type(exc).__name__}: {exc}"
+            )
         else:
             outcome = CallOutcome(state=CallState.FAILED, error=f"{type(exc).__name__}: {exc}")
     else:
@@ -204,7 +214,12 @@ async def _settle(
 ) -> None:
     """Record an outcome without making the call (a settlement), fenced like any write."""
     done = rec.model_copy(
-        update={"state": outcome.state, "outcome": outcome, "attempt": None, "settlement": settlement}
+        update={
+            "state": outcome.state,
+            "outcome": outcome,
+            "attempt": None,
+            "settlement": settlement,
+        }
     )
     await d.claim(call_state_key(rec.key), done, revision)
     log.info("call.settled", state=outcome.state.value, settlement=settlement)

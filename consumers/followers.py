@@ -59,9 +59,7 @@ def turn_start(turn: TurnRecord) -> Followers:
     first = StepMessage(
         kind=StepKind.RUN_MODEL, session_id=turn.session_id, turn_id=turn.turn_id, model_step=0
     )
-    return Followers(
-        [history_out(turn.session_id, user), event_out(started)], [step_out(first)]
-    )
+    return Followers([history_out(turn.session_id, user), event_out(started)], [step_out(first)])
 
 
 def _assistant_entry(turn: TurnRecord) -> HistoryEntry:

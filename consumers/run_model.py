@@ -125,7 +125,9 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         await d.commit(
             claimed.model_copy(update={"attempt": None, "error": f"attempt {attempt.no}: {exc}"})
         )
-        raise RetryLater(min(30.0, 0.5 * 2 ** (attempt.no - 1)), f"model call failed: {exc}") from exc
+        raise RetryLater(
+            min(30.0, 0.5 * 2 ** (attempt.no - 1)), f"model call failed: {exc}"
+        ) from exc
 
     committed = await _plan(rt, agent, claimed, response)
     await rt.faults.point("run_model.before_commit")

@@ -59,7 +59,9 @@ async def on_turn_request(d: Delivery) -> None:
     # FIFO: accept only the first stored request of this session.
     seq = d.msg.metadata.sequence.stream
     try:
-        first = await rt.js.get_msg(TURNS_STREAM, seq=1, subject=session_turns_filter(sid), next=True)
+        first = await rt.js.get_msg(
+            TURNS_STREAM, seq=1, subject=session_turns_filter(sid), next=True
+        )
         if first.seq is not None and first.seq < seq:
             raise RetryLater(0.1, f"an earlier request of session {sid} is not accepted yet")
     except NotFoundError:

@@ -44,8 +44,14 @@ class Vendor:
         await db.executescript(SCHEMA)
         return db
 
-    async def _log(self, db: aiosqlite.Connection, op: str, key: str | None,
-                   payload: dict[str, Any], deduped: bool) -> None:
+    async def _log(
+        self,
+        db: aiosqlite.Connection,
+        op: str,
+        key: str | None,
+        payload: dict[str, Any],
+        deduped: bool,
+    ) -> None:
         await db.execute(
             "INSERT INTO requests (op, idem_key, payload, deduped) VALUES (?, ?, ?, ?)",
             (op, key, json.dumps(payload, sort_keys=True), int(deduped)),
@@ -74,8 +80,11 @@ class Vendor:
             await self._log(db, op, key, payload, deduped=False)
             await db.execute(
                 "INSERT INTO effects (idem_key, op, result) VALUES (?, ?, ?)",
-                (key if key is not None and dedupe else f"{key}#{uuid.uuid4().hex}", op,
-                 json.dumps(result)),
+                (
+                    key if key is not None and dedupe else f"{key}#{uuid.uuid4().hex}",
+                    op,
+                    json.dumps(result),
+                ),
             )
             await db.commit()
             return result

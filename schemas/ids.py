@@ -14,9 +14,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 def validate_name(kind: str, value: str) -> str:
     if not NAME_RE.match(value):
-        raise ValueError(
-            f"{kind} {value!r} is not valid: use 1-64 characters from A-Z a-z 0-9 _ -"
-        )
+        raise ValueError(f"{kind} {value!r} is not valid: use 1-64 characters from A-Z a-z 0-9 _ -")
     return value
 
 

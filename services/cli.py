@@ -41,8 +41,9 @@ def main() -> None:
 @click.option("--app", help="agents to serve, module:attr (default: the demo agent)")
 @click.option("--store-dir", type=click.Path(), help="store directory (default .jetloop)")
 @click.option("--port", "embedded_port", type=int, help="port of the embedded server")
-def up(nats_url: str | None, app: str | None, store_dir: str | None,
-       embedded_port: int | None) -> None:
+def up(
+    nats_url: str | None, app: str | None, store_dir: str | None, embedded_port: int | None
+) -> None:
     """Start nats-server (embedded), the topology and a worker with the demo agent."""
     from services.up import run_up
 
@@ -54,8 +55,12 @@ def up(nats_url: str | None, app: str | None, store_dir: str | None,
 @main.command()
 @click.option("--app", help="agents to serve, module:attr")
 @click.option("--nats", "nats_url", help="NATS server URL(s), comma-separated")
-@click.option("--pools", default="session,model,tool", show_default=True,
-              help="which step pools this worker serves")
+@click.option(
+    "--pools",
+    default="session,model,tool",
+    show_default=True,
+    help="which step pools this worker serves",
+)
 @click.option("--id", "worker_id", help="worker name in claims and logs")
 def worker(app: str | None, nats_url: str | None, pools: str, worker_id: str | None) -> None:
     """Run a worker against existing NATS servers."""
@@ -73,8 +78,9 @@ def worker(app: str | None, nats_url: str | None, pools: str, worker_id: str | N
     async def go() -> None:
         import signal
 
-        w = Worker(s, loaded, pools=[p.strip() for p in pools.split(",") if p.strip()],
-                   worker_id=wid)
+        w = Worker(
+            s, loaded, pools=[p.strip() for p in pools.split(",") if p.strip()], worker_id=wid
+        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, w.stop_soon)
@@ -91,8 +97,15 @@ def worker(app: str | None, nats_url: str | None, pools: str, worker_id: str | N
 @click.option("--wait/--no-wait", default=True, show_default=True)
 @click.option("--timeout", default=120.0, show_default=True)
 @click.argument("text")
-def send(agent: str, session_id: str, request_id: str | None, nats_url: str | None,
-         wait: bool, timeout: float, text: str) -> None:
+def send(
+    agent: str,
+    session_id: str,
+    request_id: str | None,
+    nats_url: str | None,
+    wait: bool,
+    timeout: float,
+    text: str,
+) -> None:
     """Send a message to a session, print its events and the answer."""
     from services.client import Client, TurnFailed
 
@@ -104,8 +117,10 @@ def send(agent: str, session_id: str, request_id: str | None, nats_url: str | No
                 h = await jl.send(agent, session_id, text, request_id=request_id)
             except ValueError as exc:
                 raise click.ClickException(str(exc)) from None
-            click.echo(f"turn {h.turn_id} (request {h.request_id})"
-                       + (" — duplicate request, showing the recorded turn" if h.duplicate else ""))
+            click.echo(
+                f"turn {h.turn_id} (request {h.request_id})"
+                + (" — duplicate request, showing the recorded turn" if h.duplicate else "")
+            )
             if not wait:
                 return
 

@@ -1,27 +1,31 @@
 """Driving sessions from Python: send a message, wait for its turn, follow the log.
 
-    async with await Client.connect("nats://127.0.0.1:4222") as jl:
-        turn = await jl.send("demo", "s1", "look up T-1")
-        result = await jl.wait(turn)
+async with await Client.connect("nats://127.0.0.1:4222") as jl:
+    turn = await jl.send("demo", "s1", "look up T-1")
+    result = await jl.wait(turn)
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from nats.aio.client import Client as Nats
 from nats.js import api
 from nats.js.errors import NotFoundError
 
 from schemas import (
+    CallRecord,
     Event,
     EventType,
     TurnRecord,
     TurnRequest,
     TurnStatus,
+    call_key,
     decode,
     encode,
     turn_id_for,
@@ -105,6 +109,21 @@ class Client:
             return (await blobs.get(turn.answer_ref)).decode()
         return turn.answer_text
 
+    async def call(
+        self, session_id: str, turn_id: str, model_step: int, index: int
+    ) -> CallRecord | None:
+        v = await (await self._state()).call(call_key(session_id, turn_id, model_step, index))
+        return v.value if v else None
+
+    async def call_result(self, rec: CallRecord) -> Any:
+        """A call's recorded result, read from the blob store when it was large."""
+        if rec.outcome is None:
+            return None
+        if rec.outcome.result_ref is not None:
+            blobs = BlobStore(await self.js.object_store(topology.BLOB_BUCKET), 0)
+            return json.loads(await blobs.get(rec.outcome.result_ref))
+        return rec.outcome.result
+
     async def wait(self, handle: TurnHandle, timeout: float = 60.0) -> TurnResult:
         """Wait until the turn ends; raise ``TurnFailed`` if it failed."""
 
@@ -141,9 +160,7 @@ class Client:
             filter_subjects=subjects if len(subjects) > 1 else None,
             filter_subject=subjects[0] if len(subjects) == 1 else None,
         )
-        sub = await self.js.pull_subscribe(
-            subjects[0], stream=topology.EVENTS_STREAM, config=cfg
-        )
+        sub = await self.js.pull_subscribe(subjects[0], stream=topology.EVENTS_STREAM, config=cfg)
         try:
             while True:
                 try:
@@ -166,12 +183,18 @@ class Client:
         seq = 1
         while len(out) < limit:
             try:
-                m = await self.js.get_msg(topology.DEAD_STREAM, seq=seq, subject="jl.dead.>",
-                                          next=True)
+                m = await self.js.get_msg(
+                    topology.DEAD_STREAM, seq=seq, subject="jl.dead.>", next=True
+                )
             except NotFoundError:
                 break
             hdrs = m.headers or {}
-            out.append((hdrs.get("Jl-Dead-Subject", m.subject or ""),
-                        hdrs.get("Jl-Dead-Reason", ""), m.data or b""))
+            out.append(
+                (
+                    hdrs.get("Jl-Dead-Subject", m.subject or ""),
+                    hdrs.get("Jl-Dead-Reason", ""),
+                    m.data or b"",
+                )
+            )
             seq = (m.seq or seq) + 1
         return out

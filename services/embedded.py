@@ -68,10 +68,14 @@ class EmbeddedServer:
         return [
             server_binary(),
             "--jetstream",
-            "--store_dir", str(self.store_dir / "nats"),
-            "--addr", "127.0.0.1",
-            "--port", str(self.port),
-            "--server_name", self.name,
+            "--store_dir",
+            str(self.store_dir / "nats"),
+            "--addr",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--server_name",
+            self.name,
             *self.extra_args,
         ]
 

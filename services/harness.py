@@ -49,10 +49,22 @@ class WorkerProcess:
 
     def start(self) -> WorkerProcess:
         env = {**os.environ, "JETLOOP_LOG_LEVEL": "debug", **self.env}
-        out = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        out = open(self.log_path, "ab")  # handed to the child
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "worker", "--app", self.app,
-             "--nats", self.nats_url, "--pools", self.pools, "--id", self.worker_id],
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "worker",
+                "--app",
+                self.app,
+                "--nats",
+                self.nats_url,
+                "--pools",
+                self.pools,
+                "--id",
+                self.worker_id,
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -112,7 +124,8 @@ class WorkerProcess:
 
     def find(self, event: str, **match: Any) -> list[LogLine]:
         return [
-            ln for ln in self.lines()
+            ln
+            for ln in self.lines()
             if ln.get("event") == event and all(ln.get(k) == v for k, v in match.items())
         ]
 
@@ -134,8 +147,10 @@ class WorkerProcess:
                     f" before logging {event}; log tail:\n{self.tail()}"
                 )
             await asyncio.sleep(0.05)
-        raise TimeoutError(f"worker {self.worker_id} did not log {event} {match} in {timeout}s;"
-                           f" log tail:\n{self.tail()}")
+        raise TimeoutError(
+            f"worker {self.worker_id} did not log {event} {match} in {timeout}s;"
+            f" log tail:\n{self.tail()}"
+        )
 
     def tail(self, n: int = 30) -> str:
         if not self.log_path.exists():

@@ -106,16 +106,32 @@ class Worker:
             loops = []
             if topology.SESSION_POOL in self.pools:
                 loops.append(
-                    self._pull(rt, js, topology.TURNS_STREAM, topology.TURNS_CONSUMER,
-                               route_turn, s.session_concurrency)
+                    self._pull(
+                        rt,
+                        js,
+                        topology.TURNS_STREAM,
+                        topology.TURNS_CONSUMER,
+                        route_turn,
+                        s.session_concurrency,
+                    )
                 )
             for pool in self.pools:
                 loops.append(
-                    self._pull(rt, js, topology.STEPS_STREAM, topology.step_consumer(pool),
-                               route_step, self._concurrency(pool))
+                    self._pull(
+                        rt,
+                        js,
+                        topology.STEPS_STREAM,
+                        topology.step_consumer(pool),
+                        route_step,
+                        self._concurrency(pool),
+                    )
                 )
-            log.info("worker.started", worker=self.worker_id, pools=list(self.pools),
-                     agents=sorted(self.app.agents))
+            log.info(
+                "worker.started",
+                worker=self.worker_id,
+                pools=list(self.pools),
+                agents=sorted(self.app.agents),
+            )
             self._started.set()
             async with asyncio.TaskGroup() as tg:
                 for loop in loops:

@@ -17,13 +17,17 @@ async def connect(urls: Sequence[str], name: str) -> Client:
     async def on_error(exc: Exception) -> None:
         log.warning("nats.error", error=str(exc))
 
+    closing: list[Client] = []
+
     async def on_disconnect() -> None:
+        if closing and (closing[0].is_closed or closing[0].is_draining):
+            return  # our own close, not an outage
         log.warning("nats.disconnected")
 
     async def on_reconnect() -> None:
         log.info("nats.reconnected")
 
-    return await nats.connect(
+    nc = await nats.connect(
         servers=list(urls),
         name=name,
         max_reconnect_attempts=-1,
@@ -36,3 +40,5 @@ async def connect(urls: Sequence[str], name: str) -> Client:
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
     )
+    closing.append(nc)
+    return nc

@@ -60,7 +60,7 @@ class StateStore:
             return None
         if entry.value is None:
             return None
-        return Versioned(decode(model, entry.value), entry.revision)
+        return Versioned(decode(model, entry.value), entry.revision or 0)
 
     async def _create_raw(self, key: str, data: bytes) -> int:
         try:
@@ -88,14 +88,13 @@ class StateStore:
             if revision is None:
                 return await self._create_raw(key, data)
             return await self._update_raw(key, data, revision)
-        except (TimeoutError, NatsTimeoutError, ConnectionClosedError):
+        except (TimeoutError, NatsTimeoutError, ConnectionClosedError) as exc:
             try:
                 entry = await self.kv.get(key)
-            except KeyNotFoundError:
-                raise
-            if entry.value == data:
-                rev: int = entry.revision
-                return rev
+            except Exception:
+                raise exc from None
+            if entry.value == data and entry.revision:
+                return entry.revision
             raise
 
     async def revision(self, key: str) -> int | None:
@@ -103,8 +102,7 @@ class StateStore:
             entry = await self.kv.get(key)
         except KeyNotFoundError:
             return None
-        rev: int = entry.revision
-        return rev
+        return entry.revision
 
     async def session(self, session_id: str) -> Versioned[SessionRecord] | None:
         return await self._get(SessionRecord, session_key(session_id))

@@ -89,15 +89,17 @@ async def script(req: ModelRequest) -> ModelResponse:
     spec = json.loads(turn[0].text or "{}")
     k = sum(1 for m in turn if m.role == "assistant")
     await vendor().note(
-        "model_call", None, {"turn": hashlib.sha1((turn[0].text or "").encode()).hexdigest()[:12],
-                             "step": k}
+        "model_call",
+        None,
+        {"turn": hashlib.sha1((turn[0].text or "").encode()).hexdigest()[:12], "step": k},
     )
     steps = spec.get("steps", [])
     if k < len(steps):
         return ModelResponse(
             text=f"step {k}",
-            tool_calls=[ToolCallRequest(name=c["tool"], arguments=c.get("args", {}))
-                        for c in steps[k]],
+            tool_calls=[
+                ToolCallRequest(name=c["tool"], arguments=c.get("args", {})) for c in steps[k]
+            ],
         )
     seen = []
     for m in turn:

@@ -61,9 +61,7 @@ def vendor(vendor_db: Path) -> Vendor:
 
 
 @pytest.fixture
-def workers(
-    tmp_path: Path, nats_ready: EmbeddedServer, vendor_db: Path
-) -> Iterator[WorkerFactory]:
+def workers(tmp_path: Path, nats_ready: EmbeddedServer, vendor_db: Path) -> Iterator[WorkerFactory]:
     factory = WorkerFactory(tmp_path, nats_ready.url, vendor_db)
     yield factory
     factory.close()
@@ -79,8 +77,9 @@ class WorkerFactory:
     def start(self, name: str | None = None, **kw: Any) -> WorkerProcess:
         wid = name or f"w{next(_ids)}"
         env = {**TEST_ENV, "JETLOOP_VENDOR_DB": str(self.vendor_db), **kw.pop("env", {})}
-        w = WorkerProcess(self.url, "tests.apps:app", self.tmp / f"{wid}.log", worker_id=wid,
-                          env=env, **kw)
+        w = WorkerProcess(
+            self.url, "tests.apps:app", self.tmp / f"{wid}.log", worker_id=wid, env=env, **kw
+        )
         self.procs.append(w.start())
         return w
 

@@ -10,7 +10,9 @@ from services.client import Client
 from tests.conftest import WorkerFactory, call, script
 
 
-async def collect(client: Client, session: str, until_completed: int) -> list[tuple[str, str | None]]:
+async def collect(
+    client: Client, session: str, until_completed: int
+) -> list[tuple[str, str | None]]:
     out: list[tuple[str, str | None]] = []
     done = 0
     async for ev in client.events(session):
@@ -22,7 +24,9 @@ async def collect(client: Client, session: str, until_completed: int) -> list[tu
     return out
 
 
-async def test_parallel_calls_complete(client: Client, workers: WorkerFactory, vendor: Vendor) -> None:
+async def test_parallel_calls_complete(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
     """A turn whose model asks for three calls at once runs them all and answers once."""
     workers.start()
     text = script([call("write", name="a"), call("write", name="b"), call("read", name="c")])
@@ -36,8 +40,9 @@ async def test_parallel_calls_complete(client: Client, workers: WorkerFactory, v
     assert sorted(counts.values()) == [1, 1]  # step 0 and step 1, each asked once
 
 
-async def test_duplicate_request_is_dropped(client: Client, workers: WorkerFactory,
-                                            vendor: Vendor) -> None:
+async def test_duplicate_request_is_dropped(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
     """The same request id twice starts one turn; the second publish is a duplicate."""
     workers.start()
     text = script([call("write", name="dup")])

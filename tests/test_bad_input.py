@@ -1,0 +1,59 @@
+"""Bad input goes to the dead-letter stream with its reason; the worker keeps running."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+
+from services.client import Client
+from tests.conftest import WorkerFactory, call, script
+
+
+async def test_malformed_messages_are_dead_lettered(client: Client, workers: WorkerFactory) -> None:
+    """Undecodable, invalid and unroutable messages land in JL_DEAD, whole, with a reason."""
+    w = workers.start()
+    js = client.js
+    await js.publish("jl.turn.tester.bad1", b"\xc1 not msgpack", headers={"Nats-Msg-Id": "b1"})
+    await js.publish(
+        "jl.turn.nobody.bad2", msgpack.packb({"text": "hi"}), headers={"Nats-Msg-Id": "b2"}
+    )
+    await js.publish("jl.turn.tester.bad3", msgpack.packb({"text": "no id"}))
+    await js.publish(
+        "jl.step.tool.call_tool.bad4",
+        msgpack.packb({"kind": "call_tool"}),
+        headers={"Nats-Msg-Id": "b4"},
+    )
+
+    h = await client.send("tester", "good", script([call("write", name="after")]))
+    await client.wait(h, timeout=30)
+    assert w.alive()
+
+    dead = {subject: (reason, body) for subject, reason, body in await client.dead_letters()}
+    assert set(dead) == {
+        "jl.turn.tester.bad1",
+        "jl.turn.nobody.bad2",
+        "jl.turn.tester.bad3",
+        "jl.step.tool.call_tool.bad4",
+    }
+    assert "not msgpack" in dead["jl.turn.tester.bad1"][0]
+    assert dead["jl.turn.tester.bad1"][1] == b"\xc1 not msgpack"
+    assert "unknown agent 'nobody'" in dead["jl.turn.nobody.bad2"][0]
+    assert "Nats-Msg-Id" in dead["jl.turn.tester.bad3"][0]
+    assert "StepMessage invalid" in dead["jl.step.tool.call_tool.bad4"][0]
+
+
+async def test_ten_megabyte_tool_result(client: Client, workers: WorkerFactory) -> None:
+    """A 10 MB tool result goes through the blob store to the model and the snapshot intact."""
+    workers.start()
+    size = 10 * 1024 * 1024
+    h = await client.send("tester", "big", script([call("big", size=size)]))
+    res = await client.wait(h, timeout=60)
+    rec = await client.call("big", h.turn_id, 0, 0)
+    assert rec is not None and rec.outcome is not None
+    assert rec.outcome.result_ref is not None and rec.outcome.result is None
+    value = await client.call_result(rec)
+    assert isinstance(value, str) and len(value) == size
+    digest = hashlib.sha256(value.encode()).hexdigest()
+    assert res.text is not None
+    assert f'"len": {size}' in res.text and digest in res.text

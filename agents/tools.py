@@ -81,6 +81,7 @@ def tool(
     description: str | None = None,
     max_attempts: int = 3,
     attempt_window_seconds: float = 1800.0,
+    args_model: type[BaseModel] | None = None,
 ) -> Callable[[ToolFn], Tool]:
     """Declare a tool: ``async def fn(args: ArgsModel, ctx: ToolContext) -> result``.
 
@@ -88,10 +89,18 @@ def tool(
     """
 
     def wrap(fn: ToolFn) -> Tool:
-        params = list(inspect.signature(fn, eval_str=True).parameters.values())
+        params = list(inspect.signature(fn).parameters.values())
         if len(params) != 2:
             raise TypeError(f"tool {fn.__name__}: expected (args, ctx), got {len(params)} params")
-        model = params[0].annotation
+        model = args_model or params[0].annotation
+        if isinstance(model, str):
+            try:
+                model = eval(model, fn.__globals__)  # a postponed annotation, as typing does
+            except NameError:
+                raise TypeError(
+                    f"tool {fn.__name__}: cannot resolve the annotation {model!r}; define the "
+                    "model at module level or pass tool(args_model=...)"
+                ) from None
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             raise TypeError(f"tool {fn.__name__}: first parameter must be a pydantic model")
         return Tool(

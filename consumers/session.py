@@ -132,6 +132,7 @@ async def on_turn_done(d: Delivery, step: StepMessage) -> None:
                 "active": nxt,
                 "queue": session.queue[1:],
                 "turns_done": session.turns_done + 1,
+                "last_turn": step.turn_id,
             }
         )
         try:

@@ -37,6 +37,7 @@ class SessionRecord(BaseModel):
     active: str | None = None
     queue: list[str] = Field(default_factory=list)
     turns_done: int = 0
+    last_turn: str | None = None
 
 
 class TurnStatus(StrEnum):

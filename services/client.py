@@ -22,12 +22,14 @@ from schemas import (
     CallRecord,
     Event,
     EventType,
+    SessionRecord,
     TurnRecord,
     TurnRequest,
     TurnStatus,
     call_key,
     decode,
     encode,
+    idempotency_key,
     turn_id_for,
     validate_name,
 )
@@ -58,6 +60,26 @@ class TurnResult:
     status: TurnStatus
     text: str | None
     error: str | None
+
+
+@dataclass(frozen=True)
+class CallView:
+    call_id: str
+    model_step: int
+    tool: str
+    effect: str
+    idempotency_key: str
+    state: str
+    attempts: int
+    result: Any
+    error: str | None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    session: SessionRecord
+    turn: TurnRecord | None
+    calls: list[CallView]
 
 
 class Client:
@@ -108,6 +130,45 @@ class Client:
             blobs = BlobStore(await self.js.object_store(topology.BLOB_BUCKET), 0)
             return (await blobs.get(turn.answer_ref)).decode()
         return turn.answer_text
+
+    async def snapshot(self, session_id: str) -> Snapshot | None:
+        """The session, its current (or last) turn, and that turn's calls with their results."""
+        state = await self._state()
+        sv = await state.session(session_id)
+        if sv is None:
+            return None
+        session = sv.value
+        tid = session.active or session.last_turn
+        tv = await state.turn(session_id, tid) if tid else None
+        turn = tv.value if tv else None
+        calls: list[CallView] = []
+        if turn is not None:
+            keys = await state.keys(f"call.{session_id}.{turn.turn_id}.>")
+
+            def order(k: str) -> tuple[int, int]:
+                parts = k.split(".")
+                return int(parts[-2]), int(parts[-1])
+
+            for key in sorted(keys, key=order):
+                rv = await state.call(key.removeprefix("call."))
+                if rv is None:
+                    continue
+                rec = rv.value
+                step, index = order(key)
+                calls.append(
+                    CallView(
+                        call_id=f"{turn.turn_id}-{step}-{index}",
+                        model_step=step,
+                        tool=rec.tool,
+                        effect=rec.effect,
+                        idempotency_key=idempotency_key(session_id, turn.turn_id, step, index),
+                        state=rec.state.value,
+                        attempts=rec.attempts,
+                        result=await self.call_result(rec),
+                        error=rec.outcome.error if rec.outcome else None,
+                    )
+                )
+        return Snapshot(session=session, turn=turn, calls=calls)
 
     async def call(
         self, session_id: str, turn_id: str, model_step: int, index: int

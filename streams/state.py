@@ -104,6 +104,19 @@ class StateStore:
             return None
         return entry.revision
 
+    async def keys(self, pattern: str) -> list[str]:
+        """Keys matching a subject-style pattern (``call.s1.t1.>``), read server-side filtered."""
+        watcher = await self.kv.watch(pattern, ignore_deletes=True, meta_only=True)
+        out: list[str] = []
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    break
+                out.append(entry.key)
+        finally:
+            await watcher.stop()  # type: ignore[no-untyped-call]
+        return out
+
     async def session(self, session_id: str) -> Versioned[SessionRecord] | None:
         return await self._get(SessionRecord, session_key(session_id))
 

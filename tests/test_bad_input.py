@@ -52,7 +52,10 @@ async def test_ten_megabyte_tool_result(client: Client, workers: WorkerFactory) 
     rec = await client.call("big", h.turn_id, 0, 0)
     assert rec is not None and rec.outcome is not None
     assert rec.outcome.result_ref is not None and rec.outcome.result is None
-    value = await client.call_result(rec)
+    snap = await client.snapshot("big")
+    assert snap is not None and snap.turn is not None and snap.turn.turn_id == h.turn_id
+    [view] = snap.calls
+    value = view.result
     assert isinstance(value, str) and len(value) == size
     digest = hashlib.sha256(value.encode()).hexdigest()
     assert res.text is not None

@@ -1,0 +1,97 @@
+"""The public face and the settings: names users rely on, errors that name the setting."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import jetloop
+from services.settings import SettingsError, load_settings
+
+
+def test_public_names_are_pinned() -> None:
+    """What `import jetloop` offers changes only on purpose."""
+    assert sorted(jetloop.__all__) == sorted(
+        [
+            "TOOL_CALL_NOT_RUN_ERROR_PREFIX",
+            "Agent",
+            "App",
+            "Client",
+            "Effect",
+            "EmbeddedServer",
+            "Limits",
+            "Message",
+            "ModelAdapter",
+            "ModelError",
+            "ModelRequest",
+            "ModelResponse",
+            "RetryableToolError",
+            "ScriptedModel",
+            "Settings",
+            "SettingsError",
+            "Tool",
+            "ToolCallRequest",
+            "ToolContext",
+            "ToolError",
+            "ToolSpec",
+            "TurnFailed",
+            "TurnHandle",
+            "TurnResult",
+            "Worker",
+            "load_app",
+            "load_settings",
+            "tool",
+        ]
+    )
+    for name in jetloop.__all__:
+        assert getattr(jetloop, name) is not None
+    assert jetloop.TOOL_CALL_NOT_RUN_ERROR_PREFIX == (
+        "the tool did not run, so it is safe to call again"
+    )
+
+
+def test_wrong_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong value fails at start, and the error names the environment variable."""
+    monkeypatch.setenv("JETLOOP_LEASE_SECONDS", "soon")
+    with pytest.raises(SettingsError, match="JETLOOP_LEASE_SECONDS"):
+        load_settings()
+    monkeypatch.setenv("JETLOOP_LEASE_SECONDS", "5")
+    monkeypatch.setenv("JETLOOP_NATS_URL", "http://example")
+    with pytest.raises(SettingsError, match="JETLOOP_NATS_URL"):
+        load_settings()
+
+
+def test_cli_reports_wrong_setting() -> None:
+    """The CLI exits non-zero with the setting's name instead of a traceback."""
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "worker"],
+        env={"JETLOOP_TOOL_CONCURRENCY": "0", "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "JETLOOP_TOOL_CONCURRENCY" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_tool_and_agent_definitions_are_checked() -> None:
+    """Mistakes in agent definitions fail when the app is built, with a clear message."""
+    from pydantic import BaseModel
+
+    class A(BaseModel):
+        x: int
+
+    async def fn(args: A, ctx: jetloop.ToolContext) -> int:
+        return args.x
+
+    t = jetloop.tool(effect=jetloop.Effect.READ, args_model=A)(fn)
+    model = jetloop.ScriptedModel(lambda req: jetloop.ModelResponse(text="hi"))
+    with pytest.raises(ValueError, match="two tools are named 'fn'"):
+        jetloop.Agent(name="a", instructions="", model=model, tools=(t, t))
+    with pytest.raises(ValueError, match="agent name 'bad name'"):
+        jetloop.Agent(name="bad name", instructions="", model=model)
+    with pytest.raises(ValueError, match="expected module:attr"):
+        jetloop.load_app("nocolon")

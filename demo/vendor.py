@@ -7,7 +7,9 @@ holds one row per request, ``effects`` one row per write actually applied.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sqlite3
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,6 @@ from typing import Any
 import aiosqlite
 
 SCHEMA = """
-PRAGMA journal_mode=WAL;
 CREATE TABLE IF NOT EXISTS tickets (
     id TEXT PRIMARY KEY, title TEXT NOT NULL, status TEXT NOT NULL DEFAULT 'open'
 );
@@ -32,6 +33,9 @@ CREATE TABLE IF NOT EXISTS effects (
 """
 
 
+_READY: set[Path] = set()
+
+
 class Vendor:
     """Open per operation: tools run in many processes, and SQLite locks across them."""
 
@@ -39,10 +43,25 @@ class Vendor:
         self.path = Path(path)
 
     async def _db(self) -> aiosqlite.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         db = await aiosqlite.connect(self.path, timeout=30)
-        await db.executescript(SCHEMA)
+        if self.path not in _READY:
+            await self._init(db)
+            _READY.add(self.path)
         return db
+
+    async def _init(self, db: aiosqlite.Connection) -> None:
+        # Switching to WAL answers "locked" at once instead of waiting for the busy
+        # timeout when another process holds the file: retry it.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in range(100):
+            try:
+                await db.execute("PRAGMA journal_mode=WAL")
+                await db.executescript(SCHEMA)
+                return
+            except sqlite3.OperationalError:
+                if attempt == 99:
+                    raise
+                await asyncio.sleep(0.02)
 
     async def _log(
         self,

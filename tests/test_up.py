@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -33,14 +34,19 @@ def start_up(tmp_path: Path, port: int) -> subprocess.Popen[bytes]:
         )
 
 
-async def connect_when_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> Client:
+def wait_ready(proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()
         if "jetloop.up" in log.read_text():
-            return await Client.connect(url)
+            return
         time.sleep(0.05)
     raise TimeoutError(log.read_text())
+
+
+async def connect_when_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> Client:
+    await asyncio.to_thread(wait_ready, proc, log)
+    return await Client.connect(url)
 
 
 async def test_up_runs_the_demo_and_stops_cleanly(tmp_path: Path) -> None:

@@ -16,6 +16,9 @@ class Limits:
     max_model_steps: int = 16
     model_attempts: int = 3
     model_attempt_window_seconds: float = 1800.0
+    # CompactContext: when the model's input passes this estimate, the history before the
+    # current turn is summarised once (None: never).
+    context_budget_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -33,11 +36,6 @@ class Agent:
             if t.name in seen:
                 raise ValueError(f"agent {self.name}: two tools are named {t.name!r}")
             seen.add(t.name)
-            if t.approval:
-                raise ValueError(
-                    f"agent {self.name}: tool {t.name!r} asks for approval, which this "
-                    "version of jetloop does not run yet"
-                )
 
     def tool(self, name: str) -> Tool | None:
         for t in self.tools:

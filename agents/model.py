@@ -63,6 +63,8 @@ class ModelRequest:
     messages: list[Message]
     tools: list[ToolSpec]
     attempt: int
+    # "answer" for a turn's model step; "summary" for CompactContext's one summary call.
+    purpose: str = "answer"
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,24 @@ class ModelResponse:
 
 
 class ModelAdapter(Protocol):
+    """What a provider adapter implements. It may also define
+    ``estimate_tokens(messages) -> int`` (the engine falls back to ``rough_tokens``)."""
+
     async def complete(self, request: ModelRequest) -> ModelResponse: ...
+
+
+def rough_tokens(messages: list[Message]) -> int:
+    """About four characters a token: good enough to decide when to compact."""
+    import json as _json
+
+    total = 0
+    for m in messages:
+        total += len(m.text or "") + 16
+        if m.result is not None:
+            total += len(m.result) if isinstance(m.result, str) else len(_json.dumps(m.result))
+        for c in m.calls:
+            total += len(c.name) + len(_json.dumps(c.arguments))
+    return total // 4
 
 
 class ModelError(Exception):
@@ -88,6 +107,9 @@ class ScriptedModel:
 
     def __init__(self, script: ScriptFn) -> None:
         self.script = script
+
+    def estimate_tokens(self, messages: list[Message]) -> int:
+        return rough_tokens(messages)
 
     async def complete(self, request: ModelRequest) -> ModelResponse:
         out = self.script(request)

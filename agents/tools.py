@@ -27,6 +27,13 @@ class Effect(StrEnum):
         return self is not Effect.READ
 
 
+class ToolKind(StrEnum):
+    CALL = "call"  # an ordinary tool: one call, one result
+    TASK = "task"  # start → handle, then polls until done (PollToolTask)
+    QUESTION = "question"  # the built-in ask_user: waits for a person's answer
+    TIMER = "timer"  # the built-in wait: a durable timer (message schedule)
+
+
 class ToolContext(Protocol):
     """What a tool gets besides its arguments."""
 
@@ -45,8 +52,51 @@ class ToolContext(Protocol):
         """Keep the lease while a long tool runs (also done automatically)."""
         ...
 
+    @property
+    def cancelled(self) -> bool:
+        """True once the turn was cancelled: stop early if you can."""
+        ...
+
 
 ToolFn = Callable[[Any, ToolContext], Awaitable[Any]]
+ApprovalPolicy = bool | Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
+class Found:
+    """A reader found the write applied: this is its result."""
+
+    result: Any
+
+
+@dataclass(frozen=True)
+class NotFound:
+    """A reader found no trace of the write: it did not apply, so it may be made."""
+
+
+ReadBack = Found | NotFound
+ReaderFn = Callable[[Any, ToolContext], Awaitable[ReadBack]]
+
+
+@dataclass(frozen=True)
+class TaskPending:
+    """The task is still running: poll again later."""
+
+
+@dataclass(frozen=True)
+class TaskDone:
+    result: Any
+
+
+@dataclass(frozen=True)
+class TaskFailed:
+    error: str
+
+
+PollResult = TaskPending | TaskDone | TaskFailed
+StartFn = Callable[[Any, ToolContext], Awaitable[Any]]
+PollFn = Callable[[Any, ToolContext], Awaitable[PollResult]]
+CancelFn = Callable[[Any, ToolContext], Awaitable[None]]
 
 
 class ToolError(Exception):
@@ -66,12 +116,24 @@ class Tool:
     effect: Effect
     max_attempts: int = 3
     attempt_window_seconds: float = 1800.0
-    # Approval policies (AwaitToolApproval) are not built yet; declaring one is refused at
-    # load time rather than silently ignored.
-    approval: bool = False
+    # True, False, or a predicate over the validated arguments (AwaitToolApproval).
+    approval: ApprovalPolicy = False
+    # For a NON_IDEMPOTENT_WRITE: reads back, by the idempotency key, whether a call that
+    # was in doubt applied (settlement "single-attempt write with a reader").
+    reader: ReaderFn | None = None
+    kind: ToolKind = ToolKind.CALL
+    poll: PollFn | None = None
+    cancel: CancelFn | None = None
+    poll_interval: float = 1.0
+    timeout_seconds: float | None = None
 
     def json_schema(self) -> dict[str, Any]:
         return self.args_model.model_json_schema()
+
+    def needs_approval(self, args: BaseModel) -> bool:
+        if callable(self.approval):
+            return bool(self.approval(args))
+        return bool(self.approval)
 
 
 def tool(
@@ -82,6 +144,8 @@ def tool(
     max_attempts: int = 3,
     attempt_window_seconds: float = 1800.0,
     args_model: type[BaseModel] | None = None,
+    approval: ApprovalPolicy = False,
+    reader: ReaderFn | None = None,
 ) -> Callable[[ToolFn], Tool]:
     """Declare a tool: ``async def fn(args: ArgsModel, ctx: ToolContext) -> result``.
 
@@ -89,20 +153,7 @@ def tool(
     """
 
     def wrap(fn: ToolFn) -> Tool:
-        params = list(inspect.signature(fn).parameters.values())
-        if len(params) != 2:
-            raise TypeError(f"tool {fn.__name__}: expected (args, ctx), got {len(params)} params")
-        model = args_model or params[0].annotation
-        if isinstance(model, str):
-            try:
-                model = eval(model, fn.__globals__)  # a postponed annotation, as typing does
-            except NameError:
-                raise TypeError(
-                    f"tool {fn.__name__}: cannot resolve the annotation {model!r}; define the "
-                    "model at module level or pass tool(args_model=...)"
-                ) from None
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
-            raise TypeError(f"tool {fn.__name__}: first parameter must be a pydantic model")
+        model = _args_model_of(fn, args_model)
         return Tool(
             name=name or fn.__name__,
             description=description or (inspect.getdoc(fn) or "").strip(),
@@ -111,9 +162,93 @@ def tool(
             effect=effect,
             max_attempts=max_attempts,
             attempt_window_seconds=attempt_window_seconds,
+            approval=approval,
+            reader=reader,
         )
 
     return wrap
+
+
+def _args_model_of(fn: Callable[..., Any], explicit: type[BaseModel] | None) -> type[BaseModel]:
+    params = list(inspect.signature(fn).parameters.values())
+    if len(params) != 2:
+        raise TypeError(f"tool {fn.__name__}: expected (args, ctx), got {len(params)} params")
+    model = explicit or params[0].annotation
+    if isinstance(model, str):
+        try:
+            model = eval(model, fn.__globals__)  # a postponed annotation, as typing does
+        except NameError:
+            raise TypeError(
+                f"tool {fn.__name__}: cannot resolve the annotation {model!r}; define the "
+                "model at module level or pass args_model=..."
+            ) from None
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise TypeError(f"tool {fn.__name__}: first parameter must be a pydantic model")
+    return model
+
+
+def task_tool(
+    *,
+    name: str,
+    start: StartFn,
+    poll: PollFn,
+    cancel: CancelFn | None = None,
+    effect: Effect = Effect.IDEMPOTENT_WRITE,
+    description: str = "",
+    args_model: type[BaseModel] | None = None,
+    poll_interval: float = 1.0,
+    max_attempts: int = 3,
+    approval: ApprovalPolicy = False,
+) -> Tool:
+    """A long-running task: ``start(args, ctx) -> handle`` (recorded exactly once, so a crash
+    never starts a second task), then ``poll(handle, ctx)`` every ``poll_interval`` seconds
+    until it returns ``TaskDone`` or ``TaskFailed``; ``cancel(handle, ctx)`` when the turn is
+    cancelled. The start is made as its ``effect`` says (give the vendor ctx.idempotency_key).
+    """
+    return Tool(
+        name=name,
+        description=description or (inspect.getdoc(start) or "").strip(),
+        args_model=_args_model_of(start, args_model),
+        fn=start,
+        effect=effect,
+        max_attempts=max_attempts,
+        approval=approval,
+        kind=ToolKind.TASK,
+        poll=poll,
+        cancel=cancel,
+        poll_interval=poll_interval,
+    )
+
+
+class AskUserArgs(BaseModel):
+    question: str
+
+
+class WaitArgs(BaseModel):
+    seconds: float
+
+
+async def _never(args: Any, ctx: ToolContext) -> Any:
+    raise RuntimeError("built-in tools are run by the engine, not called")
+
+
+ask_user = Tool(
+    name="ask_user",
+    description="Ask the user a question and wait for the answer.",
+    args_model=AskUserArgs,
+    fn=_never,
+    effect=Effect.READ,
+    kind=ToolKind.QUESTION,
+)
+
+wait = Tool(
+    name="wait",
+    description="Wait the given number of seconds (a durable timer) before going on.",
+    args_model=WaitArgs,
+    fn=_never,
+    effect=Effect.READ,
+    kind=ToolKind.TIMER,
+)
 
 
 @dataclass

@@ -4,7 +4,7 @@
 its fate from what the handler raised.
 """
 
-from consumers.call_tool import TOOL_CALL_NOT_RUN_ERROR_PREFIX
+from consumers.calls import TOOL_CALL_NOT_RUN_ERROR_PREFIX
 from consumers.dispatch import dispatch
 from consumers.errors import DeadLetter, RetryLater, StepOutcome, TakenOver
 from consumers.faults import Faults

@@ -93,7 +93,9 @@ def answer(turn: TurnRecord) -> Followers:
     steps = [
         step_out(
             StepMessage(
-                kind=StepKind.CALL_TOOL,
+                kind=StepKind.CALL_SINGLE_ATTEMPT_TOOL
+                if c.effect == "non_idempotent_write"
+                else StepKind.CALL_TOOL,
                 session_id=turn.session_id,
                 turn_id=turn.turn_id,
                 model_step=n,
@@ -131,6 +133,14 @@ def finished(turn: TurnRecord) -> Followers:
                 "model_steps": turn.model_step + 1,
             },
         )
+    elif turn.status == TurnStatus.CANCELLED:
+        ev = Event(
+            key=f"{base}.cancelled",
+            type=EventType.TURN_CANCELLED,
+            session_id=turn.session_id,
+            turn_id=turn.turn_id,
+            data={"request_id": turn.request_id, "by": turn.cancelled_by},
+        )
     else:
         ev = Event(
             key=f"{base}.failed",
@@ -139,6 +149,8 @@ def finished(turn: TurnRecord) -> Followers:
             turn_id=turn.turn_id,
             data={"request_id": turn.request_id, "error": turn.error},
         )
+        if turn.tool_calls_made:
+            records.append(history_out(turn.session_id, failed_turn_note(turn)))
     records.append(event_out(ev))
     return Followers(records, [turn_done_step(turn)])
 
@@ -175,7 +187,29 @@ TOOL_STATUS = {
     CallState.SUCCEEDED: ToolStatus.OK,
     CallState.FAILED: ToolStatus.ERROR,
     CallState.OUTCOME_UNKNOWN: ToolStatus.OUTCOME_UNKNOWN,
+    CallState.DENIED: ToolStatus.DENIED,
+    CallState.CANCELLED: ToolStatus.CANCELLED,
 }
+
+
+def failed_turn_note(turn: TurnRecord) -> HistoryEntry:
+    """Tells the next turn's model that this failed turn's tool calls did run."""
+    return HistoryEntry(
+        key=f"{_base(turn)}.failed.note",
+        role=HistoryRole.NOTE,
+        turn_id=turn.turn_id,
+        text=(
+            f"The previous turn failed ({turn.error}) after {turn.tool_calls_made} tool "
+            "call(s) had already run; their results are above. Do not repeat those calls "
+            "without checking what they did."
+        ),
+    )
+
+
+def note(session_id: str, turn_id: str, key: str, text: str) -> Outgoing:
+    return history_out(
+        session_id, HistoryEntry(key=key, role=HistoryRole.NOTE, turn_id=turn_id, text=text)
+    )
 
 
 def joined(turn: TurnRecord, results: list[CallRecord]) -> Followers:

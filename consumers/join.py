@@ -13,7 +13,7 @@ import asyncio
 from consumers.errors import DeadLetter, RetryLater
 from consumers.followers import joined
 from consumers.runtime import Delivery
-from schemas import CallRecord, StepMessage, TurnPhase, TurnStatus, call_key
+from schemas import CallRecord, StepMessage, TurnPhase, call_key
 from streams.state import Conflict, turn_key
 
 
@@ -31,7 +31,7 @@ async def on_join(d: Delivery, step: StepMessage) -> None:
     if cur is None:
         raise DeadLetter(f"join for turn {tid} of session {sid}, which has no record")
     turn = cur.value
-    if turn.status in (TurnStatus.COMPLETED, TurnStatus.FAILED):
+    if turn.status.terminal:
         return
     if turn.model_step == n + 1 and turn.phase == TurnPhase.MODEL:
         # Moved on already: make sure what follows the move went out.

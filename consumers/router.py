@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from consumers.call_tool import on_call_tool
+from consumers.call_tool import on_call
+from consumers.cancel import on_cancel_turn
+from consumers.compact import on_compact
 from consumers.errors import DeadLetter
 from consumers.join import on_join
 from consumers.run_model import on_run_model
 from consumers.runtime import Delivery
 from consumers.session import on_turn_done, on_turn_request
-from schemas import StepKind, StepMessage, decode
+from schemas import CALL_KINDS, StepKind, StepMessage, decode
 
 
 async def route_turn(d: Delivery) -> None:
@@ -23,12 +25,17 @@ async def route_step(d: Delivery) -> None:
             f"step subject {d.msg.subject!r} does not match its body "
             f"({step.kind.value} of session {step.session_id})"
         )
+    if step.kind in CALL_KINDS:
+        await on_call(d, step)
+        return
     match step.kind:
         case StepKind.RUN_MODEL:
             await on_run_model(d, step)
-        case StepKind.CALL_TOOL:
-            await on_call_tool(d, step)
+        case StepKind.COMPACT_CONTEXT:
+            await on_compact(d, step)
         case StepKind.JOIN:
             await on_join(d, step)
         case StepKind.TURN_DONE:
             await on_turn_done(d, step)
+        case StepKind.CANCEL_TURN:
+            await on_cancel_turn(d, step)

@@ -8,21 +8,20 @@ any call is made); commit, publish, ack.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 import structlog
 from pydantic import ValidationError
 
-from agents import Agent, Message, ModelRequest, ModelResponse, ToolSpec
+from agents import Agent, ModelRequest, ModelResponse, ToolSpec
+from consumers.compact import compact_first, compaction_needed, conversation
 from consumers.errors import DeadLetter, RetryLater
 from consumers.followers import answer, finished
 from consumers.runtime import Delivery, Runtime
 from schemas import (
     Event,
     EventType,
-    HistoryEntry,
     PlannedCall,
     StepMessage,
     TurnPhase,
@@ -43,7 +42,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     if cur is None:
         raise DeadLetter(f"run_model for turn {tid} of session {sid}, which has no record")
     turn = cur.value
-    if turn.status in (TurnStatus.COMPLETED, TurnStatus.FAILED):
+    if turn.status.terminal:
         await finished(turn).publish(rt.bus)
         return
     if turn.model_step > n:
@@ -64,6 +63,11 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         turn.first_attempt_at is not None
         and now - turn.first_attempt_at > limits.model_attempt_window_seconds
     )
+    if not exhausted and n < limits.max_model_steps and limits.context_budget_tokens:
+        if await compaction_needed(rt, agent, turn):
+            await compact_first(rt, turn)
+            return
+
     if exhausted or n >= limits.max_model_steps:
         reason = (
             f"model step {n} failed after {turn.attempts} attempts"
@@ -108,11 +112,10 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             ]
         )
 
-    history = await rt.history.read(sid)
     request = ModelRequest(
         agent=agent.name,
         instructions=agent.instructions,
-        messages=[await _message(rt, e) for e in history],
+        messages=await conversation(rt, sid),
         tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in agent.tools],
         attempt=attempt.no,
     )
@@ -138,16 +141,6 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         await finished(committed).publish(rt.bus)
     else:
         await answer(committed).publish(rt.bus)
-
-
-async def _message(rt: Runtime, e: HistoryEntry) -> Message:
-    text = e.text
-    if e.text_ref is not None:
-        text = (await rt.blobs.get(e.text_ref)).decode()
-    result: Any = e.result
-    if e.result_ref is not None:
-        result = json.loads(await rt.blobs.get(e.result_ref))
-    return Message.from_entry(e, text, result)
 
 
 async def _plan(rt: Runtime, agent: Agent, turn: TurnRecord, resp: ModelResponse) -> TurnRecord:

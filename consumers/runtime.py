@@ -52,6 +52,9 @@ class Delivery:
         self.fence_key: str | None = None
         self.fence_rev: int | None = None
         self.lost = False
+        # Set by a call handler: the heartbeat then also notices a cancelled turn.
+        self.watch_turn: tuple[str, str] | None = None
+        self.cancelled = False
         # Writes and the heartbeat's check never overlap, or a check could read the
         # revision of a write whose answer has not reached us yet and think we lost.
         self._lock = asyncio.Lock()
@@ -101,3 +104,7 @@ class Delivery:
         """Extend the lease, unless another attempt has taken the step over."""
         if await self.still_ours():
             await self.msg.in_progress()
+        if self.watch_turn is not None and not self.cancelled:
+            turn = await self.rt.state.turn(*self.watch_turn)
+            if turn is not None and turn.value.status == "cancelled":
+                self.cancelled = True

@@ -32,8 +32,6 @@ from streams.topology import TURNS_STREAM, session_turns_filter
 
 log = structlog.get_logger("jetloop.session")
 
-TERMINAL = (TurnStatus.COMPLETED, TurnStatus.FAILED)
-
 
 def _parse_subject(subject: str) -> tuple[str, str]:
     parts = subject.split(".")
@@ -85,7 +83,7 @@ async def on_turn_request(d: Delivery) -> None:
         turn_rec = record
     else:
         turn_rec = turn.value
-        if turn_rec.status in TERMINAL:
+        if turn_rec.status.terminal:
             log.info("turn.duplicate_request", request_id=request_id)
             return
 
@@ -118,19 +116,29 @@ async def on_turn_request(d: Delivery) -> None:
 
 
 async def on_turn_done(d: Delivery, step: StepMessage) -> None:
-    """The active turn ended: make the next queued turn active and start it."""
+    """A turn ended: make the next queued turn active and start it."""
     rt = d.rt
     sid = step.session_id
     cur = await rt.state.session(sid)
     if cur is None:
         raise DeadLetter(f"turn_done for session {sid}, which has no record")
     session = cur.value
-    if session.active == step.turn_id:
-        nxt = session.queue[0] if session.queue else None
+    if session.active == step.turn_id or step.turn_id in session.queue:
+        queue = [t for t in session.queue if t != step.turn_id]
+        active = session.active
+        if active == step.turn_id:
+            # The next queued turn that is still to run (a queued turn may be cancelled).
+            active = None
+            while queue:
+                cand = queue.pop(0)
+                cand_turn = await rt.state.turn(sid, cand)
+                if cand_turn is not None and cand_turn.value.status == TurnStatus.QUEUED:
+                    active = cand
+                    break
         session = session.model_copy(
             update={
-                "active": nxt,
-                "queue": session.queue[1:],
+                "active": active,
+                "queue": queue,
                 "turns_done": session.turns_done + 1,
                 "last_turn": step.turn_id,
             }

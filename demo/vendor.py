@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS effects (
 
 
 _READY: set[Path] = set()
+_INIT_LOCK = asyncio.Lock()
 
 
 class Vendor:
@@ -43,25 +44,33 @@ class Vendor:
         self.path = Path(path)
 
     async def _db(self) -> aiosqlite.Connection:
-        db = await aiosqlite.connect(self.path, timeout=30)
         if self.path not in _READY:
-            await self._init(db)
-            _READY.add(self.path)
-        return db
+            async with _INIT_LOCK:
+                if self.path not in _READY:
+                    await self._init()
+                    _READY.add(self.path)
+        return await aiosqlite.connect(self.path, timeout=30)
 
-    async def _init(self, db: aiosqlite.Connection) -> None:
-        # Switching to WAL answers "locked" at once instead of waiting for the busy
-        # timeout when another process holds the file: retry it.
+    async def _init(self) -> None:
+        # Switching to WAL answers "locked" at once, without waiting for the busy timeout,
+        # when another process holds the file: retry it. Once set, WAL stays with the file.
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for attempt in range(100):
-            try:
-                await db.execute("PRAGMA journal_mode=WAL")
-                await db.executescript(SCHEMA)
-                return
-            except sqlite3.OperationalError:
-                if attempt == 99:
-                    raise
-                await asyncio.sleep(0.02)
+        db = await aiosqlite.connect(self.path, timeout=30)
+        try:
+            for attempt in range(500):
+                try:
+                    cur = await db.execute("PRAGMA journal_mode")
+                    row = await cur.fetchone()
+                    if not row or str(row[0]).lower() != "wal":
+                        await db.execute("PRAGMA journal_mode=WAL")
+                    await db.executescript(SCHEMA)
+                    return
+                except sqlite3.OperationalError:
+                    if attempt == 499:
+                        raise
+                    await asyncio.sleep(0.02)
+        finally:
+            await db.close()
 
     async def _log(
         self,

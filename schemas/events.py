@@ -18,7 +18,18 @@ class EventType(StrEnum):
     CALL_OUTCOME = "call.outcome"
     TURN_COMPLETED = "turn.completed"
     TURN_FAILED = "turn.failed"
+    TURN_CANCELLED = "turn.cancelled"
     CRASH_RESUMED = "agent.run.crash_resumed"
+    APPROVAL_REQUESTED = "approval.requested"
+    APPROVAL_DECIDED = "approval.decided"
+    QUESTION_ASKED = "question.asked"
+    QUESTION_ANSWERED = "question.answered"
+    TIMER_SET = "timer.set"
+    TIMER_FIRED = "timer.fired"
+    TASK_STARTED = "task.started"
+    TASK_POLLED = "task.polled"
+    CONTEXT_COMPACTED = "context.compacted"
+    CALL_RECONCILED = "call.reconciled"
 
 
 class Event(BaseModel):

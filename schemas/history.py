@@ -15,12 +15,16 @@ class HistoryRole(StrEnum):
     USER = "user"
     ASSISTANT = "assistant"
     TOOL = "tool"
+    NOTE = "note"  # the engine tells the model something (a failed turn's calls, a reconcile)
+    SUMMARY = "summary"  # CompactContext: replaces the entries before it for the model
 
 
 class ToolStatus(StrEnum):
     OK = "ok"
     ERROR = "error"
     OUTCOME_UNKNOWN = "outcome_unknown"
+    DENIED = "denied"
+    CANCELLED = "cancelled"
 
 
 class HistoryEntry(BaseModel):

@@ -39,3 +39,12 @@ def call_key(session_id: str, turn_id: str, model_step: int, index: int) -> str:
 def idempotency_key(session_id: str, turn_id: str, model_step: int, index: int) -> str:
     """The key handed to a tool: identical on every attempt of the checkpointed call."""
     return "jl-" + _digest(call_key(session_id, turn_id, model_step, index), size=16)
+
+
+def approval_id_for(call_key_: str) -> str:
+    """One approval per call, however often the call is routed (coalescing)."""
+    return "a" + _digest("approval", call_key_)
+
+
+def question_id_for(call_key_: str) -> str:
+    return "q" + _digest("question", call_key_)

@@ -21,8 +21,28 @@ class TurnRequest(BaseModel):
 class StepKind(StrEnum):
     RUN_MODEL = "run_model"
     CALL_TOOL = "call_tool"
+    CALL_SINGLE_ATTEMPT_TOOL = "call_single_attempt_tool"
+    AWAIT_TOOL_APPROVAL = "await_tool_approval"
+    AWAIT_QUESTION_ANSWER = "await_question_answer"
+    AWAIT_TIMER = "await_timer"
+    POLL_TOOL_TASK = "poll_tool_task"
+    COMPACT_CONTEXT = "compact_context"
     JOIN = "join"
     TURN_DONE = "turn_done"
+    CANCEL_TURN = "cancel_turn"
+
+
+# Kinds whose handler is the call handler: each wakes one call of a model step.
+CALL_KINDS = frozenset(
+    {
+        StepKind.CALL_TOOL,
+        StepKind.CALL_SINGLE_ATTEMPT_TOOL,
+        StepKind.AWAIT_TOOL_APPROVAL,
+        StepKind.AWAIT_QUESTION_ANSWER,
+        StepKind.AWAIT_TIMER,
+        StepKind.POLL_TOOL_TASK,
+    }
+)
 
 
 class StepMessage(BaseModel):
@@ -34,15 +54,32 @@ class StepMessage(BaseModel):
     turn_id: str
     model_step: int = 0
     call_index: int | None = None
+    # Tells apart two messages of one step that are both needed (e.g. RunModel after a
+    # compaction); part of the step key, so it comes from identity too.
+    wake: str | None = None
 
     def step_key(self) -> str:
         base = f"{self.session_id}.{self.turn_id}"
+        call = f"{base}.m{self.model_step}.c{self.call_index}"
         match self.kind:
             case StepKind.RUN_MODEL:
-                return f"{base}.m{self.model_step}"
-            case StepKind.CALL_TOOL:
-                return f"{base}.m{self.model_step}.c{self.call_index}"
+                key = f"{base}.m{self.model_step}"
+            case StepKind.CALL_TOOL | StepKind.CALL_SINGLE_ATTEMPT_TOOL:
+                key = call
+            case StepKind.AWAIT_TOOL_APPROVAL:
+                key = f"{call}.approval"
+            case StepKind.AWAIT_QUESTION_ANSWER:
+                key = f"{call}.answer"
+            case StepKind.AWAIT_TIMER:
+                key = f"{call}.timer"
+            case StepKind.POLL_TOOL_TASK:
+                key = f"{call}.poll"
+            case StepKind.COMPACT_CONTEXT:
+                key = f"{base}.m{self.model_step}.compact"
             case StepKind.JOIN:
-                return f"{base}.m{self.model_step}.c{self.call_index}.join"
+                key = f"{call}.join"
             case StepKind.TURN_DONE:
-                return f"{base}.done"
+                key = f"{base}.done"
+            case StepKind.CANCEL_TURN:
+                key = f"{base}.cancel"
+        return f"{key}.{self.wake}" if self.wake else key

@@ -30,6 +30,14 @@ class Attempt(BaseModel):
     started_at: float
 
 
+class Summary(BaseModel):
+    """The one stored summary of a session's history (CompactContext); history is kept."""
+
+    text: str
+    covers: int  # how many history entries, from the start, the summary replaces
+    compaction: int  # the compaction number that wrote it
+
+
 class SessionRecord(BaseModel):
     v: int = SCHEMA_VERSION
     session_id: str
@@ -38,6 +46,9 @@ class SessionRecord(BaseModel):
     queue: list[str] = Field(default_factory=list)
     turns_done: int = 0
     last_turn: str | None = None
+    # tool name -> approval required, overriding the tool's own policy in this session
+    approval_overrides: dict[str, bool] = Field(default_factory=dict)
+    summary: Summary | None = None
 
 
 class TurnStatus(StrEnum):
@@ -45,6 +56,11 @@ class TurnStatus(StrEnum):
     RUNNING = "running"
     COMPLETED = "completed"
     FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TurnStatus.COMPLETED, TurnStatus.FAILED, TurnStatus.CANCELLED)
 
 
 class TurnPhase(StrEnum):
@@ -83,17 +99,32 @@ class TurnRecord(BaseModel):
     calls: list[PlannedCall] = Field(default_factory=list)
     error: str | None = None
     tool_calls_made: int = 0
+    cancelled_by: str | None = None
 
 
 class CallState(StrEnum):
     RUNNING = "running"  # a read was claimed; never "in doubt"
     IN_DOUBT = "in_doubt"  # a write is about to be made, or is being made
+    AWAITING_APPROVAL = "awaiting_approval"
+    AWAITING_ANSWER = "awaiting_answer"
+    WAITING_TIMER = "waiting_timer"
+    TASK_RUNNING = "task_running"  # the task's handle is recorded; polls follow
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     OUTCOME_UNKNOWN = "outcome_unknown"
+    DENIED = "denied"
+    CANCELLED = "cancelled"
 
 
-DONE_STATES = frozenset({CallState.SUCCEEDED, CallState.FAILED, CallState.OUTCOME_UNKNOWN})
+DONE_STATES = frozenset(
+    {
+        CallState.SUCCEEDED,
+        CallState.FAILED,
+        CallState.OUTCOME_UNKNOWN,
+        CallState.DENIED,
+        CallState.CANCELLED,
+    }
+)
 
 
 class CallOutcome(BaseModel):
@@ -115,7 +146,72 @@ class CallRecord(BaseModel):
     first_attempt_at: float | None = None
     outcome: CallOutcome | None = None
     settlement: str | None = None
+    approval_id: str | None = None
+    question_id: str | None = None
+    timer_due: float | None = None
+    task_handle: Any = None
+    polls: int = 0
+    reconciled_by: str | None = None
+    reconciled_at: float | None = None
 
     @property
     def done(self) -> bool:
         return self.state in DONE_STATES
+
+
+class Decision(StrEnum):
+    PENDING = "pending"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+
+
+class ApprovalRecord(BaseModel):
+    """A call held for a person's decision: ``approval.<sid>.<approval id>``."""
+
+    v: int = SCHEMA_VERSION
+    approval_id: str
+    session_id: str
+    turn_id: str
+    model_step: int
+    call_index: int
+    call_key: str
+    tool: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    status: Decision = Decision.PENDING
+    requested_at: float
+    decided_by: str | None = None
+    decided_at: float | None = None
+    reason: str | None = None
+
+
+class QuestionRecord(BaseModel):
+    """A question the model asked the user: ``question.<sid>.<question id>``."""
+
+    v: int = SCHEMA_VERSION
+    question_id: str
+    session_id: str
+    turn_id: str
+    model_step: int
+    call_index: int
+    call_key: str
+    question: str
+    asked_at: float
+    answer: str | None = None
+    answered_by: str | None = None
+    answered_at: float | None = None
+
+    @property
+    def answered(self) -> bool:
+        return self.answer is not None
+
+
+class CompactionRecord(BaseModel):
+    """The attempts of one CompactContext step: ``compact.<sid>.<tid>.<model step>``."""
+
+    v: int = SCHEMA_VERSION
+    attempt: Attempt | None = None
+    attempts: int = 0
+    first_attempt_at: float | None = None
+    done: bool = False
+    text: str | None = None
+    error: str | None = None

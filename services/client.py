@@ -18,10 +18,14 @@ from nats.aio.client import Client as Nats
 from nats.js import api
 from nats.js.errors import NotFoundError
 
+from consumers.control import Control
+from consumers.snapshot import SessionSnapshot, snapshot
 from schemas import (
+    ApprovalRecord,
     CallRecord,
     Event,
     EventType,
+    QuestionRecord,
     SessionRecord,
     TurnRecord,
     TurnRequest,
@@ -29,19 +33,22 @@ from schemas import (
     call_key,
     decode,
     encode,
-    idempotency_key,
     turn_id_for,
     validate_name,
 )
 from streams import topology
 from streams.blobs import BlobStore
+from streams.bus import Bus
 from streams.connection import connect
+from streams.history import HistoryReader
 from streams.state import StateStore
 
 
 class TurnFailed(Exception):
+    """The turn ended failed or cancelled; ``turn`` has the status and the reason."""
+
     def __init__(self, turn: TurnRecord) -> None:
-        super().__init__(f"turn {turn.turn_id} failed: {turn.error}")
+        super().__init__(f"turn {turn.turn_id} {turn.status.value}: {turn.error}")
         self.turn = turn
 
 
@@ -60,26 +67,6 @@ class TurnResult:
     status: TurnStatus
     text: str | None
     error: str | None
-
-
-@dataclass(frozen=True)
-class CallView:
-    call_id: str
-    model_step: int
-    tool: str
-    effect: str
-    idempotency_key: str
-    state: str
-    attempts: int
-    result: Any
-    error: str | None
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    session: SessionRecord
-    turn: TurnRecord | None
-    calls: list[CallView]
 
 
 class Client:
@@ -127,48 +114,67 @@ class Client:
 
     async def answer_text(self, turn: TurnRecord) -> str | None:
         if turn.answer_ref is not None:
-            blobs = BlobStore(await self.js.object_store(topology.BLOB_BUCKET), 0)
-            return (await blobs.get(turn.answer_ref)).decode()
+            return (await (await self._blobs()).get(turn.answer_ref)).decode()
         return turn.answer_text
 
-    async def snapshot(self, session_id: str) -> Snapshot | None:
-        """The session, its current (or last) turn, and that turn's calls with their results."""
-        state = await self._state()
-        sv = await state.session(session_id)
-        if sv is None:
-            return None
-        session = sv.value
-        tid = session.active or session.last_turn
-        tv = await state.turn(session_id, tid) if tid else None
-        turn = tv.value if tv else None
-        calls: list[CallView] = []
-        if turn is not None:
-            keys = await state.keys(f"call.{session_id}.{turn.turn_id}.>")
+    async def snapshot(
+        self, session_id: str, history_offset: int = 0, history_limit: int = 50
+    ) -> SessionSnapshot | None:
+        """get_agent_snapshot: status, history page, current turn, calls, waits, queue."""
+        return await snapshot(
+            await self._state(),
+            HistoryReader(self.nc),
+            await self._blobs(),
+            session_id,
+            history_offset,
+            history_limit,
+        )
 
-            def order(k: str) -> tuple[int, int]:
-                parts = k.split(".")
-                return int(parts[-2]), int(parts[-1])
+    async def _blobs(self) -> BlobStore:
+        return BlobStore(await self.js.object_store(topology.BLOB_BUCKET), 0)
 
-            for key in sorted(keys, key=order):
-                rv = await state.call(key.removeprefix("call."))
-                if rv is None:
-                    continue
-                rec = rv.value
-                step, index = order(key)
-                calls.append(
-                    CallView(
-                        call_id=f"{turn.turn_id}-{step}-{index}",
-                        model_step=step,
-                        tool=rec.tool,
-                        effect=rec.effect,
-                        idempotency_key=idempotency_key(session_id, turn.turn_id, step, index),
-                        state=rec.state.value,
-                        attempts=rec.attempts,
-                        result=await self.call_result(rec),
-                        error=rec.outcome.error if rec.outcome else None,
-                    )
-                )
-        return Snapshot(session=session, turn=turn, calls=calls)
+    async def _control(self) -> Control:
+        return Control(await self._state(), Bus(self.js))
+
+    async def approve(
+        self, session_id: str, approval_id: str, by: str = "python", reason: str | None = None
+    ) -> ApprovalRecord:
+        """Approve a held call; the first decision wins and a repeat returns it."""
+        return await (await self._control()).decide(session_id, approval_id, True, by, reason)
+
+    async def reject(
+        self, session_id: str, approval_id: str, by: str = "python", reason: str | None = None
+    ) -> ApprovalRecord:
+        """Reject a held call: the model sees it denied, with the reason."""
+        return await (await self._control()).decide(session_id, approval_id, False, by, reason)
+
+    async def answer(
+        self, session_id: str, question_id: str, answer: str, by: str = "python"
+    ) -> QuestionRecord:
+        return await (await self._control()).answer(session_id, question_id, answer, by)
+
+    async def cancel(
+        self, session_id: str, turn_id: str | None = None, by: str = "python"
+    ) -> TurnRecord:
+        """Cancel the session's running turn (or the given one)."""
+        return await (await self._control()).cancel(session_id, turn_id, by)
+
+    async def reconcile(
+        self,
+        call_key: str,
+        succeeded: bool,
+        by: str = "python",
+        result: Any = None,
+        error: str | None = None,
+    ) -> CallRecord:
+        """Settle an ``outcome_unknown`` call as succeeded (with a result) or failed."""
+        return await (await self._control()).reconcile(call_key, succeeded, by, result, error)
+
+    async def set_approval(
+        self, session_id: str, tool: str, required: bool | None, agent: str | None = None
+    ) -> SessionRecord:
+        """Require (True) or waive (False) approval of a tool in one session; None resets."""
+        return await (await self._control()).set_approval(session_id, tool, required, agent)
 
     async def call(
         self, session_id: str, turn_id: str, model_step: int, index: int
@@ -181,8 +187,7 @@ class Client:
         if rec.outcome is None:
             return None
         if rec.outcome.result_ref is not None:
-            blobs = BlobStore(await self.js.object_store(topology.BLOB_BUCKET), 0)
-            return json.loads(await blobs.get(rec.outcome.result_ref))
+            return json.loads(await (await self._blobs()).get(rec.outcome.result_ref))
         return rec.outcome.result
 
     async def wait(self, handle: TurnHandle, timeout: float = 60.0) -> TurnResult:
@@ -193,6 +198,7 @@ class Client:
                 if ev.turn_id == handle.turn_id and ev.type in (
                     EventType.TURN_COMPLETED,
                     EventType.TURN_FAILED,
+                    EventType.TURN_CANCELLED,
                 ):
                     break
             t = await self.turn(handle.session_id, handle.turn_id)
@@ -200,7 +206,7 @@ class Client:
             return t
 
         turn = await asyncio.wait_for(ended(), timeout)
-        if turn.status == TurnStatus.FAILED:
+        if turn.status in (TurnStatus.FAILED, TurnStatus.CANCELLED):
             raise TurnFailed(turn)
         return TurnResult(turn.turn_id, turn.status, await self.answer_text(turn), turn.error)
 

@@ -20,7 +20,9 @@ from nats.js import JetStreamContext
 
 from agents import App
 from consumers import Faults, Runtime, dispatch, route_step, route_turn
+from consumers.control import Control
 from consumers.dispatch import Handler
+from services.control import ControlService
 from services.settings import Settings
 from streams import topology
 from streams.blobs import BlobStore
@@ -103,6 +105,12 @@ class Worker:
                 lease_seconds=s.lease_seconds,
                 faults=self.faults,
             )
+            control: ControlService | None = None
+            if topology.SESSION_POOL in self.pools:
+                control = ControlService(
+                    nc, rt.state, Control(rt.state, rt.bus), rt.history, rt.blobs
+                )
+                await control.start()
             loops = []
             if topology.SESSION_POOL in self.pools:
                 loops.append(
@@ -136,6 +144,8 @@ class Worker:
             async with asyncio.TaskGroup() as tg:
                 for loop in loops:
                     tg.create_task(loop)
+            if control is not None:
+                await control.stop()
             await self._drain()
         finally:
             await nc.drain() if nc.is_connected else await nc.close()

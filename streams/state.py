@@ -15,7 +15,16 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
-from schemas import CallRecord, SessionRecord, TurnRecord, decode, encode
+from schemas import (
+    ApprovalRecord,
+    CallRecord,
+    CompactionRecord,
+    QuestionRecord,
+    SessionRecord,
+    TurnRecord,
+    decode,
+    encode,
+)
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -45,6 +54,18 @@ def turn_key(session_id: str, turn_id: str) -> str:
 
 def call_state_key(call_key: str) -> str:
     return f"call.{call_key}"
+
+
+def approval_key(session_id: str, approval_id: str) -> str:
+    return f"approval.{session_id}.{approval_id}"
+
+
+def question_key(session_id: str, question_id: str) -> str:
+    return f"question.{session_id}.{question_id}"
+
+
+def compaction_key(session_id: str, turn_id: str, model_step: int) -> str:
+    return f"compact.{session_id}.{turn_id}.{model_step}"
 
 
 class StateStore:
@@ -125,3 +146,14 @@ class StateStore:
 
     async def call(self, call_key: str) -> Versioned[CallRecord] | None:
         return await self._get(CallRecord, call_state_key(call_key))
+
+    async def approval(self, session_id: str, approval_id: str) -> Versioned[ApprovalRecord] | None:
+        return await self._get(ApprovalRecord, approval_key(session_id, approval_id))
+
+    async def question(self, session_id: str, question_id: str) -> Versioned[QuestionRecord] | None:
+        return await self._get(QuestionRecord, question_key(session_id, question_id))
+
+    async def compaction(
+        self, session_id: str, turn_id: str, model_step: int
+    ) -> Versioned[CompactionRecord] | None:
+        return await self._get(CompactionRecord, compaction_key(session_id, turn_id, model_step))

@@ -39,6 +39,11 @@ def step_subject(pool: str, kind: str, session_id: str) -> str:
     return f"jl.step.{pool}.{kind}.{session_id}"
 
 
+def timer_subject(session_id: str, call_key: str) -> str:
+    """One subject per timer: a subject holds one schedule (NATS-NOTES)."""
+    return f"jl.sched.{session_id}.{call_key.replace('.', '_')}"
+
+
 def step_consumer(pool: str) -> str:
     return f"jl_{pool}"
 
@@ -93,8 +98,9 @@ def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
         ),
         api.StreamConfig(
             name=STEPS_STREAM,
-            description="jetloop step work items",
-            subjects=["jl.step.>"],
+            description="jetloop step work items, and the schedules of durable timers",
+            subjects=["jl.step.>", "jl.sched.>"],
+            allow_msg_schedules=True,
             # Limits retention keeps acked steps (and so their dedupe ids) across restarts.
             retention=api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE,

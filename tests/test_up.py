@@ -73,7 +73,7 @@ async def test_up_runs_the_demo_and_stops_cleanly(tmp_path: Path) -> None:
     try:
         c = await connect_when_ready(url, proc, tmp_path / "up.log")
         snap = await c.snapshot("tour")
-        assert snap is not None and snap.session.turns_done == 1
+        assert snap is not None and snap.turns_done == 1
         await c.close()
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(30)

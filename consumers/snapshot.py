@@ -1,0 +1,192 @@
+"""get_agent_snapshot: everything about a session a person or a program needs, in one read.
+
+Session status, history (paged), the current (or last) turn and its steps, every call with
+its effect, status, attempts, idempotency key and error, pending approvals, questions,
+timers and tasks, and the queued messages. JSON-able (it is also a NATS reply).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from schemas import (
+    DONE_STATES,
+    ApprovalRecord,
+    CallState,
+    Decision,
+    HistoryEntry,
+    QuestionRecord,
+    SessionRecord,
+    TurnRecord,
+    idempotency_key,
+)
+from streams.blobs import BlobStore
+from streams.history import HistoryReader
+from streams.state import StateStore
+
+
+class CallView(BaseModel):
+    call_key: str
+    call_id: str
+    model_step: int
+    index: int
+    tool: str
+    effect: str
+    state: str
+    attempts: int
+    idempotency_key: str
+    result: Any = None
+    error: str | None = None
+    settlement: str | None = None
+    approval_id: str | None = None
+    question_id: str | None = None
+    timer_due: float | None = None
+    task_handle: Any = None
+    reconciled_by: str | None = None
+
+
+class QueuedView(BaseModel):
+    turn_id: str
+    request_id: str
+    text: str
+
+
+class SessionSnapshot(BaseModel):
+    session_id: str
+    agent: str
+    status: str  # idle | running | waiting
+    turns_done: int
+    turn: TurnRecord | None = None
+    calls: list[CallView] = Field(default_factory=list)
+    queued: list[QueuedView] = Field(default_factory=list)
+    approvals: list[ApprovalRecord] = Field(default_factory=list)
+    questions: list[QuestionRecord] = Field(default_factory=list)
+    timers: list[CallView] = Field(default_factory=list)
+    tasks: list[CallView] = Field(default_factory=list)
+    approval_overrides: dict[str, bool] = Field(default_factory=dict)
+    summary: str | None = None
+    history: list[HistoryEntry] = Field(default_factory=list)
+    history_total: int = 0
+    history_offset: int = 0
+
+
+WAITING = {
+    CallState.AWAITING_APPROVAL,
+    CallState.AWAITING_ANSWER,
+    CallState.WAITING_TIMER,
+    CallState.TASK_RUNNING,
+}
+
+
+async def snapshot(
+    state: StateStore,
+    history: HistoryReader,
+    blobs: BlobStore,
+    session_id: str,
+    history_offset: int = 0,
+    history_limit: int = 50,
+    resolve_results: bool = True,
+) -> SessionSnapshot | None:
+    sv = await state.session(session_id)
+    if sv is None:
+        return None
+    session: SessionRecord = sv.value
+    tid = session.active or session.last_turn
+    turn = None
+    if tid is not None:
+        tv = await state.turn(session_id, tid)
+        turn = tv.value if tv else None
+
+    calls: list[CallView] = []
+    if turn is not None:
+        keys = await state.keys(f"call.{session_id}.{turn.turn_id}.>")
+
+        def order(k: str) -> tuple[int, int]:
+            parts = k.split(".")
+            return int(parts[-2]), int(parts[-1])
+
+        for key in sorted(keys, key=order):
+            rv = await state.call(key.removeprefix("call."))
+            if rv is None:
+                continue
+            rec = rv.value
+            step, index = order(key)
+            result: Any = None
+            if rec.outcome is not None:
+                result = rec.outcome.result
+                if rec.outcome.result_ref is not None:
+                    result = (
+                        json.loads(await blobs.get(rec.outcome.result_ref))
+                        if resolve_results
+                        else rec.outcome.result_ref.model_dump()
+                    )
+            calls.append(
+                CallView(
+                    call_key=rec.key,
+                    call_id=f"{turn.turn_id}-{step}-{index}",
+                    model_step=step,
+                    index=index,
+                    tool=rec.tool,
+                    effect=rec.effect,
+                    state=rec.state.value,
+                    attempts=rec.attempts,
+                    idempotency_key=idempotency_key(session_id, turn.turn_id, step, index),
+                    result=result,
+                    error=rec.outcome.error if rec.outcome else None,
+                    settlement=rec.settlement,
+                    approval_id=rec.approval_id,
+                    question_id=rec.question_id,
+                    timer_due=rec.timer_due,
+                    task_handle=rec.task_handle,
+                    reconciled_by=rec.reconciled_by,
+                )
+            )
+
+    approvals = []
+    for key in await state.keys(f"approval.{session_id}.>"):
+        av = await state.approval(session_id, key.split(".")[-1])
+        if av is not None and av.value.status == Decision.PENDING:
+            approvals.append(av.value)
+    questions = []
+    for key in await state.keys(f"question.{session_id}.>"):
+        qv = await state.question(session_id, key.split(".")[-1])
+        if qv is not None and not qv.value.answered:
+            questions.append(qv.value)
+
+    queued = []
+    for q in session.queue:
+        qv2 = await state.turn(session_id, q)
+        if qv2 is not None:
+            queued.append(
+                QueuedView(turn_id=q, request_id=qv2.value.request_id, text=qv2.value.text)
+            )
+
+    entries = await history.read(session_id)
+    open_calls = [c for c in calls if CallState(c.state) not in DONE_STATES]
+    if session.active is None:
+        status = "idle"
+    elif open_calls and all(CallState(c.state) in WAITING for c in open_calls):
+        status = "waiting"
+    else:
+        status = "running"
+    return SessionSnapshot(
+        session_id=session_id,
+        agent=session.agent,
+        status=status,
+        turns_done=session.turns_done,
+        turn=turn,
+        calls=calls,
+        queued=queued,
+        approvals=approvals,
+        questions=questions,
+        timers=[c for c in calls if c.state == CallState.WAITING_TIMER],
+        tasks=[c for c in calls if c.state == CallState.TASK_RUNNING],
+        approval_overrides=session.approval_overrides,
+        summary=session.summary.text if session.summary else None,
+        history=entries[history_offset : history_offset + history_limit],
+        history_total=len(entries),
+        history_offset=history_offset,
+    )

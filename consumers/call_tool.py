@@ -176,7 +176,10 @@ async def run(env: CallEnv) -> None:
             raise RetryLater(min(30.0, 0.5 * 2 ** (attempt.no - 1)), str(exc)) from exc
         log.warning("tool.failed", error=str(exc), will_retry=False)
         state = CallState.OUTCOME_UNKNOWN if effect.is_write else CallState.FAILED
-        outcome = CallOutcome(state=state, error=f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"
+        if retryable:
+            error = f"every attempt ({attempt.no}) failed; the last with {error}"
+        outcome = CallOutcome(state=state, error=error)
     else:
         if tool.kind == ToolKind.TASK:
             await rt.faults.point("call_tool.before_commit")

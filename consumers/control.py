@@ -257,7 +257,7 @@ class Control:
                     note(
                         sid,
                         tid,
-                        f"call.{call_key}.reconciled",
+                        f"call.{call_key}.reconciled.note",
                         f"The call of {rec.tool} ({call_key}) whose outcome was unknown was "
                         f"reconciled by {by}: it {what}.",
                     ),

@@ -166,7 +166,7 @@ async def snapshot(
 
     entries = await history.read(session_id)
     open_calls = [c for c in calls if CallState(c.state) not in DONE_STATES]
-    if session.active is None:
+    if session.active is None or (turn is not None and turn.status.terminal and not session.queue):
         status = "idle"
     elif open_calls and all(CallState(c.state) in WAITING for c in open_calls):
         status = "waiting"

@@ -21,13 +21,23 @@ from agents import (
     Agent,
     App,
     Effect,
+    Found,
     Limits,
+    ModelError,
     ModelRequest,
     ModelResponse,
+    NotFound,
+    RetryableToolError,
     ScriptedModel,
+    TaskDone,
+    TaskPending,
     ToolCallRequest,
     ToolContext,
+    ToolError,
+    ask_user,
+    task_tool,
     tool,
+    wait,
 )
 from demo.agent import current_turn
 from demo.vendor import Vendor
@@ -84,7 +94,113 @@ async def slow(args: Slow, ctx: ToolContext) -> dict[str, Any]:
     return await vendor().write("slow", ctx.idempotency_key, {"name": args.name})
 
 
+class Task(BaseModel):
+    name: str
+    polls: int = 2
+
+
+async def read_once(args: Named, ctx: ToolContext) -> Found | NotFound:
+    """The reader of once_read: did the vendor apply this key?"""
+    counts = await vendor().request_counts("once_read")
+    if counts.get(ctx.idempotency_key):
+        return Found({"name": args.name, "read_back": True})
+    return NotFound()
+
+
+@tool(effect=Effect.NON_IDEMPOTENT_WRITE, reader=read_once)
+async def once_read(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """A single-attempt write whose outcome can be read back by its key."""
+    return await vendor().write("once_read", ctx.idempotency_key, {"name": args.name}, dedupe=False)
+
+
+@tool(effect=Effect.IDEMPOTENT_WRITE)
+async def flaky(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """Fails on its first two attempts (a transient error), then writes."""
+    if ctx.attempt < 3:
+        raise RetryableToolError(f"transient failure on attempt {ctx.attempt}")
+    return await vendor().write("flaky", ctx.idempotency_key, {"name": args.name})
+
+
+@tool(effect=Effect.READ)
+async def broken_read(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """A read that always fails."""
+    await vendor().note("broken_read", ctx.idempotency_key, {"attempt": ctx.attempt})
+    raise RuntimeError("the vendor is down")
+
+
+@tool(effect=Effect.IDEMPOTENT_WRITE)
+async def broken_write(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """A write that always fails."""
+    await vendor().note("broken_write", ctx.idempotency_key, {"attempt": ctx.attempt})
+    raise RuntimeError("the vendor is down")
+
+
+@tool(effect=Effect.READ)
+async def refuse(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """Fails in a way the model should see at once."""
+    raise ToolError(f"no such thing as {args.name}")
+
+
+@tool(effect=Effect.IDEMPOTENT_WRITE, approval=True)
+async def guarded(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """A write that always needs a person's approval."""
+    return await vendor().write("guarded", ctx.idempotency_key, {"name": args.name})
+
+
+@tool(effect=Effect.NON_IDEMPOTENT_WRITE, approval=lambda a: a.name.startswith("big"))
+async def pay(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """A payment: approval needed for big ones."""
+    return await vendor().write("pay", ctx.idempotency_key, {"name": args.name}, dedupe=False)
+
+
+@tool(effect=Effect.IDEMPOTENT_WRITE)
+async def patient(args: Slow, ctx: ToolContext) -> dict[str, Any]:
+    """Works for a while, stopping early when the turn is cancelled."""
+    for _ in range(int(args.seconds * 20)):
+        if ctx.cancelled:
+            await vendor().note("patient_cancelled", ctx.idempotency_key, {"name": args.name})
+            return {"stopped": True}
+        await asyncio.sleep(0.05)
+    return await vendor().write("patient", ctx.idempotency_key, {"name": args.name})
+
+
+async def export_start(args: Task, ctx: ToolContext) -> dict[str, Any]:
+    """Start an export job (the vendor dedupes on the key: one job per call)."""
+    job = await vendor().write(
+        "task_start", ctx.idempotency_key, {"name": args.name, "polls": args.polls}
+    )
+    return {"job": ctx.idempotency_key, "polls": job["polls"]}
+
+
+async def export_poll(handle: dict[str, Any], ctx: ToolContext) -> TaskPending | TaskDone:
+    await vendor().note("task_poll", handle["job"], {})
+    seen = (await vendor().request_counts("task_poll")).get(handle["job"], 0)
+    if seen >= handle["polls"]:
+        return TaskDone({"job": handle["job"], "rows": 42})
+    return TaskPending()
+
+
+async def export_cancel(handle: dict[str, Any], ctx: ToolContext) -> None:
+    await vendor().note("task_cancel", handle["job"], {})
+
+
+export = task_tool(
+    name="export",
+    start=export_start,
+    poll=export_poll,
+    cancel=export_cancel,
+    poll_interval=0.3,
+)
+
+
 async def script(req: ModelRequest) -> ModelResponse:
+    if req.purpose == "summary":
+        await vendor().note("summary_call", None, {"messages": len(req.messages)})
+        if os.environ.get("TEST_BROKEN_SUMMARY") or any(
+            "broken summary" in (m.text or "") for m in req.messages
+        ):
+            raise ModelError("the summary model is down")
+        return ModelResponse(text=f"SUMMARY of {len(req.messages)} messages")
     turn = current_turn(req.messages)
     spec = json.loads(turn[0].text or "{}")
     k = sum(1 for m in turn if m.role == "assistant")
@@ -93,6 +209,8 @@ async def script(req: ModelRequest) -> ModelResponse:
         None,
         {"turn": hashlib.sha1((turn[0].text or "").encode()).hexdigest()[:12], "step": k},
     )
+    if spec.get("fail_at_step") == k:
+        raise ModelError(f"the model is down at step {k}")
     steps = spec.get("steps", [])
     if k < len(steps):
         return ModelResponse(
@@ -109,15 +227,45 @@ async def script(req: ModelRequest) -> ModelResponse:
         if isinstance(r, str) and len(r) > 1000:
             r = {"len": len(r), "sha256": hashlib.sha256(r.encode()).hexdigest()}
         seen.append({"tool": m.tool, "status": m.status, "result": r, "error": m.text})
-    return ModelResponse(text=spec.get("answer", "done") + "\n" + json.dumps(seen, sort_keys=True))
+    notes = [m.text for m in req.messages if m.role == "note"]
+    summaries = [m.text for m in req.messages if m.role == "summary"]
+    body = {"seen": seen, "notes": notes, "summaries": summaries, "messages": len(req.messages)}
+    return ModelResponse(text=spec.get("answer", "done") + "\n" + json.dumps(body, sort_keys=True))
 
+
+TOOLS = (
+    write,
+    once,
+    read,
+    big,
+    slow,
+    once_read,
+    flaky,
+    broken_read,
+    broken_write,
+    refuse,
+    guarded,
+    pay,
+    patient,
+    export,
+    ask_user,
+    wait,
+)
 
 tester = Agent(
     name="tester",
     instructions="Follow the script.",
     model=ScriptedModel(script),
-    tools=(write, once, read, big, slow),
+    tools=TOOLS,
     limits=Limits(max_model_steps=8),
 )
 
-app = App([tester])
+compactor = Agent(
+    name="compactor",
+    instructions="Follow the script; summarise when asked.",
+    model=ScriptedModel(script),
+    tools=TOOLS,
+    limits=Limits(max_model_steps=8, context_budget_tokens=150),
+)
+
+app = App([tester, compactor])

@@ -95,3 +95,25 @@ def script(*steps: list[dict[str, Any]], answer: str = "done") -> str:
 
 def call(tool: str, **args: Any) -> dict[str, Any]:
     return {"tool": tool, "args": args}
+
+
+def body(text: str | None) -> dict[str, Any]:
+    """The JSON the test model appends to its final answer."""
+    assert text is not None
+    parsed: dict[str, Any] = json.loads(text.split("\n", 1)[1])
+    return parsed
+
+
+async def until(check: Any, timeout: float = 30.0, every: float = 0.05) -> Any:
+    """Wait for an async condition (returning a truthy value) with a timeout, not a sleep."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout}s")
+        await asyncio.sleep(every)

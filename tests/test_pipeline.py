@@ -32,7 +32,7 @@ async def test_parallel_calls_complete(
     text = script([call("write", name="a"), call("write", name="b"), call("read", name="c")])
     h = await client.send("tester", "s1", text)
     res = await client.wait(h, timeout=30)
-    seen = json.loads(res.text.split("\n", 1)[1]) if res.text else []
+    seen = json.loads(res.text.split("\n", 1)[1])["seen"] if res.text else []
     assert [s["status"] for s in seen] == ["ok", "ok", "ok"]
     assert {s["result"]["name"] for s in seen if s["tool"] == "write"} == {"a", "b"}
     assert await vendor.effect_count("write") == 2

@@ -5,8 +5,10 @@ The model reads the user's message as clauses separated by ";" or " and then ":
     create ticket <title>        → create_ticket   (idempotent write)
     look up <T-n> / get <T-n>    → get_ticket      (read)
     comment on <T-n>: <text>     → add_comment     (idempotent write)
-    close <T-n>                  → close_ticket    (idempotent write)
+    close <T-n>                  → close_ticket    (idempotent write, needs approval)
     list tickets                 → list_tickets    (read)
+    ask <question>               → ask_user        (waits for your answer)
+    wait <n> seconds             → wait            (a durable timer)
 
 All the calls of one message run in parallel; when their results are back the model
 answers with a summary. Anything else is answered directly.
@@ -33,7 +35,9 @@ from agents import (
     ToolCallRequest,
     ToolContext,
     ToolError,
+    ask_user,
     tool,
+    wait,
 )
 from demo.vendor import Vendor
 
@@ -86,7 +90,7 @@ async def add_comment(args: NewComment, ctx: ToolContext) -> dict[str, Any]:
     return await vendor().write("add_comment", ctx.idempotency_key, args.model_dump())
 
 
-@tool(effect=Effect.IDEMPOTENT_WRITE)
+@tool(effect=Effect.IDEMPOTENT_WRITE, approval=True)
 async def close_ticket(args: TicketRef, ctx: ToolContext) -> dict[str, Any]:
     """Close a ticket."""
     return await vendor().write("close_ticket", ctx.idempotency_key, args.model_dump())
@@ -98,6 +102,8 @@ PATTERNS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"^comment on (?P<ticket>T-\d+):\s*(?P<body>.+)$", re.I), "add_comment"),
     (re.compile(r"^close\s+(?:ticket\s+)?(?P<ticket>T-\d+)$", re.I), "close_ticket"),
     (re.compile(r"^list(?: the)? tickets$", re.I), "list_tickets"),
+    (re.compile(r"^ask (?:me )?(?P<question>.+)$", re.I), "ask_user"),
+    (re.compile(r"^wait (?P<seconds>\d+(?:\.\d+)?) ?s(?:ec(?:ond)?s?)?$", re.I), "wait"),
 ]
 
 
@@ -146,7 +152,7 @@ demo_agent = Agent(
     name="demo",
     instructions="You help people with their tickets.",
     model=ScriptedModel(script),
-    tools=(get_ticket, list_tickets, create_ticket, add_comment, close_ticket),
+    tools=(get_ticket, list_tickets, create_ticket, add_comment, close_ticket, ask_user, wait),
 )
 
 app = App([demo_agent])

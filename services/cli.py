@@ -34,6 +34,8 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 @click.version_option(package_name="jetloop")
 def main() -> None:
     """jetloop: durable execution of AI-agent turns on NATS JetStream."""
+    # Commands that talk to NATS print only what matters; services reconfigure logging.
+    configure("console", "warning")
 
 
 @main.command()
@@ -129,7 +131,11 @@ def send(
                     if ev.turn_id != h.turn_id:
                         continue
                     click.echo(_describe(ev))
-                    if ev.type in (EventType.TURN_COMPLETED, EventType.TURN_FAILED):
+                    if ev.type in (
+                        EventType.TURN_COMPLETED,
+                        EventType.TURN_FAILED,
+                        EventType.TURN_CANCELLED,
+                    ):
                         return
 
             try:
@@ -167,6 +173,151 @@ def events(session_id: str, nats_url: str | None, follow: bool, as_json: bool) -
                 click.echo(ev.model_dump_json() if as_json else _describe(ev))
 
     _run(go())
+
+
+def _client_cmd(nats_url: str | None, body: Any) -> None:
+    """Run ``body(client)`` with a connected client; control errors become clean exits."""
+    from consumers.control import ControlError
+    from services.client import Client
+
+    s = _settings(nats_url=nats_url)
+
+    async def go() -> None:
+        async with await Client.connect(s.nats_urls) as jl:
+            try:
+                await body(jl)
+            except ControlError as exc:
+                raise click.ClickException(str(exc)) from None
+
+    _run(go())
+
+
+def _echo_model(model: Any) -> None:
+    click.echo(json.dumps(model.model_dump(mode="json", exclude_none=True), indent=2))
+
+
+@main.command()
+@click.argument("session_id")
+@click.option("--nats", "nats_url")
+@click.option("--history", "history_limit", default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def snapshot(session_id: str, nats_url: str | None, history_limit: int, as_json: bool) -> None:
+    """Show a session: status, current turn, calls, waits, queue, history."""
+
+    async def body(jl: Any) -> None:
+        snap = await jl.snapshot(session_id, history_limit=history_limit)
+        if snap is None:
+            raise click.ClickException(f"no session {session_id}")
+        if as_json:
+            _echo_model(snap)
+            return
+        click.echo(
+            f"session {snap.session_id} (agent {snap.agent}): {snap.status}, "
+            f"{snap.turns_done} turn(s) done"
+        )
+        if snap.turn is not None:
+            t = snap.turn
+            click.echo(
+                f"turn {t.turn_id}: {t.status.value}, model step {t.model_step}"
+                + (f", error: {t.error}" if t.error else "")
+            )
+        for c in snap.calls:
+            err = f" — {c.error}" if c.error else ""
+            click.echo(
+                f"  call {c.call_key} {c.tool} [{c.effect}] {c.state} attempts={c.attempts}{err}"
+            )
+        for a in snap.approvals:
+            click.echo(f"  approval {a.approval_id}: {a.tool}({json.dumps(a.args)}) pending")
+        for q in snap.questions:
+            click.echo(f"  question {q.question_id}: {q.question}")
+        for q2 in snap.queued:
+            click.echo(f"  queued {q2.turn_id}: {q2.text[:60]}")
+
+    _client_cmd(nats_url, body)
+
+
+@main.command()
+@click.argument("session_id")
+@click.argument("approval_id")
+@click.option("--reject", is_flag=True, help="reject instead of approve")
+@click.option("--reason")
+@click.option("--by", default="cli", show_default=True)
+@click.option("--nats", "nats_url")
+def approve(
+    session_id: str,
+    approval_id: str,
+    reject: bool,
+    reason: str | None,
+    by: str,
+    nats_url: str | None,
+) -> None:
+    """Approve (or --reject) a call held for approval."""
+
+    async def body(jl: Any) -> None:
+        fn = jl.reject if reject else jl.approve
+        ap = await fn(session_id, approval_id, by=by, reason=reason)
+        click.echo(f"{ap.approval_id}: {ap.status.value} by {ap.decided_by}")
+
+    _client_cmd(nats_url, body)
+
+
+@main.command()
+@click.argument("session_id")
+@click.argument("question_id")
+@click.argument("text")
+@click.option("--by", default="cli", show_default=True)
+@click.option("--nats", "nats_url")
+def answer(session_id: str, question_id: str, text: str, by: str, nats_url: str | None) -> None:
+    """Answer a question the model asked."""
+
+    async def body(jl: Any) -> None:
+        q = await jl.answer(session_id, question_id, text, by=by)
+        click.echo(f"{q.question_id}: answered {q.answer!r} by {q.answered_by}")
+
+    _client_cmd(nats_url, body)
+
+
+@main.command()
+@click.argument("session_id")
+@click.option("--turn", "turn_id", help="a turn id (default: the running turn)")
+@click.option("--by", default="cli", show_default=True)
+@click.option("--nats", "nats_url")
+def cancel(session_id: str, turn_id: str | None, by: str, nats_url: str | None) -> None:
+    """Cancel a session's running turn."""
+
+    async def body(jl: Any) -> None:
+        t = await jl.cancel(session_id, turn_id, by=by)
+        click.echo(f"turn {t.turn_id}: {t.status.value}")
+
+    _client_cmd(nats_url, body)
+
+
+@main.command()
+@click.argument("call_key")
+@click.option("--succeeded/--failed", required=True)
+@click.option("--result", help="JSON result (with --succeeded)")
+@click.option("--error", help="error text (with --failed)")
+@click.option("--by", default="cli", show_default=True)
+@click.option("--nats", "nats_url")
+def reconcile(
+    call_key: str,
+    succeeded: bool,
+    result: str | None,
+    error: str | None,
+    by: str,
+    nats_url: str | None,
+) -> None:
+    """Settle an outcome_unknown call as succeeded or failed."""
+    try:
+        value = json.loads(result) if result else None
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--result") from None
+
+    async def body(jl: Any) -> None:
+        rec = await jl.reconcile(call_key, succeeded, by=by, result=value, error=error)
+        click.echo(f"{rec.key}: {rec.state.value} (reconciled by {rec.reconciled_by})")
+
+    _client_cmd(nats_url, body)
 
 
 @main.command()
@@ -208,6 +359,28 @@ def _describe(ev: Any) -> str:
             return f"· failed: {d.get('error')}"
         case EventType.CRASH_RESUMED:
             return f"· resumed after a lost attempt ({d.get('step')})"
+        case EventType.APPROVAL_REQUESTED:
+            return (
+                f"· {d.get('tool')} waits for approval: "
+                f"jetloop approve {ev.session_id} {d.get('approval_id')}"
+            )
+        case EventType.APPROVAL_DECIDED:
+            return f"· approval {d.get('status')} by {d.get('by')}"
+        case EventType.QUESTION_ASKED:
+            return (
+                f"· question: {d.get('question')} — "
+                f"jetloop answer {ev.session_id} {d.get('question_id')} '…'"
+            )
+        case EventType.QUESTION_ANSWERED:
+            return f"· answered by {d.get('by')}: {d.get('answer')}"
+        case EventType.TIMER_SET:
+            return f"· timer set for {d.get('at')}"
+        case EventType.TIMER_FIRED:
+            return "· timer fired"
+        case EventType.TASK_STARTED:
+            return f"· task started: {d.get('handle')}"
+        case EventType.TURN_CANCELLED:
+            return f"· cancelled by {d.get('by')}"
     return f"· {ev.type}"
 
 

@@ -222,7 +222,11 @@ async def test_control_over_nats(client: Client, workers: WorkerFactory) -> None
     bad = json.loads((await client.nc.request("jl.control.approve", b"{}", timeout=10)).data)
     assert bad == {
         "ok": False,
-        "error": {"status": 422, "title": "invalid request", "detail": "session_id: Field required"},
+        "error": {
+            "status": 422,
+            "title": "invalid request",
+            "detail": "session_id: Field required",
+        },
     }
 
 
@@ -241,8 +245,7 @@ async def test_question_and_answer(client: Client, workers: WorkerFactory) -> No
     await client.answer("qa", q.question_id, "blue", by="frank")
     res = await client.wait(h, timeout=30)
     [seen] = body(res.text)["seen"]
-    assert seen == {"tool": "ask_user", "status": "ok", "result": {"answer": "blue"},
-                    "error": None}
+    assert seen == {"tool": "ask_user", "status": "ok", "result": {"answer": "blue"}, "error": None}
 
 
 # --- AwaitTimer ------------------------------------------------------------------------
@@ -328,9 +331,7 @@ async def test_cancel_tells_tools_and_cancels_tasks(
 # --- reconcile -------------------------------------------------------------------------
 
 
-async def test_reconcile_outcome_unknown(
-    client: Client, workers: WorkerFactory
-) -> None:
+async def test_reconcile_outcome_unknown(client: Client, workers: WorkerFactory) -> None:
     """Only an outcome_unknown call can be reconciled; who and when are recorded; the next
     turn's model sees it."""
     victim = workers.start("victim", hold="call_tool.before_commit")
@@ -355,3 +356,118 @@ async def test_reconcile_outcome_unknown(
     res = await client.wait(h2, timeout=30)
     [note] = body(res.text)["notes"]
     assert "reconciled by heidi" in note and "'paid': True" in note
+
+
+# --- CompactContext --------------------------------------------------------------------
+
+PAD = "padding " * 60  # makes one answer alone pass the compactor's 150-token budget
+
+
+async def test_compaction_stores_one_summary(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Past the budget, the history before the turn is summarised once; the model gets the
+    summary in its place; the durable history keeps every entry."""
+    workers.start()
+    h1 = await client.send("compactor", "cp", script(answer=PAD))
+    await client.wait(h1, timeout=30)
+    h2 = await client.send("compactor", "cp", script(answer="second"))
+    res = await client.wait(h2, timeout=30)
+    got = body(res.text)
+    assert got["summaries"] == ["SUMMARY of 2 messages"]
+    assert got["messages"] == 2  # the summary and the new user message
+    assert sum((await vendor.payload_counts("summary_call")).values()) == 1
+    snap = await client.snapshot("cp")
+    assert snap is not None and snap.summary == "SUMMARY of 2 messages"
+    roles = [e.role for e in snap.history]
+    assert roles.count("user") == 2 and roles.count("summary") == 1
+
+
+async def test_compaction_failing_fails_the_turn_and_the_next_message_compacts_again(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Every attempt of the summary call fails: the turn fails, the next message compacts
+    again."""
+    workers.start()
+    h1 = await client.send("compactor", "cf", script(answer="broken summary " + PAD))
+    await client.wait(h1, timeout=30)
+    h2 = await client.send("compactor", "cf", script())
+    with pytest.raises(TurnFailed, match="context compaction failed after 3 attempts"):
+        await client.wait(h2, timeout=60)
+    assert sum((await vendor.payload_counts("summary_call")).values()) == 3
+    h3 = await client.send("compactor", "cf", script())
+    with pytest.raises(TurnFailed, match="context compaction failed"):
+        await client.wait(h3, timeout=60)
+    assert sum((await vendor.payload_counts("summary_call")).values()) == 6
+
+
+async def test_worker_kill_during_summary_call(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Killed during the summary call: only that call runs again; one summary is stored."""
+    first = workers.start()
+    h1 = await client.send("compactor", "ck", script(answer=PAD))
+    await client.wait(h1, timeout=30)
+    first.kill()
+    victim = workers.start("victim", hold="compact_context.in_call")
+    h2 = await client.send("compactor", "ck", script(answer="after"))
+    await victim.wait_for("fault.hold", point="compact_context.in_call")
+    victim.kill()
+    workers.start("survivor")
+    res = await client.wait(h2, timeout=30)
+    assert body(res.text)["summaries"] == ["SUMMARY of 2 messages"]
+    assert sum((await vendor.payload_counts("summary_call")).values()) == 1
+    asked = await vendor.payload_counts("model_call")
+    assert sum(asked.values()) == 2  # one answer per turn: the model step was not repeated
+
+
+# --- crash cells of the waits ----------------------------------------------------------
+
+
+async def test_worker_kill_during_a_poll(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Killed during a poll: the poll runs again, no second task starts."""
+    victim = workers.start("victim", hold="poll_tool_task.in_poll")
+    h = await client.send("tester", "kp", script([call("export", name="e", polls=2)]))
+    await victim.wait_for("fault.hold", point="poll_tool_task.in_poll")
+    victim.kill()
+    workers.start("survivor")
+    res = await client.wait(h, timeout=30)
+    assert body(res.text)["seen"][0]["status"] == "ok"
+    assert sum((await vendor.request_counts("task_start")).values()) == 1
+
+
+async def test_timer_due_while_server_down_fires_when_back(
+    client: Client, workers: WorkerFactory, nats_ready: object
+) -> None:
+    """A timer that comes due while nats-server is down fires once it is back."""
+    import asyncio
+    import time
+
+    from services.embedded import EmbeddedServer
+
+    server = nats_ready
+    assert isinstance(server, EmbeddedServer)
+    workers.start()
+    h = await client.send("tester", "td", script([call("wait", seconds=1)]))
+    await snapshot_when(client, "td", lambda s: s.timers)
+    server.kill()
+    t_down = time.time()
+    await asyncio.sleep(2.5)  # the outage itself: the timer comes due during it
+    server.start()
+    res = await client.wait(h, timeout=60)
+    assert time.time() - t_down >= 2.5
+    assert body(res.text)["seen"][0]["result"] == {"waited_seconds": 1}
+
+
+async def test_idle_session_holds_nothing(client: Client, workers: WorkerFactory) -> None:
+    """An idle session needs no worker: kill it, the next message starts a turn."""
+    w = workers.start()
+    h = await client.send("tester", "idle", script())
+    await client.wait(h, timeout=30)
+    w.kill()
+    workers.start()
+    h2 = await client.send("tester", "idle", script([call("read", name="r")]))
+    res = await client.wait(h2, timeout=30)
+    assert body(res.text)["seen"][0]["status"] == "ok"

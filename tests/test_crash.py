@@ -115,3 +115,81 @@ def before_key(rec: object) -> str:
 
     parts = rec.key.split(".")  # type: ignore[attr-defined]
     return idempotency_key(parts[0], parts[1], int(parts[2]), int(parts[3]))
+
+
+async def test_read_killed_after_it_ran_runs_again(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """CallTool for a read, killed while it runs: the call runs again."""
+    victim = workers.start("victim", hold="call_tool.before_commit")
+    h = await client.send("tester", "kr", script([call("read", name="r")]))
+    await victim.wait_for("fault.hold", point="call_tool.before_commit")
+    victim.kill()
+    workers.start("survivor")
+    await client.wait(h, timeout=30)
+    assert sum((await vendor.request_counts("read")).values()) == 2
+
+
+@pytest.mark.parametrize(
+    ("tool", "state"),
+    [
+        pytest.param("read", "failed", id="read"),
+        pytest.param("write", "outcome_unknown", id="write"),
+    ],
+)
+async def test_every_attempt_lost(
+    client: Client, workers: WorkerFactory, tool: str, state: str
+) -> None:
+    """Every attempt killed while the tool runs: after the last, a read records failed and
+    a write records outcome_unknown."""
+    h = await client.send("tester", f"ea{tool}", script([call(tool, name="x")]))
+    for n in range(3):
+        victim = workers.start(f"victim{n}", hold="call_tool.before_commit")
+        await victim.wait_for("fault.hold", point="call_tool.before_commit")
+        victim.kill()
+    workers.start("survivor")
+    await client.wait(h, timeout=60)
+    rec = await client.call(f"ea{tool}", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == state and rec.attempts == 3
+    assert rec.settlement == "attempts_exhausted"
+
+
+async def test_queued_step_uses_no_attempt(client: Client, workers: WorkerFactory) -> None:
+    """A turn sent while no worker runs waits in the queue and runs as attempt 1."""
+    h = await client.send("tester", "qd", script([call("write", name="w")]))
+    workers.start()
+    await client.wait(h, timeout=30)
+    turn = await client.turn("qd", h.turn_id)
+    rec = await client.call("qd", h.turn_id, 0, 0)
+    assert turn is not None and turn.attempts == 1
+    assert rec is not None and rec.attempts == 1
+
+
+async def test_kill_after_approval_while_moving_on(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Killed after the approval, while its handler moves the turn on: the handler runs
+    again, the recorded approval is read, not asked again."""
+    victim = workers.start("victim", hold="call_tool.in_tool")
+    h = await client.send("tester", "ka", script([call("guarded", name="g")]))
+
+    async def pending() -> list[object]:
+        snap = await client.snapshot("ka")
+        return snap.approvals if snap else []  # type: ignore[return-value]
+
+    from tests.conftest import until
+
+    [ap] = await until(pending)
+    await client.approve("ka", ap.approval_id, by="ivan")  # type: ignore[attr-defined]
+    await victim.wait_for("fault.hold", point="call_tool.in_tool")
+    victim.kill()
+    workers.start("survivor")
+    await client.wait(h, timeout=30)
+    assert await vendor.effect_count("guarded") == 1
+    approval_events = []
+    async for ev in client.events("ka"):
+        if ev.type in ("approval.requested", "approval.decided"):
+            approval_events.append(ev.type.value)
+        if ev.type == "turn.completed":
+            break
+    assert approval_events == ["approval.requested", "approval.decided"]

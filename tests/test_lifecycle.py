@@ -1,0 +1,53 @@
+"""Worker lifecycle: graceful stop drains in-flight steps and spends no extra attempt."""
+
+from __future__ import annotations
+
+from demo.vendor import Vendor
+from schemas import CallState
+from services.client import Client
+from tests.conftest import WorkerFactory, call, script, until
+
+
+async def test_sigterm_finishes_in_flight_steps(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """SIGTERM: the worker stops fetching, finishes the running tool within the drain
+    timeout, exits 0; what follows waits in the queue and runs as attempt 1 elsewhere."""
+    w = workers.start(env={"JETLOOP_DRAIN_SECONDS": "10"})
+    h = await client.send("tester", "gs", script([call("slow", name="s", seconds=1.5)]))
+
+    async def running() -> bool:
+        rec = await client.call("gs", h.turn_id, 0, 0)
+        return rec is not None and rec.state == CallState.IN_DOUBT
+
+    await until(running)
+    assert w.terminate(timeout=30) == 0
+    assert w.find("worker.stopped")
+    rec = await client.call("gs", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == CallState.SUCCEEDED and rec.attempts == 1
+    workers.start()
+    await client.wait(h, timeout=30)
+    turn = await client.turn("gs", h.turn_id)
+    assert turn is not None and turn.attempts == 1  # model step 1 ran once, as attempt 1
+    assert await vendor.effect_count("slow") == 1
+
+
+async def test_drain_timeout_hands_the_step_back(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A step still running past the drain timeout is cancelled and handed back at once;
+    the next worker makes the idempotent write again with the same key."""
+    w = workers.start(env={"JETLOOP_DRAIN_SECONDS": "0.5"})
+    h = await client.send("tester", "dt", script([call("slow", name="s", seconds=3)]))
+
+    async def running() -> bool:
+        rec = await client.call("dt", h.turn_id, 0, 0)
+        return rec is not None and rec.state == CallState.IN_DOUBT
+
+    await until(running)
+    assert w.terminate(timeout=30) == 0
+    workers.start()
+    await client.wait(h, timeout=60)
+    rec = await client.call("dt", h.turn_id, 0, 0)
+    assert rec is not None and rec.attempts == 2
+    assert len(await vendor.request_counts("slow")) == 1  # one key on every attempt

@@ -15,8 +15,9 @@ import structlog
 from agents import TaskDone, TaskFailed
 from consumers.calls import CallEnv, ToolCtx, settle, succeeded, to_jsonable, write
 from consumers.errors import RetryLater
+from consumers.followers import Followers
 from schemas import CallOutcome, CallState, Event, EventType, StepKind, StepMessage
-from streams.bus import event_out, step_out
+from streams.bus import Outgoing, event_out, step_out
 
 log = structlog.get_logger("jetloop.tasks")
 
@@ -42,15 +43,21 @@ async def started(env: CallEnv, handle: Any) -> None:
     )
     env = await write(env, running)
     log.info("task.started", handle=running.task_handle)
-    event = Event(
-        key=f"call.{env.ckey}.task.started",
-        type=EventType.TASK_STARTED,
-        session_id=env.turn.session_id,
-        turn_id=env.turn.turn_id,
-        data={"call_key": env.ckey, "tool": env.call.tool, "handle": running.task_handle},
+    await Followers([_started_event(env, running.task_handle)], [step_out(poll_step(env))]).publish(
+        env.rt.bus
     )
-    await env.rt.bus.publish([event_out(event)])
-    await env.rt.bus.publish([step_out(poll_step(env))])
+
+
+def _started_event(env: CallEnv, handle: Any) -> Outgoing:
+    return event_out(
+        Event(
+            key=f"call.{env.ckey}.task.started",
+            type=EventType.TASK_STARTED,
+            session_id=env.turn.session_id,
+            turn_id=env.turn.turn_id,
+            data={"call_key": env.ckey, "tool": env.call.tool, "handle": handle},
+        )
+    )
 
 
 async def poll(env: CallEnv) -> None:
@@ -59,7 +66,9 @@ async def poll(env: CallEnv) -> None:
     assert tool.poll is not None
     if env.d.msg.subject.split(".")[3] != StepKind.POLL_TOOL_TASK.value:
         # The start step redelivered after the handle was recorded: the poll step carries on.
-        await env.rt.bus.publish([step_out(poll_step(env))])
+        await Followers(
+            [_started_event(env, env.rec.task_handle)], [step_out(poll_step(env))]
+        ).publish(env.rt.bus)
         return
     await env.rt.faults.point("poll_tool_task.in_poll")
     ctx = ToolCtx(env.d, env.call, env.rec.attempts)

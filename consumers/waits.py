@@ -27,7 +27,7 @@ from schemas import (
     encode,
     question_id_for,
 )
-from streams.bus import POOL_OF_KIND, event_out, headers
+from streams.bus import POOL_OF_KIND, Outgoing, event_out, headers
 from streams.state import Conflict, question_key
 from streams.topology import step_subject, timer_subject
 
@@ -56,22 +56,30 @@ async def ask(env: CallEnv) -> None:
     env = await write(
         env, env.rec.model_copy(update={"state": CallState.AWAITING_ANSWER, "question_id": qid})
     )
-    event = Event(
-        key=f"call.{env.ckey}.question.asked",
-        type=EventType.QUESTION_ASKED,
-        session_id=sid,
-        turn_id=env.turn.turn_id,
-        data={"question_id": qid, "question": args.question, "call_key": env.ckey},
-    )
-    await rt.bus.publish([event_out(event)])
+    await rt.bus.publish([_asked(env, qid, args.question)])
     log.info("call.awaiting_answer", question_id=qid)
+
+
+def _asked(env: CallEnv, qid: str, question: str) -> Outgoing:
+    return event_out(
+        Event(
+            key=f"call.{env.ckey}.question.asked",
+            type=EventType.QUESTION_ASKED,
+            session_id=env.turn.session_id,
+            turn_id=env.turn.turn_id,
+            data={"question_id": qid, "question": question, "call_key": env.ckey},
+        )
+    )
 
 
 async def answer_ready(env: CallEnv) -> None:
     assert env.rec.question_id is not None
     q = await env.rt.state.question(env.turn.session_id, env.rec.question_id)
     if q is None or not q.value.answered:
-        return  # still waiting: holds nothing
+        # Still waiting, holding nothing; make sure the question was told (a redelivery).
+        args = AskUserArgs.model_validate(env.call.args)
+        await env.rt.bus.publish([_asked(env, env.rec.question_id, args.question)])
+        return
     await settle(
         env,
         CallOutcome(state=CallState.SUCCEEDED, result={"answer": q.value.answer}),
@@ -110,15 +118,20 @@ async def set_timer(env: CallEnv) -> None:
         env, env.rec.model_copy(update={"state": CallState.WAITING_TIMER, "timer_due": due})
     )
     await _arm(env, due)
-    event = Event(
-        key=f"call.{env.ckey}.timer.set",
-        type=EventType.TIMER_SET,
-        session_id=env.turn.session_id,
-        turn_id=env.turn.turn_id,
-        data={"call_key": env.ckey, "due": due, "at": _at(due)},
-    )
-    await env.rt.bus.publish([event_out(event)])
+    await env.rt.bus.publish([_timer_set(env, due)])
     log.info("timer.set", due=due)
+
+
+def _timer_set(env: CallEnv, due: float) -> Outgoing:
+    return event_out(
+        Event(
+            key=f"call.{env.ckey}.timer.set",
+            type=EventType.TIMER_SET,
+            session_id=env.turn.session_id,
+            turn_id=env.turn.turn_id,
+            data={"call_key": env.ckey, "due": due, "at": _at(due)},
+        )
+    )
 
 
 async def timer_due(env: CallEnv) -> None:
@@ -127,6 +140,7 @@ async def timer_due(env: CallEnv) -> None:
     if time.time() < due:
         # Not due (a redelivery of the call step): make sure the schedule is there.
         await _arm(env, due)
+        await env.rt.bus.publish([_timer_set(env, due)])
         return
     event = Event(
         key=f"call.{env.ckey}.timer.fired",
@@ -136,10 +150,12 @@ async def timer_due(env: CallEnv) -> None:
         data={"call_key": env.ckey, "due": due, "late_seconds": round(time.time() - due, 3)},
     )
     args = WaitArgs.model_validate(env.call.args)
+    # The firing is a fact once it is due, so it is told first: a crash after the settle
+    # would not tell it again (the call is then done).
+    await env.rt.bus.publish([event_out(event)])
     await settle(
         env,
         CallOutcome(state=CallState.SUCCEEDED, result={"waited_seconds": args.seconds}),
         "timer_fired",
     )
-    await env.rt.bus.publish([event_out(event)])
     log.info("timer.fired")

@@ -322,17 +322,18 @@ def reconcile(
 
 @main.command()
 @click.option("--nats", "nats_url")
-def topology(nats_url: str | None) -> None:
+@click.option("--replicas", type=int, help="set the replica count of every stream (R3: 3)")
+def topology(nats_url: str | None, replicas: int | None) -> None:
     """Apply the topology (streams, consumers, buckets) to existing servers."""
     from streams import topology as topo
     from streams.connection import connect
 
-    s = _settings(nats_url=nats_url)
+    s = _settings(nats_url=nats_url, replicas=replicas)
 
     async def go() -> None:
         nc = await connect(s.nats_urls, "jetloop-topology")
         try:
-            await topo.apply(nc.jetstream(), s.topology())
+            await topo.apply(nc.jetstream(), s.topology(), set_replicas=replicas is not None)
         finally:
             await nc.close()
         click.echo("topology applied")

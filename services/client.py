@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from nats.aio.client import Client as Nats
+from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import NotFoundError
 
@@ -39,9 +40,11 @@ from schemas import (
 from streams import topology
 from streams.blobs import BlobStore
 from streams.bus import Bus
-from streams.connection import connect
+from streams.connection import connect, retrying
 from streams.history import HistoryReader
 from streams.state import StateStore
+
+T = TypeVar("T")
 
 
 class TurnFailed(Exception):
@@ -70,10 +73,14 @@ class TurnResult:
 
 
 class Client:
-    def __init__(self, nc: Nats, own: bool = False) -> None:
+    def __init__(self, nc: Nats, own: bool = False, retry_for: float = 30.0) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self._own = own
+        # How long a call rides out a restart or a leader election before it gives up.
+        self.retry_for = retry_for
+        self._state_store: StateStore | None = None
+        self._blob_store: BlobStore | None = None
 
     @classmethod
     async def connect(cls, urls: str | Sequence[str]) -> Client:
@@ -92,7 +99,13 @@ class Client:
             await self.nc.close()
 
     async def _state(self) -> StateStore:
-        return StateStore(await self.js.key_value(topology.STATE_BUCKET))
+        # Bound once: binding asks the server for the bucket, which fails mid-election.
+        if self._state_store is None:
+            kv = await retrying(
+                lambda: self.js.key_value(topology.STATE_BUCKET), self.retry_for, "bind"
+            )
+            self._state_store = StateStore(kv)
+        return self._state_store
 
     async def send(
         self, agent: str, session_id: str, text: str, request_id: str | None = None
@@ -101,15 +114,20 @@ class Client:
         validate_name("agent", agent)
         validate_name("session id", session_id)
         rid = request_id or uuid.uuid4().hex
-        ack = await self.js.publish(
-            topology.turn_subject(agent, session_id),
-            encode(TurnRequest(text=text)),
-            headers={"Nats-Msg-Id": rid, "Jl-Kind": "turn.request", "Jl-Session": session_id},
+        ack = await retrying(
+            lambda: self.js.publish(
+                topology.turn_subject(agent, session_id),
+                encode(TurnRequest(text=text)),
+                headers={"Nats-Msg-Id": rid, "Jl-Kind": "turn.request", "Jl-Session": session_id},
+            ),
+            self.retry_for,
+            "send",
         )
         return TurnHandle(agent, session_id, rid, turn_id_for(session_id, rid), bool(ack.duplicate))
 
     async def turn(self, session_id: str, turn_id: str) -> TurnRecord | None:
-        v = await (await self._state()).turn(session_id, turn_id)
+        state = await self._state()
+        v = await retrying(lambda: state.turn(session_id, turn_id), self.retry_for, "read")
         return v.value if v else None
 
     async def answer_text(self, turn: TurnRecord) -> str | None:
@@ -121,43 +139,53 @@ class Client:
         self, session_id: str, history_offset: int = 0, history_limit: int = 50
     ) -> SessionSnapshot | None:
         """get_agent_snapshot: status, history page, current turn, calls, waits, queue."""
-        return await snapshot(
-            await self._state(),
-            HistoryReader(self.nc),
-            await self._blobs(),
-            session_id,
-            history_offset,
-            history_limit,
+        state, blobs = await self._state(), await self._blobs()
+        return await retrying(
+            lambda: snapshot(
+                state, HistoryReader(self.nc), blobs, session_id, history_offset, history_limit
+            ),
+            self.retry_for,
+            "snapshot",
         )
 
     async def _blobs(self) -> BlobStore:
-        return BlobStore(await self.js.object_store(topology.BLOB_BUCKET), 0)
+        if self._blob_store is None:
+            store = await retrying(
+                lambda: self.js.object_store(topology.BLOB_BUCKET), self.retry_for, "bind"
+            )
+            self._blob_store = BlobStore(store, 0)
+        return self._blob_store
 
     async def _control(self) -> Control:
-        return Control(await self._state(), Bus(self.js))
+        return Control(await self._state(), Bus(self.js, retry_for=self.retry_for))
+
+    async def _retry(self, op: Callable[[Control], Awaitable[T]]) -> T:
+        """Control operations are idempotent: repeat one the servers could not answer."""
+        control = await self._control()
+        return await retrying(lambda: op(control), self.retry_for, "control")
 
     async def approve(
         self, session_id: str, approval_id: str, by: str = "python", reason: str | None = None
     ) -> ApprovalRecord:
         """Approve a held call; the first decision wins and a repeat returns it."""
-        return await (await self._control()).decide(session_id, approval_id, True, by, reason)
+        return await self._retry(lambda c: c.decide(session_id, approval_id, True, by, reason))
 
     async def reject(
         self, session_id: str, approval_id: str, by: str = "python", reason: str | None = None
     ) -> ApprovalRecord:
         """Reject a held call: the model sees it denied, with the reason."""
-        return await (await self._control()).decide(session_id, approval_id, False, by, reason)
+        return await self._retry(lambda c: c.decide(session_id, approval_id, False, by, reason))
 
     async def answer(
         self, session_id: str, question_id: str, answer: str, by: str = "python"
     ) -> QuestionRecord:
-        return await (await self._control()).answer(session_id, question_id, answer, by)
+        return await self._retry(lambda c: c.answer(session_id, question_id, answer, by))
 
     async def cancel(
         self, session_id: str, turn_id: str | None = None, by: str = "python"
     ) -> TurnRecord:
         """Cancel the session's running turn (or the given one)."""
-        return await (await self._control()).cancel(session_id, turn_id, by)
+        return await self._retry(lambda c: c.cancel(session_id, turn_id, by))
 
     async def reconcile(
         self,
@@ -168,18 +196,20 @@ class Client:
         error: str | None = None,
     ) -> CallRecord:
         """Settle an ``outcome_unknown`` call as succeeded (with a result) or failed."""
-        return await (await self._control()).reconcile(call_key, succeeded, by, result, error)
+        return await self._retry(lambda c: c.reconcile(call_key, succeeded, by, result, error))
 
     async def set_approval(
         self, session_id: str, tool: str, required: bool | None, agent: str | None = None
     ) -> SessionRecord:
         """Require (True) or waive (False) approval of a tool in one session; None resets."""
-        return await (await self._control()).set_approval(session_id, tool, required, agent)
+        return await self._retry(lambda c: c.set_approval(session_id, tool, required, agent))
 
     async def call(
         self, session_id: str, turn_id: str, model_step: int, index: int
     ) -> CallRecord | None:
-        v = await (await self._state()).call(call_key(session_id, turn_id, model_step, index))
+        state = await self._state()
+        key = call_key(session_id, turn_id, model_step, index)
+        v = await retrying(lambda: state.call(key), self.retry_for, "read")
         return v.value if v else None
 
     async def call_result(self, rec: CallRecord) -> Any:
@@ -216,33 +246,69 @@ class Client:
         types: Sequence[str] = (">",),
         from_start: bool = True,
     ) -> AsyncIterator[Event]:
-        """Follow a session's log (history entries excluded unless asked for)."""
+        """Follow a session's log (history entries excluded).
+
+        Survives server restarts and leader elections: it resumes from the last stream
+        sequence it delivered on a new consumer, so nothing is skipped or repeated.
+        """
         subjects = [topology.event_subject(session_id, t) for t in types]
-        cfg = api.ConsumerConfig(
-            deliver_policy=api.DeliverPolicy.ALL if from_start else api.DeliverPolicy.NEW,
-            ack_policy=api.AckPolicy.NONE,
-            inactive_threshold=30.0,
-            mem_storage=True,
-            num_replicas=1,
-            filter_subjects=subjects if len(subjects) > 1 else None,
-            filter_subject=subjects[0] if len(subjects) == 1 else None,
-        )
-        sub = await self.js.pull_subscribe(subjects[0], stream=topology.EVENTS_STREAM, config=cfg)
-        try:
-            while True:
-                try:
-                    msgs = await sub.fetch(64, timeout=1.0)
-                except TimeoutError:
-                    continue
-                for m in msgs:
-                    if ".history." in m.subject:
-                        continue
-                    yield decode(Event, m.data)
-        finally:
+        next_seq: int | None = None
+        while True:
+            if next_seq is not None:
+                policy, start = api.DeliverPolicy.BY_START_SEQUENCE, next_seq
+            else:
+                policy = api.DeliverPolicy.ALL if from_start else api.DeliverPolicy.NEW
+                start = None
+            cfg = api.ConsumerConfig(
+                deliver_policy=policy,
+                opt_start_seq=start,
+                ack_policy=api.AckPolicy.NONE,
+                inactive_threshold=30.0,
+                mem_storage=True,
+                num_replicas=1,
+                filter_subjects=subjects if len(subjects) > 1 else None,
+                filter_subject=subjects[0] if len(subjects) == 1 else None,
+            )
             try:
-                await sub.unsubscribe()
-            except Exception:  # the consumer ages out by itself
-                pass
+                sub = await self.js.pull_subscribe(
+                    subjects[0], stream=topology.EVENTS_STREAM, config=cfg
+                )
+            except (TimeoutError, NatsError):
+                await asyncio.sleep(0.2)  # no leader yet (an election, a restart)
+                continue
+            try:
+                idle = 0
+                while True:
+                    try:
+                        msgs = await sub.fetch(64, timeout=1.0)
+                    except TimeoutError:
+                        idle += 1
+                        if idle % 5 == 0 and not await self._consumer_alive(sub):
+                            break
+                        continue
+                    except NatsError:
+                        break
+                    idle = 0
+                    for m in msgs:
+                        next_seq = m.metadata.sequence.stream + 1
+                        if ".history." in m.subject:
+                            continue
+                        yield decode(Event, m.data)
+            finally:
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # the consumer ages out by itself
+                    pass
+
+    @staticmethod
+    async def _consumer_alive(sub: Any) -> bool:
+        try:
+            await sub.consumer_info()
+        except NotFoundError:
+            return False
+        except (TimeoutError, NatsError):
+            return False
+        return True
 
     async def dead_letters(self, limit: int = 100) -> list[tuple[str, str, bytes]]:
         """(subject, reason, body) of stored dead letters, oldest first."""

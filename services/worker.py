@@ -92,7 +92,7 @@ class Worker:
         js = nc.jetstream()
         try:
             if self.apply_topology:
-                await topology.apply(js, s.topology())
+                await self._apply_topology(js)
             rt = Runtime(
                 nc=nc,
                 js=js,
@@ -150,6 +150,20 @@ class Worker:
         finally:
             await nc.drain() if nc.is_connected else await nc.close()
             log.info("worker.stopped", worker=self.worker_id)
+
+    async def _apply_topology(self, js: JetStreamContext) -> None:
+        """Servers may still be forming a cluster (no peers, no leader yet): keep trying."""
+        delay = 0.2
+        while True:
+            try:
+                await topology.apply(js, self.settings.topology())
+                return
+            except Exception as exc:
+                if self._stopping.is_set():
+                    raise
+                log.warning("worker.topology_not_ready", error=str(exc), retry_in=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def _pull(
         self,

@@ -22,6 +22,7 @@ from schemas import (
     StepMessage,
     encode,
 )
+from streams.connection import retrying
 from streams.topology import (
     MODEL_POOL,
     SESSION_POOL,
@@ -101,14 +102,22 @@ def history_out(session_id: str, entry: HistoryEntry) -> Outgoing:
 class Bus:
     """The publisher of steps, events and history: idempotent by ``Nats-Msg-Id``."""
 
-    def __init__(self, js: JetStreamContext, timeout: float = 5.0) -> None:
+    def __init__(self, js: JetStreamContext, timeout: float = 5.0, retry_for: float = 10.0) -> None:
         self.js = js
         self.timeout = timeout
+        self.retry_for = retry_for
 
     async def publish(self, out: Sequence[Outgoing]) -> None:
-        """Publish in order; all are confirmed (PubAck) before this returns."""
+        """Publish in order; all are confirmed (PubAck) before this returns.
+
+        Every message carries its ``Nats-Msg-Id``, so a publish whose answer was lost in a
+        restart or an election is simply sent again: the stream drops the duplicate.
+        """
         if not out:
             return
+        await retrying(lambda: self._publish(out), self.retry_for, "publish")
+
+    async def _publish(self, out: Sequence[Outgoing]) -> None:
         if len(out) == 1:
             o = out[0]
             await self.js.publish(o.subject, o.body, headers=dict(o.headers), timeout=self.timeout)

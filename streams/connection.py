@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import nats
 import structlog
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 log = structlog.get_logger("jetloop.nats")
 
@@ -42,3 +48,30 @@ async def connect(urls: Sequence[str], name: str) -> Client:
     )
     closing.append(nc)
     return nc
+
+
+T = TypeVar("T")
+
+# What a server restart or a leader election looks like from a client: nobody answers yet.
+TRANSIENT: tuple[type[BaseException], ...] = (
+    NoRespondersError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+    NatsTimeoutError,
+    TimeoutError,
+)
+
+
+async def retrying(op: Callable[[], Awaitable[T]], seconds: float, what: str = "request") -> T:
+    """Run an idempotent operation again while the servers are between leaders."""
+    deadline = time.monotonic() + seconds
+    delay = 0.1
+    while True:
+        try:
+            return await op()
+        except TRANSIENT as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.info("nats.retry", what=what, error=type(exc).__name__, retry_in=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)

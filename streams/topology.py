@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext, api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import NotFoundError
 
 TURNS_STREAM = "JL_TURNS"
 STEPS_STREAM = "JL_STEPS"
@@ -180,13 +180,22 @@ def consumer_configs(cfg: TopologyConfig) -> list[tuple[str, api.ConsumerConfig]
     return out
 
 
-async def apply(js: JetStreamContext, cfg: TopologyConfig) -> None:
-    """Create or update every stream, consumer and bucket; safe to run any number of times."""
+async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = False) -> None:
+    """Create or update every stream, consumer and bucket; safe to run any number of times.
+
+    An existing stream keeps its replica count unless ``set_replicas``: a worker started
+    with a different JETLOOP_REPLICAS must not quietly move a cluster's streams.
+    """
     for sc in stream_configs(cfg):
+        assert sc.name is not None
         try:
+            info = await js.stream_info(sc.name)
+        except NotFoundError:
             await js.add_stream(sc)
-        except BadRequestError:
-            await js.update_stream(sc)
+            continue
+        if not set_replicas and info.config.num_replicas:
+            sc.num_replicas = info.config.num_replicas
+        await js.update_stream(sc)
     for stream, cc in consumer_configs(cfg):
         await js.add_consumer(stream, cc)
     try:

@@ -68,15 +68,23 @@ def workers(tmp_path: Path, nats_ready: EmbeddedServer, vendor_db: Path) -> Iter
 
 
 class WorkerFactory:
-    def __init__(self, tmp: Path, url: str, vendor_db: Path) -> None:
+    def __init__(
+        self, tmp: Path, url: str, vendor_db: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.tmp = tmp
         self.url = url
         self.vendor_db = vendor_db
+        self.env = env or {}
         self.procs: list[WorkerProcess] = []
 
     def start(self, name: str | None = None, **kw: Any) -> WorkerProcess:
         wid = name or f"w{next(_ids)}"
-        env = {**TEST_ENV, "JETLOOP_VENDOR_DB": str(self.vendor_db), **kw.pop("env", {})}
+        env = {
+            **TEST_ENV,
+            "JETLOOP_VENDOR_DB": str(self.vendor_db),
+            **self.env,
+            **kw.pop("env", {}),
+        }
         w = WorkerProcess(
             self.url, "tests.apps:app", self.tmp / f"{wid}.log", worker_id=wid, env=env, **kw
         )

@@ -1,0 +1,417 @@
+"""The crash matrix: every row × worker kill, server restart, takeover, on real processes.
+
+Each row is a scenario that stops a worker on purpose at a named point of a step (or while
+a turn waits), then applies the failure of the column:
+
+- worker_kill: SIGKILL the worker; a new worker starts.
+- server_restart: SIGKILL nats-server and restart it on its store directory; the worker
+  keeps running (it is released from its hold only once the server is back).
+- takeover: a 3-node cluster (R3 streams and KV); SIGKILL the node leading ``JL_STEPS``;
+  the worker keeps running.
+
+Every test is judged from state and from the vendor's log. ``docs/crash-matrix.md`` names
+these tests cell by cell; ``tests/test_matrix_doc.py`` keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.js.errors import BadRequestError
+
+from demo.vendor import Vendor
+from services.client import Client
+from services.embedded import EmbeddedServer
+from services.harness import WorkerProcess
+from services.settings import Settings
+from streams import topology
+from streams.connection import connect
+from tests.conftest import LEASE, WorkerFactory, body, call, script, until
+
+MODES = ("worker_kill", "server_restart", "takeover")
+
+
+@dataclass
+class Rig:
+    mode: str
+    client: Client
+    vendor: Vendor
+    workers: WorkerFactory
+    release: Path
+    server: EmbeddedServer | None = None
+    cluster: Any = None  # services.cluster.LocalCluster
+
+    def worker(self, hold: str | None = None) -> WorkerProcess:
+        return self.workers.start(hold=hold, release_file=self.release if hold else None)
+
+    async def fail(self, victim: WorkerProcess | None) -> None:
+        """Apply this column's failure to the system as it stands."""
+        if self.mode == "worker_kill":
+            if victim is not None:
+                victim.kill()
+            else:
+                for w in self.workers.procs:
+                    w.kill()
+            self.workers.start("survivor")
+        elif self.mode == "server_restart":
+            assert self.server is not None
+            self.server.kill()
+            self.server.start()
+            await self.server.wait_jetstream()
+            self.release.touch()
+        else:
+            leader = await self.cluster.stream_leader(topology.STEPS_STREAM)
+            self.cluster.kill(leader)
+            await self.cluster.wait_leader(topology.STEPS_STREAM, not_node=leader)
+            self.release.touch()
+
+    @property
+    def worker_killed(self) -> bool:
+        return self.mode == "worker_kill"
+
+
+@pytest.fixture(params=MODES)
+async def rig(
+    request: pytest.FixtureRequest, tmp_path: Path, vendor_db: Path, vendor: Vendor
+) -> AsyncIterator[Rig]:
+    mode: str = request.param
+    release = tmp_path / "release"
+    cluster: Any = None
+    server: EmbeddedServer | None = None
+    if mode == "takeover":
+        from services.cluster import LocalCluster
+
+        cluster = LocalCluster(tmp_path / "cluster", "jl-test")
+        cluster.start()
+        urls: list[str] = cluster.urls
+        env = {"JETLOOP_REPLICAS": "3"}
+        replicas = 3
+    else:
+        server = EmbeddedServer(tmp_path / "store", port=0, log_file=tmp_path / "nats.log")
+        server.start()
+        urls, env, replicas = [server.url], {}, 1
+    workers = WorkerFactory(tmp_path, ",".join(urls), vendor_db, env=env)
+    try:
+        if cluster is not None:
+            await cluster.wait_ready()
+        else:
+            assert server is not None
+            await server.wait_jetstream()
+        nc = await connect(urls, "test-topology")
+        try:
+            cfg = Settings(lease_seconds=LEASE, replicas=replicas).topology()
+
+            async def applied() -> bool:
+                try:
+                    await topology.apply(nc.jetstream(), cfg)
+                except BadRequestError as exc:  # "no suitable peers": the cluster still forms
+                    if exc.err_code != 10005:
+                        raise
+                    return False
+                return True
+
+            await until(applied, timeout=30, every=0.2)
+        finally:
+            await nc.close()
+        client = await Client.connect(urls)
+        try:
+            yield Rig(mode, client, vendor, workers, release, server=server, cluster=cluster)
+        finally:
+            await client.close()
+    finally:
+        workers.close()
+        if cluster is not None:
+            cluster.stop()
+        if server is not None:
+            server.kill()
+
+
+def steps_asked(counts: dict[str, int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for payload, n in counts.items():
+        k = json.loads(payload)["step"]
+        out[k] = out.get(k, 0) + n
+    return out
+
+
+async def count(vendor: Vendor, op: str) -> int:
+    return sum((await vendor.request_counts(op)).values())
+
+
+async def held(rig: Rig, point: str, text: str, session: str = "m") -> tuple[Any, WorkerProcess]:
+    victim = rig.worker(hold=point)
+    h = await rig.client.send("tester", session, text)
+    await victim.wait_for("fault.hold", point=point)
+    return h, victim
+
+
+# --- the rows --------------------------------------------------------------------------
+
+
+async def run_model_before_output(rig: Rig) -> None:
+    h, v = await held(rig, "run_model.before_commit", script([call("write", name="x")]))
+    await rig.fail(v)
+    await rig.client.wait(h, timeout=90)
+    asked = steps_asked(await rig.vendor.payload_counts("model_call"))
+    # Asked again when the attempt was lost; a server failure need not cost it.
+    assert asked[0] == 2 if rig.worker_killed else asked[0] in (1, 2)
+    assert asked[1] == 1
+    assert await rig.vendor.effect_count("write") == 1
+
+
+async def run_model_after_output(rig: Rig) -> None:
+    h, v = await held(rig, "run_model.after_commit", script([call("write", name="x")]))
+    await rig.fail(v)
+    await rig.client.wait(h, timeout=90)
+    assert steps_asked(await rig.vendor.payload_counts("model_call")) == {0: 1, 1: 1}
+
+
+async def idempotent_write_before_mark(rig: Rig) -> None:
+    h, v = await held(rig, "call_tool.before_mark", script([call("write", name="x")]))
+    await rig.fail(v)
+    await rig.client.wait(h, timeout=90)
+    assert await count(rig.vendor, "write") == 1
+    assert await rig.vendor.effect_count("write") == 1
+
+
+async def idempotent_write_while_running(rig: Rig) -> None:
+    h, v = await held(rig, "call_tool.before_commit", script([call("write", name="x")]))
+    await rig.fail(v)
+    await rig.client.wait(h, timeout=90)
+    keys = await rig.vendor.request_counts("write")
+    assert len(keys) == 1, "the same idempotency key on every attempt"
+    assert await rig.vendor.effect_count("write") == 1
+
+
+async def read_while_running(rig: Rig) -> None:
+    h, v = await held(rig, "call_tool.before_commit", script([call("read", name="r")]))
+    await rig.fail(v)
+    await rig.client.wait(h, timeout=90)
+    made = await count(rig.vendor, "read")
+    assert made == 2 if rig.worker_killed else made in (1, 2)
+
+
+async def every_attempt(rig: Rig, tool: str, state: str) -> None:
+    """Every attempt lost (worker kill) or failing through a server failure."""
+    if rig.worker_killed:
+        h = await rig.client.send("tester", "ea", script([call(tool, name="x")]))
+        for n in range(3):
+            victim = rig.workers.start(f"victim{n}", hold="call_tool.before_commit")
+            await victim.wait_for("fault.hold", point="call_tool.before_commit")
+            victim.kill()
+        rig.workers.start("survivor")
+    else:
+        broken = {"read": "broken_read", "write": "broken_write"}[tool]
+        rig.worker()
+        h = await rig.client.send("tester", "ea", script([call(broken, name="x")]))
+
+        async def first_failed() -> bool:
+            return await count(rig.vendor, broken) >= 1
+
+        await until(first_failed)
+        await rig.fail(None)
+    await rig.client.wait(h, timeout=120)
+    rec = await rig.client.call("ea", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == state and rec.attempts == 3
+
+
+async def every_attempt_read(rig: Rig) -> None:
+    await every_attempt(rig, "read", "failed")
+
+
+async def every_attempt_write(rig: Rig) -> None:
+    await every_attempt(rig, "write", "outcome_unknown")
+
+
+async def single_attempt_before_mark(rig: Rig) -> None:
+    h, v = await held(rig, "call_tool.before_mark", script([call("once", name="x")]))
+    await rig.fail(v)
+    res = await rig.client.wait(h, timeout=90)
+    # No attempt reached the in-doubt mark: the tool provably did not run, so it is made.
+    assert body(res.text)["seen"][0]["status"] == "ok"
+    assert await count(rig.vendor, "once") == 1
+
+
+async def single_attempt_after_mark(rig: Rig) -> None:
+    h, v = await held(rig, "call_tool.in_tool", script([call("once", name="x")]))
+    await rig.fail(v)
+    res = await rig.client.wait(h, timeout=90)
+    status = body(res.text)["seen"][0]["status"]
+    made = await count(rig.vendor, "once")
+    if rig.worker_killed:
+        assert (status, made) == ("outcome_unknown", 0)
+    else:
+        # The attempt survived the server failure and made the call, once.
+        assert (status, made) in (("ok", 1), ("outcome_unknown", 0))
+
+
+async def single_attempt_while_running(rig: Rig) -> None:
+    h, v = await held(rig, "call_tool.before_commit", script([call("once", name="x")]))
+    await rig.fail(v)
+    res = await rig.client.wait(h, timeout=90)
+    status = body(res.text)["seen"][0]["status"]
+    assert await count(rig.vendor, "once") == 1, "a single-attempt write never runs twice"
+    assert status == "outcome_unknown" if rig.worker_killed else status in ("ok", "outcome_unknown")
+
+
+async def approval_while_waiting(rig: Rig) -> None:
+    rig.worker()
+    h = await rig.client.send("tester", "m", script([call("guarded", name="g")]))
+    snap = await until(lambda: _snap_with(rig, lambda s: s.approvals))
+    await rig.fail(None)
+    await rig.client.approve("m", snap.approvals[0].approval_id, by="matrix")
+    await rig.client.wait(h, timeout=90)
+    assert await rig.vendor.effect_count("guarded") == 1
+    assert await count(rig.vendor, "guarded") == 1
+
+
+async def question_while_waiting(rig: Rig) -> None:
+    rig.worker()
+    h = await rig.client.send("tester", "m", script([call("ask_user", question="why?")]))
+    snap = await until(lambda: _snap_with(rig, lambda s: s.questions))
+    await rig.fail(None)
+    await rig.client.answer("m", snap.questions[0].question_id, "because", by="matrix")
+    res = await rig.client.wait(h, timeout=90)
+    assert body(res.text)["seen"][0]["result"] == {"answer": "because"}
+
+
+async def timer_while_waiting(rig: Rig) -> None:
+    rig.worker()
+    h = await rig.client.send("tester", "m", script([call("wait", seconds=2)]))
+    await until(lambda: _snap_with(rig, lambda s: s.timers))
+    await rig.fail(None)
+    await rig.client.wait(h, timeout=90)
+    fired = [e async for e in _events_until_done(rig.client, "m") if e.type == "timer.fired"]
+    assert len(fired) == 1
+
+
+async def poll_between_polls(rig: Rig) -> None:
+    rig.worker()
+    h = await rig.client.send("tester", "m", script([call("export", name="e", polls=3)]))
+
+    async def polled() -> bool:
+        return await count(rig.vendor, "task_poll") >= 1
+
+    await until(polled)
+    await rig.fail(None)
+    res = await rig.client.wait(h, timeout=90)
+    assert body(res.text)["seen"][0]["status"] == "ok"
+    assert await count(rig.vendor, "task_start") == 1
+
+
+async def poll_during_poll(rig: Rig) -> None:
+    h, v = await held(rig, "poll_tool_task.in_poll", script([call("export", name="e", polls=2)]))
+    await rig.fail(v)
+    res = await rig.client.wait(h, timeout=90)
+    assert body(res.text)["seen"][0]["status"] == "ok"
+    assert await count(rig.vendor, "task_start") == 1
+
+
+async def compaction_during_summary(rig: Rig) -> None:
+    first = rig.worker()
+    h1 = await rig.client.send("compactor", "m", script(answer="padding " * 60))
+    await rig.client.wait(h1, timeout=60)
+    first.kill()
+    victim = rig.worker(hold="compact_context.in_call")
+    h2 = await rig.client.send("compactor", "m", script(answer="after"))
+    await victim.wait_for("fault.hold", point="compact_context.in_call")
+    await rig.fail(victim)
+    res = await rig.client.wait(h2, timeout=90)
+    assert body(res.text)["summaries"] == ["SUMMARY of 2 messages"]
+    assert await count(rig.vendor, "summary_call") in ((1,) if rig.worker_killed else (1, 2))
+    snap = await rig.client.snapshot("m")
+    assert snap is not None and [e.role for e in snap.history].count("summary") == 1
+
+
+async def idle_session(rig: Rig) -> None:
+    rig.worker()
+    h = await rig.client.send("tester", "m", script())
+    await rig.client.wait(h, timeout=60)
+    await rig.fail(None)
+    h2 = await rig.client.send("tester", "m", script([call("read", name="r")]))
+    res = await rig.client.wait(h2, timeout=90)
+    assert body(res.text)["seen"][0]["status"] == "ok"
+
+
+async def queued_before_worker(rig: Rig) -> None:
+    h = await rig.client.send("tester", "m", script([call("write", name="w")]))
+    if rig.worker_killed:
+        rig.workers.start()
+    else:
+        await rig.fail(None)
+        rig.worker()
+    await rig.client.wait(h, timeout=90)
+    turn = await rig.client.turn("m", h.turn_id)
+    rec = await rig.client.call("m", h.turn_id, 0, 0)
+    assert turn is not None and turn.attempts == 1
+    assert rec is not None and rec.attempts == 1
+
+
+async def after_wait_while_moving_on(rig: Rig) -> None:
+    victim = rig.worker(hold="call_tool.in_tool")
+    h = await rig.client.send("tester", "m", script([call("guarded", name="g")]))
+    snap = await until(lambda: _snap_with(rig, lambda s: s.approvals))
+    await rig.client.approve("m", snap.approvals[0].approval_id, by="matrix")
+    await victim.wait_for("fault.hold", point="call_tool.in_tool")
+    await rig.fail(victim)
+    await rig.client.wait(h, timeout=90)
+    assert await rig.vendor.effect_count("guarded") == 1
+    kinds = [e.type.value async for e in _events_until_done(rig.client, "m")]
+    assert kinds.count("approval.requested") == 1 and kinds.count("approval.decided") == 1
+
+
+async def after_result_before_commit(rig: Rig) -> None:
+    h, v = await held(rig, "call_tool.before_commit", script([call("write", name="x")]))
+    await rig.fail(v)
+    await rig.client.wait(h, timeout=90)
+    rec = await rig.client.call("m", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == "succeeded"
+    assert rec.attempts == (2 if rig.worker_killed else rec.attempts)
+    assert await rig.vendor.effect_count("write") == 1
+
+
+async def _snap_with(rig: Rig, pred: Callable[[Any], Any]) -> Any:
+    snap = await rig.client.snapshot("m")
+    return snap if snap is not None and pred(snap) else None
+
+
+async def _events_until_done(client: Client, session: str) -> AsyncIterator[Any]:
+    async for ev in client.events(session):
+        yield ev
+        if ev.type in ("turn.completed", "turn.failed", "turn.cancelled"):
+            return
+
+
+ROWS: dict[str, Callable[[Rig], Awaitable[None]]] = {
+    "run_model-before-output": run_model_before_output,
+    "run_model-after-output": run_model_after_output,
+    "idempotent_write-before-mark": idempotent_write_before_mark,
+    "idempotent_write-while-running": idempotent_write_while_running,
+    "read-while-running": read_while_running,
+    "every_attempt-read": every_attempt_read,
+    "every_attempt-write": every_attempt_write,
+    "single_attempt-before-mark": single_attempt_before_mark,
+    "single_attempt-after-mark": single_attempt_after_mark,
+    "single_attempt-while-running": single_attempt_while_running,
+    "approval-while-waiting": approval_while_waiting,
+    "question-while-waiting": question_while_waiting,
+    "timer-while-waiting": timer_while_waiting,
+    "poll-between-polls": poll_between_polls,
+    "poll-during-poll": poll_during_poll,
+    "compaction-during-summary": compaction_during_summary,
+    "idle-session": idle_session,
+    "queued-before-worker": queued_before_worker,
+    "after-wait-while-moving-on": after_wait_while_moving_on,
+    "after-result-before-commit": after_result_before_commit,
+}
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+async def test_matrix(rig: Rig, row: str) -> None:
+    """One cell: the row's scenario under the column's failure (see docs/crash-matrix.md)."""
+    await ROWS[row](rig)

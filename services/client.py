@@ -140,10 +140,13 @@ class Client:
     ) -> SessionSnapshot | None:
         """get_agent_snapshot: status, history page, current turn, calls, waits, queue."""
         state, blobs = await self._state(), await self._blobs()
+
+        async def read() -> SessionSnapshot | None:
+            history = await HistoryReader.for_stream(self.nc)
+            return await snapshot(state, history, blobs, session_id, history_offset, history_limit)
+
         return await retrying(
-            lambda: snapshot(
-                state, HistoryReader(self.nc), blobs, session_id, history_offset, history_limit
-            ),
+            read,
             self.retry_for,
             "snapshot",
         )

@@ -98,7 +98,7 @@ class Worker:
                 js=js,
                 state=StateStore(await js.key_value(topology.STATE_BUCKET)),
                 blobs=BlobStore(await js.object_store(topology.BLOB_BUCKET), s.blob_threshold),
-                history=HistoryReader(nc),
+                history=await HistoryReader.for_stream(nc),
                 bus=Bus(js),
                 app=self.app,
                 worker_id=self.worker_id,

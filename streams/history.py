@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
+from nats.js.errors import NotFoundError
 
 from schemas import HistoryEntry, decode
 from streams.topology import EVENTS_STREAM, history_filter
@@ -28,22 +29,55 @@ class _Tail:
 
 
 class HistoryReader:
-    def __init__(self, nc: Client, cache_sessions: int = 512, timeout: float = 5.0) -> None:
+    """Reads with batched direct gets where the stream allows them (one replica), else
+    with gets the stream leader answers (R3: a follower could be behind)."""
+
+    def __init__(
+        self, nc: Client, direct: bool = True, cache_sessions: int = 512, timeout: float = 5.0
+    ) -> None:
         self.nc = nc
+        self.direct = direct
         self.timeout = timeout
         self.cache_sessions = cache_sessions
         self._tails: OrderedDict[str, _Tail] = OrderedDict()
+
+    @classmethod
+    async def for_stream(cls, nc: Client) -> HistoryReader:
+        info = await nc.jetstream().stream_info(EVENTS_STREAM)
+        return cls(nc, direct=bool(info.config.allow_direct))
 
     async def read(self, session_id: str) -> list[HistoryEntry]:
         tail = self._tails.pop(session_id, None) or _Tail()
         self._tails[session_id] = tail
         while len(self._tails) > self.cache_sessions:
             self._tails.popitem(last=False)
+        if not self.direct:
+            await self._read_from_leader(session_id, tail)
+            return list(tail.entries)
         while True:
             pending = await self._read_batch(session_id, tail)
             if pending == 0:
                 break
         return list(tail.entries)
+
+    def _keep(self, tail: _Tail, seq: int, data: bytes) -> None:
+        tail.next_seq = seq + 1
+        entry = decode(HistoryEntry, data)
+        if entry.key not in tail.keys:
+            tail.keys.add(entry.key)
+            tail.entries.append(entry)
+
+    async def _read_from_leader(self, session_id: str, tail: _Tail) -> None:
+        js = self.nc.jetstream()
+        while True:
+            try:
+                msg = await js.get_msg(
+                    EVENTS_STREAM, seq=tail.next_seq, subject=history_filter(session_id), next=True
+                )
+            except NotFoundError:
+                return
+            assert msg.seq is not None
+            self._keep(tail, msg.seq, msg.data or b"")
 
     async def _read_batch(self, session_id: str, tail: _Tail) -> int:
         """One batched direct get; returns how many matching messages remain after it."""
@@ -64,11 +98,6 @@ class HistoryReader:
                     if status != "204":
                         raise RuntimeError(f"history read failed: {status} {hdrs}")
                     return int(hdrs.get("Nats-Num-Pending", "0"))
-                seq = int(hdrs["Nats-Sequence"])
-                tail.next_seq = seq + 1
-                entry = decode(HistoryEntry, msg.data)
-                if entry.key not in tail.keys:
-                    tail.keys.add(entry.key)
-                    tail.entries.append(entry)
+                self._keep(tail, int(hdrs["Nats-Sequence"]), msg.data)
         finally:
             await sub.unsubscribe()

@@ -7,10 +7,13 @@ whole config (NATS-NOTES: a read-modify-write update can drop fields nats-py doe
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext, api
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
 
 TURNS_STREAM = "JL_TURNS"
 STEPS_STREAM = "JL_STEPS"
@@ -83,6 +86,10 @@ class TopologyConfig:
 
 def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
     r = cfg.replicas
+    # Direct gets are answered by any replica, so on R3 they can read a follower that has
+    # not caught up (nats-server#6970): a call step could read a turn record from before its
+    # answer and stop. With one replica there is nothing to lag, so keep the fast path.
+    direct = r == 1
     return [
         api.StreamConfig(
             name=TURNS_STREAM,
@@ -94,7 +101,6 @@ def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
             storage=api.StorageType.FILE,
             num_replicas=r,
             duplicate_window=cfg.turn_dedupe_seconds,
-            allow_direct=True,
         ),
         api.StreamConfig(
             name=STEPS_STREAM,
@@ -116,7 +122,7 @@ def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
             storage=api.StorageType.FILE,
             num_replicas=r,
             duplicate_window=cfg.event_dedupe_seconds,
-            allow_direct=True,
+            allow_direct=direct,
         ),
         api.StreamConfig(
             name=DEAD_STREAM,
@@ -133,7 +139,7 @@ def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
             subjects=[f"$KV.{STATE_BUCKET}.>"],
             storage=api.StorageType.FILE,
             num_replicas=r,
-            allow_direct=True,
+            allow_direct=direct,
             allow_rollup_hdrs=True,
             allow_msg_ttl=True,
             allow_atomic=True,
@@ -191,11 +197,11 @@ async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = 
         try:
             info = await js.stream_info(sc.name)
         except NotFoundError:
-            await js.add_stream(sc)
+            await _placed(js.add_stream, sc)
             continue
         if not set_replicas and info.config.num_replicas:
             sc.num_replicas = info.config.num_replicas
-        await js.update_stream(sc)
+        await _placed(js.update_stream, sc)
     for stream, cc in consumer_configs(cfg):
         await js.add_consumer(stream, cc)
     try:
@@ -210,6 +216,24 @@ async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = 
                 replicas=cfg.replicas,
             ),
         )
+
+
+async def _placed(
+    op: Callable[[api.StreamConfig], Awaitable[object]],
+    sc: api.StreamConfig,
+    seconds: float = 30.0,
+) -> None:
+    """A cluster that just formed may not know all its peers yet: "no suitable peers for
+    placement" (10005) then passes within seconds."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            await op(sc)
+            return
+        except BadRequestError as exc:
+            if exc.err_code != 10005 or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 async def present(js: JetStreamContext) -> list[str]:

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nats.js.errors import BadRequestError
 
 from demo.vendor import Vendor
 from services.client import Client
@@ -105,17 +104,7 @@ async def rig(
         nc = await connect(urls, "test-topology")
         try:
             cfg = Settings(lease_seconds=LEASE, replicas=replicas).topology()
-
-            async def applied() -> bool:
-                try:
-                    await topology.apply(nc.jetstream(), cfg)
-                except BadRequestError as exc:  # "no suitable peers": the cluster still forms
-                    if exc.err_code != 10005:
-                        raise
-                    return False
-                return True
-
-            await until(applied, timeout=30, every=0.2)
+            await topology.apply(nc.jetstream(), cfg)
         finally:
             await nc.close()
         client = await Client.connect(urls)
@@ -162,6 +151,13 @@ async def run_model_before_output(rig: Rig) -> None:
     assert asked[0] == 2 if rig.worker_killed else asked[0] in (1, 2)
     assert asked[1] == 1
     assert await rig.vendor.effect_count("write") == 1
+    if rig.worker_killed:
+        resumed = [
+            e
+            async for e in _events_until_done(rig.client, "m")
+            if e.type == "agent.run.crash_resumed"
+        ]
+        assert [e.data["step"] for e in resumed] == [f"m.{h.turn_id}.m0"]
 
 
 async def run_model_after_output(rig: Rig) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from consumers.calls import NOT_SENT_AGAIN, TOOL_CALL_NOT_RUN_ERROR_PREFIX
+from consumers.calls import TOOL_CALL_NOT_RUN_ERROR_PREFIX
 from demo.vendor import Vendor
 from services.client import Client, TurnFailed
 from tests.conftest import WorkerFactory, body, call, script, until
@@ -21,32 +21,6 @@ async def snapshot_when(client: Client, session: str, pred: object, timeout: flo
 
 
 # --- CallSingleAttemptTool ------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("point", "vendor_requests"),
-    [
-        pytest.param("call_tool.in_tool", 0, id="after-mark-before-tool"),
-        pytest.param("call_tool.before_commit", 1, id="tool-applied-not-committed"),
-    ],
-)
-async def test_single_attempt_write_in_doubt_is_outcome_unknown(
-    client: Client, workers: WorkerFactory, vendor: Vendor, point: str, vendor_requests: int
-) -> None:
-    """A single-attempt write left in doubt by a crash is never sent again: outcome_unknown."""
-    victim = workers.start("victim", hold=point)
-    h = await client.send("tester", "sa", script([call("once", name="pay-1")]))
-    await victim.wait_for("fault.hold", point=point)
-    victim.kill()
-    workers.start("survivor")
-    res = await client.wait(h, timeout=30)
-    [seen] = body(res.text)["seen"]
-    assert seen["status"] == "outcome_unknown"
-    assert seen["error"] == NOT_SENT_AGAIN
-    assert sum((await vendor.request_counts("once")).values()) == vendor_requests
-    rec = await client.call("sa", h.turn_id, 0, 0)
-    assert rec is not None and rec.state == "outcome_unknown"
-    assert rec.settlement == "outcome_unknown" and rec.attempts == 1
 
 
 @pytest.mark.parametrize(
@@ -401,41 +375,7 @@ async def test_compaction_failing_fails_the_turn_and_the_next_message_compacts_a
     assert sum((await vendor.payload_counts("summary_call")).values()) == 6
 
 
-async def test_worker_kill_during_summary_call(
-    client: Client, workers: WorkerFactory, vendor: Vendor
-) -> None:
-    """Killed during the summary call: only that call runs again; one summary is stored."""
-    first = workers.start()
-    h1 = await client.send("compactor", "ck", script(answer=PAD))
-    await client.wait(h1, timeout=30)
-    first.kill()
-    victim = workers.start("victim", hold="compact_context.in_call")
-    h2 = await client.send("compactor", "ck", script(answer="after"))
-    await victim.wait_for("fault.hold", point="compact_context.in_call")
-    victim.kill()
-    workers.start("survivor")
-    res = await client.wait(h2, timeout=30)
-    assert body(res.text)["summaries"] == ["SUMMARY of 2 messages"]
-    assert sum((await vendor.payload_counts("summary_call")).values()) == 1
-    asked = await vendor.payload_counts("model_call")
-    assert sum(asked.values()) == 2  # one answer per turn: the model step was not repeated
-
-
 # --- crash cells of the waits ----------------------------------------------------------
-
-
-async def test_worker_kill_during_a_poll(
-    client: Client, workers: WorkerFactory, vendor: Vendor
-) -> None:
-    """Killed during a poll: the poll runs again, no second task starts."""
-    victim = workers.start("victim", hold="poll_tool_task.in_poll")
-    h = await client.send("tester", "kp", script([call("export", name="e", polls=2)]))
-    await victim.wait_for("fault.hold", point="poll_tool_task.in_poll")
-    victim.kill()
-    workers.start("survivor")
-    res = await client.wait(h, timeout=30)
-    assert body(res.text)["seen"][0]["status"] == "ok"
-    assert sum((await vendor.request_counts("task_start")).values()) == 1
 
 
 async def test_timer_due_while_server_down_fires_when_back(
@@ -459,15 +399,3 @@ async def test_timer_due_while_server_down_fires_when_back(
     res = await client.wait(h, timeout=60)
     assert time.time() - t_down >= 2.5
     assert body(res.text)["seen"][0]["result"] == {"waited_seconds": 1}
-
-
-async def test_idle_session_holds_nothing(client: Client, workers: WorkerFactory) -> None:
-    """An idle session needs no worker: kill it, the next message starts a turn."""
-    w = workers.start()
-    h = await client.send("tester", "idle", script())
-    await client.wait(h, timeout=30)
-    w.kill()
-    workers.start()
-    h2 = await client.send("tester", "idle", script([call("read", name="r")]))
-    res = await client.wait(h2, timeout=30)
-    assert body(res.text)["seen"][0]["status"] == "ok"

@@ -126,6 +126,9 @@ class Tool:
     cancel: CancelFn | None = None
     poll_interval: float = 1.0
     timeout_seconds: float | None = None
+    # An IDEMPOTENT_WRITE whose vendor dedupes a key only for this long: a resume within
+    # the window sends again with the same key, past it the call is settled like any write.
+    dedupe_window_seconds: float | None = None
 
     def json_schema(self) -> dict[str, Any]:
         return self.args_model.model_json_schema()
@@ -146,6 +149,7 @@ def tool(
     args_model: type[BaseModel] | None = None,
     approval: ApprovalPolicy = False,
     reader: ReaderFn | None = None,
+    dedupe_window_seconds: float | None = None,
 ) -> Callable[[ToolFn], Tool]:
     """Declare a tool: ``async def fn(args: ArgsModel, ctx: ToolContext) -> result``.
 
@@ -164,6 +168,7 @@ def tool(
             attempt_window_seconds=attempt_window_seconds,
             approval=approval,
             reader=reader,
+            dedupe_window_seconds=dedupe_window_seconds,
         )
 
     return wrap

@@ -17,7 +17,10 @@ never marked. A lost CAS anywhere is a takeover: nothing more is written, publis
 
 from __future__ import annotations
 
+import time
+
 import structlog
+from pydantic import BaseModel
 
 from agents import Effect, Found, RetryableToolError, ToolError, ToolKind
 from consumers import tasks, waits
@@ -37,6 +40,7 @@ from consumers.calls import (
 )
 from consumers.errors import DeadLetter, RetryLater, TakenOver
 from consumers.followers import call_done
+from consumers.losses import record_loss, tell_resumed
 from consumers.runtime import Delivery
 from schemas import CallOutcome, CallState, StepMessage, TurnPhase, call_key
 
@@ -74,15 +78,21 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
     rec = rec_v.value if rec_v else new_record(ckey, call)
 
     agent = rt.app.agent(turn.agent)
+    if agent is None and call.invalid is None:
+        raise RetryLater(5.0, f"agent {turn.agent!r} is not served by this worker")
     tool = agent.tool(call.tool) if agent else None
-    if call.invalid is not None or agent is None or tool is None:
-        if call.invalid is None:
-            raise RetryLater(5.0, f"tool {call.tool!r} of agent {turn.agent!r} is not served here")
-        outcome = CallOutcome(
-            state=CallState.FAILED, error=f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {call.invalid}"
-        )
+    if agent is None or tool is None or call.invalid is not None:
+        # Gates as they stand now: a tool the agent no longer offers is not made; a write
+        # left in doubt by a lost attempt may have run, so its outcome is unknown.
+        why = call.invalid or f"the agent no longer offers the tool {call.tool!r}"
+        if rec.state == CallState.IN_DOUBT and rec.attempt is not None:
+            outcome = CallOutcome(state=CallState.OUTCOME_UNKNOWN, error=f"{NOT_SENT_AGAIN}; {why}")
+        else:
+            outcome = CallOutcome(
+                state=CallState.FAILED, error=f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {why}"
+            )
         await settle_record(
-            d, turn, n, call.index, rec, rec_v.revision if rec_v else None, outcome, "invalid"
+            d, turn, n, call.index, rec, rec_v.revision if rec_v else None, outcome, "gate"
         )
         return
     env = CallEnv(d, turn, n, call, ckey, rec, rec_v.revision if rec_v else None, agent, tool)
@@ -120,24 +130,17 @@ async def run(env: CallEnv) -> None:
     effect = Effect(env.call.effect)
     args = tool.args_model.model_validate(env.call.args)
 
-    if rec.state == CallState.IN_DOUBT and rec.attempt is not None:
-        # The mark of an attempt that was lost: the call may or may not have been made.
-        if effect == Effect.NON_IDEMPOTENT_WRITE:
-            if tool.reader is None:
-                await settle(
-                    env,
-                    CallOutcome(state=CallState.OUTCOME_UNKNOWN, error=NOT_SENT_AGAIN),
-                    "outcome_unknown",
-                )
-                return
-            back = await tool.reader(args, ToolCtx(env.d, env.call, rec.attempts))
-            if isinstance(back, Found):
-                outcome = await succeeded(rt, env.ckey, rec.attempts, back.result)
-                await settle(env, outcome, "read_back")
-                return
-            log.info("call.resume", settlement="read back: not applied, made again")
-        else:
-            log.info("call.resume", settlement="made again with the same idempotency key")
+    if rec.attempt is not None and rec.state in (CallState.IN_DOUBT, CallState.RUNNING):
+        # An attempt was lost (its lease lapsed): a takeover of the turn, counted once.
+        lost = rec.attempt
+        step_key = f"{env.turn.session_id}.{env.turn.turn_id}.m{env.n}.c{env.call.index}"
+        losses = await record_loss(rt, env.turn.session_id, env.turn.turn_id, step_key, lost)
+        if losses is None:
+            return  # one loss too many: the turn failed, close_turn settles this call
+        how = await _resume_settlement(env, effect, args)
+        await tell_resumed(rt, env.turn, step_key, lost, losses, {env.ckey: how})
+        if how != "made again":
+            return
 
     if rec.attempts >= tool.max_attempts or window_passed(rec, tool):
         await settle(env, exhausted(rec, effect.is_write), "attempts_exhausted")
@@ -193,3 +196,35 @@ async def run(env: CallEnv) -> None:
     log.info("call.recorded", state=outcome.state.value, attempts=attempt.no)
     await rt.faults.point("call_tool.after_commit")
     await call_done(env.turn, env.n, env.call.index, done).publish(rt.bus)
+
+
+async def _resume_settlement(env: CallEnv, effect: Effect, args: BaseModel) -> str:
+    """Settle a call whose attempt was lost (ARCHITECTURE.md, settlement table); returns
+    how, or "made again" when the call is to be made again now."""
+    tool, rec = env.tool, env.rec
+    if rec.state == CallState.RUNNING or effect == Effect.READ:
+        return "made again"
+    window = tool.dedupe_window_seconds
+    past_window = (
+        effect == Effect.IDEMPOTENT_WRITE
+        and window is not None
+        and rec.first_attempt_at is not None
+        and time.time() - rec.first_attempt_at > window
+    )
+    if effect == Effect.IDEMPOTENT_WRITE and not past_window:
+        log.info("call.resume", settlement="made again with the same idempotency key")
+        return "made again"
+    # A single-attempt write, or a keyed write whose vendor has forgotten the key by now.
+    if tool.reader is not None:
+        back = await tool.reader(args, ToolCtx(env.d, env.call, rec.attempts))
+        if isinstance(back, Found):
+            outcome = await succeeded(env.rt, env.ckey, rec.attempts, back.result)
+            await settle(env, outcome, "read_back")
+            return "read back"
+        log.info("call.resume", settlement="read back: not applied, made again")
+        return "made again"
+    error = NOT_SENT_AGAIN
+    if past_window:
+        error += f" (its vendor dedupes the key only for {window:g}s, which has passed)"
+    await settle(env, CallOutcome(state=CallState.OUTCOME_UNKNOWN, error=error), "outcome_unknown")
+    return "outcome_unknown"

@@ -17,6 +17,7 @@ import structlog
 from agents import Agent, Message, ModelRequest, rough_tokens
 from consumers.errors import RetryLater
 from consumers.followers import Followers, finished
+from consumers.losses import record_loss, tell_resumed
 from consumers.runtime import Delivery, Runtime
 from schemas import (
     CompactionRecord,
@@ -150,6 +151,13 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
                 raise RetryLater(0.05, "turn changed") from None
             await finished(failed).publish(rt.bus)
             return
+        if comp.attempt is not None:
+            # The summary call's attempt before this one was lost: a takeover of the turn.
+            step_key = step.step_key()
+            losses = await record_loss(rt, sid, tid, step_key, comp.attempt)
+            if losses is None:
+                return
+            await tell_resumed(rt, turn, step_key, comp.attempt, losses, {})
         attempt = rt.new_attempt(comp.attempts + 1)
         comp = comp.model_copy(
             update={

@@ -191,7 +191,7 @@ class Control:
                 except Conflict:
                     continue
                 log.info("turn.cancelled", session=session_id, turn=tid, by=by)
-            step = StepMessage(kind=StepKind.CANCEL_TURN, session_id=session_id, turn_id=tid)
+            step = StepMessage(kind=StepKind.CLOSE_TURN, session_id=session_id, turn_id=tid)
             await self.bus.publish([step_out(step)])
             return turn
         raise ControlError(409, "turn kept changing", session_id)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from consumers.call_tool import on_call
-from consumers.cancel import on_cancel_turn
+from consumers.closing import on_close_turn, reject_untrusted
 from consumers.compact import on_compact
 from consumers.errors import DeadLetter
 from consumers.join import on_join
@@ -11,6 +11,7 @@ from consumers.run_model import on_run_model
 from consumers.runtime import Delivery
 from consumers.session import on_turn_done, on_turn_request
 from schemas import CALL_KINDS, StepKind, StepMessage, decode
+from streams.seal import SealBroken
 
 
 async def route_turn(d: Delivery) -> None:
@@ -25,6 +26,13 @@ async def route_step(d: Delivery) -> None:
             f"step subject {d.msg.subject!r} does not match its body "
             f"({step.kind.value} of session {step.session_id})"
         )
+    try:
+        await _route(d, step)
+    except SealBroken as exc:
+        await reject_untrusted(d, step, exc)
+
+
+async def _route(d: Delivery, step: StepMessage) -> None:
     if step.kind in CALL_KINDS:
         await on_call(d, step)
         return
@@ -37,5 +45,5 @@ async def route_step(d: Delivery) -> None:
             await on_join(d, step)
         case StepKind.TURN_DONE:
             await on_turn_done(d, step)
-        case StepKind.CANCEL_TURN:
-            await on_cancel_turn(d, step)
+        case StepKind.CLOSE_TURN:
+            await on_close_turn(d, step)

@@ -18,10 +18,9 @@ from agents import Agent, ModelRequest, ModelResponse, ToolSpec
 from consumers.compact import compact_first, compaction_needed, conversation
 from consumers.errors import DeadLetter, RetryLater
 from consumers.followers import answer, finished
+from consumers.losses import loss_id, lost_event, lost_reason, tell_resumed
 from consumers.runtime import Delivery, Runtime
 from schemas import (
-    Event,
-    EventType,
     PlannedCall,
     StepMessage,
     TurnPhase,
@@ -82,6 +81,25 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         return
 
     resumed = turn.attempt
+    lost = list(turn.lost)
+    if resumed is not None:
+        # The attempt before this one was lost (its lease lapsed): a takeover of the turn.
+        lid = loss_id(step.step_key(), resumed)
+        if lid not in lost:
+            lost.append(lid)
+        if len(lost) > rt.max_losses:
+            gone = turn.model_copy(
+                update={
+                    "status": TurnStatus.FAILED,
+                    "attempt": None,
+                    "lost": lost,
+                    "error": lost_reason(turn, len(lost), step.step_key()),
+                }
+            )
+            await d.claim(turn_key(sid, tid), gone, cur.revision)
+            await rt.bus.publish([event_out(lost_event(turn, len(lost), step.step_key()))])
+            await finished(gone).publish(rt.bus)
+            return
     attempt = rt.new_attempt(turn.attempts + 1)
     claimed = turn.model_copy(
         update={
@@ -89,28 +107,13 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             "attempt": attempt,
             "attempts": attempt.no,
             "first_attempt_at": turn.first_attempt_at or now,
+            "lost": lost,
         }
     )
     await d.claim(turn_key(sid, tid), claimed, cur.revision)
     structlog.contextvars.bind_contextvars(attempt=attempt.no)
     if resumed is not None:
-        await rt.bus.publish(
-            [
-                event_out(
-                    Event(
-                        key=f"{step.step_key()}.resumed.{attempt.no}",
-                        type=EventType.CRASH_RESUMED,
-                        session_id=sid,
-                        turn_id=tid,
-                        data={
-                            "step": step.step_key(),
-                            "lost_attempt": resumed.no,
-                            "lost_worker": resumed.worker,
-                        },
-                    )
-                )
-            ]
-        )
+        await tell_resumed(rt, turn, step.step_key(), resumed, len(lost), {})
 
     request = ModelRequest(
         agent=agent.name,

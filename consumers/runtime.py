@@ -38,6 +38,7 @@ class Runtime:
     worker_id: str
     lease_seconds: float
     faults: Faults = field(default_factory=Faults)
+    max_losses: int = 2
 
     def new_attempt(self, no: int) -> Attempt:
         return Attempt(no=no, worker=self.worker_id, started_at=time.time())

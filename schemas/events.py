@@ -20,6 +20,8 @@ class EventType(StrEnum):
     TURN_FAILED = "turn.failed"
     TURN_CANCELLED = "turn.cancelled"
     CRASH_RESUMED = "agent.run.crash_resumed"
+    CHECKPOINT_REJECTED = "agent.run.checkpoint_rejected"
+    TURN_LOST = "agent.run.lost"
     APPROVAL_REQUESTED = "approval.requested"
     APPROVAL_DECIDED = "approval.decided"
     QUESTION_ASKED = "question.asked"

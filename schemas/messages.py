@@ -29,7 +29,7 @@ class StepKind(StrEnum):
     COMPACT_CONTEXT = "compact_context"
     JOIN = "join"
     TURN_DONE = "turn_done"
-    CANCEL_TURN = "cancel_turn"
+    CLOSE_TURN = "close_turn"  # a cancelled or failed turn: settle its open calls
 
 
 # Kinds whose handler is the call handler: each wakes one call of a model step.
@@ -80,6 +80,6 @@ class StepMessage(BaseModel):
                 key = f"{call}.join"
             case StepKind.TURN_DONE:
                 key = f"{base}.done"
-            case StepKind.CANCEL_TURN:
-                key = f"{base}.cancel"
+            case StepKind.CLOSE_TURN:
+                key = f"{base}.close"
         return f"{key}.{self.wake}" if self.wake else key

@@ -81,6 +81,15 @@ class PlannedCall(BaseModel):
     invalid: str | None = None  # set when the call cannot run (unknown tool, bad args)
 
 
+class ParentCall(BaseModel):
+    """The call that delegated a child turn: where the child's answer goes."""
+
+    session_id: str
+    turn_id: str
+    model_step: int
+    call_index: int
+
+
 class TurnRecord(BaseModel):
     v: int = SCHEMA_VERSION
     session_id: str
@@ -100,6 +109,10 @@ class TurnRecord(BaseModel):
     error: str | None = None
     tool_calls_made: int = 0
     cancelled_by: str | None = None
+    # Loss accounting: one id per attempt found lost (a takeover after a lapsed lease).
+    lost: list[str] = Field(default_factory=list)
+    parent: ParentCall | None = None  # set on a delegated child turn
+    seal: str | None = None
 
 
 class CallState(StrEnum):
@@ -153,6 +166,8 @@ class CallRecord(BaseModel):
     polls: int = 0
     reconciled_by: str | None = None
     reconciled_at: float | None = None
+    child_session: str | None = None  # a delegation's child session
+    seal: str | None = None
 
     @property
     def done(self) -> bool:

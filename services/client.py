@@ -42,6 +42,7 @@ from streams.blobs import BlobStore
 from streams.bus import Bus
 from streams.connection import connect, retrying
 from streams.history import HistoryReader
+from streams.seal import Sealer
 from streams.state import StateStore
 
 T = TypeVar("T")
@@ -73,8 +74,12 @@ class TurnResult:
 
 
 class Client:
-    def __init__(self, nc: Nats, own: bool = False, retry_for: float = 30.0) -> None:
+    def __init__(
+        self, nc: Nats, own: bool = False, retry_for: float = 30.0, sealer: Sealer | None = None
+    ) -> None:
         self.nc = nc
+        # Writes of turn and call records (cancel, reconcile) are sealed like a worker's.
+        self.sealer = sealer
         self.js = nc.jetstream()
         self._own = own
         # How long a call rides out a restart or a leader election before it gives up.
@@ -83,10 +88,15 @@ class Client:
         self._blob_store: BlobStore | None = None
 
     @classmethod
-    async def connect(cls, urls: str | Sequence[str]) -> Client:
+    async def connect(cls, urls: str | Sequence[str], sealer: Sealer | None = None) -> Client:
+        """Connect; ``sealer`` defaults to the one the settings (JETLOOP_SEAL_KEY) give."""
         if isinstance(urls, str):
             urls = [u.strip() for u in urls.split(",") if u.strip()]
-        return cls(await connect(urls, name="jetloop-client"), own=True)
+        if sealer is None:
+            from services.settings import load_settings
+
+            sealer = load_settings().sealer()
+        return cls(await connect(urls, name="jetloop-client"), own=True, sealer=sealer)
 
     async def __aenter__(self) -> Client:
         return self
@@ -104,7 +114,7 @@ class Client:
             kv = await retrying(
                 lambda: self.js.key_value(topology.STATE_BUCKET), self.retry_for, "bind"
             )
-            self._state_store = StateStore(kv)
+            self._state_store = StateStore(kv, self.sealer)
         return self._state_store
 
     async def send(

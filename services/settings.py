@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from streams.seal import Sealer, key_bytes
 from streams.topology import TopologyConfig
 
 
@@ -43,6 +44,15 @@ class Settings(BaseSettings):
     worker_id: str | None = Field(None, description="name of this worker in claims and logs")
     log_format: Literal["json", "console"] = Field("json", description="log lines format")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
+    seal_key: SecretStr | None = Field(
+        None, description="HMAC key sealing checkpoints (hex or text); unset: not sealed"
+    )
+    seal_old_keys: str = Field(
+        "", description="comma-separated keys that still verify (rotation), never seal"
+    )
+    max_losses: int = Field(
+        2, ge=0, description="a turn lost (taken over) more often than this fails"
+    )
     vendor_db: Path = Field(
         Path(".jetloop/vendor.sqlite"), description="the demo ticketing vendor's database"
     )
@@ -58,6 +68,13 @@ class Settings(BaseSettings):
     @property
     def nats_urls(self) -> list[str]:
         return [u.strip() for u in self.nats_url.split(",") if u.strip()]
+
+    def sealer(self) -> Sealer | None:
+        if self.seal_key is None:
+            return None
+        keys = [key_bytes(self.seal_key.get_secret_value())]
+        keys += [key_bytes(k) for k in self.seal_old_keys.split(",") if k.strip()]
+        return Sealer(keys)
 
     def topology(self) -> TopologyConfig:
         return TopologyConfig(replicas=self.replicas, lease_seconds=self.lease_seconds)

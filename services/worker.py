@@ -96,7 +96,7 @@ class Worker:
             rt = Runtime(
                 nc=nc,
                 js=js,
-                state=StateStore(await js.key_value(topology.STATE_BUCKET)),
+                state=StateStore(await js.key_value(topology.STATE_BUCKET), s.sealer()),
                 blobs=BlobStore(await js.object_store(topology.BLOB_BUCKET), s.blob_threshold),
                 history=await HistoryReader.for_stream(nc),
                 bus=Bus(js),
@@ -104,6 +104,7 @@ class Worker:
                 worker_id=self.worker_id,
                 lease_seconds=s.lease_seconds,
                 faults=self.faults,
+                max_losses=s.max_losses,
             )
             control: ControlService | None = None
             if topology.SESSION_POOL in self.pools:

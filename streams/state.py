@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import msgpack
 from nats.errors import ConnectionClosedError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
@@ -25,6 +26,8 @@ from schemas import (
     decode,
     encode,
 )
+from schemas.codec import DecodeError
+from streams.seal import SEAL_FIELD, SealBroken, Sealer
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -68,20 +71,55 @@ def compaction_key(session_id: str, turn_id: str, model_step: int) -> str:
     return f"compact.{session_id}.{turn_id}.{model_step}"
 
 
+SEALED: tuple[type[BaseModel], ...] = (TurnRecord, CallRecord)
+
+
 class StateStore:
-    """The state bucket, with one typed accessor per record kind."""
+    """The state bucket, with one typed accessor per record kind.
 
-    def __init__(self, kv: KeyValue) -> None:
+    Turn and call records (the checkpoints) are sealed on write and verified on read when
+    a ``Sealer`` is given; ``SealBroken`` says a record is not to be trusted.
+    """
+
+    def __init__(self, kv: KeyValue, sealer: Sealer | None = None) -> None:
         self.kv = kv
+        self.sealer = sealer
 
-    async def _get(self, model: type[R], key: str) -> Versioned[R] | None:
+    def _encode(self, value: BaseModel) -> bytes:
+        if self.sealer is None or not isinstance(value, SEALED):
+            return encode(value)
+        data = value.model_dump(mode="json", exclude_none=True)
+        data.pop(SEAL_FIELD, None)
+        data[SEAL_FIELD] = self.sealer.seal(data)
+        packed: bytes = msgpack.packb(data, use_bin_type=True)
+        return packed
+
+    def _decode(self, model: type[R], key: str, raw: bytes, verify: bool) -> R:
+        if self.sealer is not None and verify and issubclass(model, SEALED):
+            try:
+                data = msgpack.unpackb(raw, raw=False)
+            except Exception as exc:
+                raise SealBroken(key, f"it is not msgpack ({exc})") from exc
+            if not isinstance(data, dict):
+                raise SealBroken(key, "it is not a record")
+            why = self.sealer.verify(data)
+            if why is not None:
+                raise SealBroken(key, why)
+        try:
+            return decode(model, raw)
+        except DecodeError as exc:
+            if self.sealer is not None and verify and issubclass(model, SEALED):
+                raise SealBroken(key, str(exc)) from exc
+            raise
+
+    async def _get(self, model: type[R], key: str, verify: bool = True) -> Versioned[R] | None:
         try:
             entry = await self.kv.get(key)
         except KeyNotFoundError:
             return None
         if entry.value is None:
             return None
-        return Versioned(decode(model, entry.value), entry.revision or 0)
+        return Versioned(self._decode(model, key, entry.value, verify), entry.revision or 0)
 
     async def _create_raw(self, key: str, data: bytes) -> int:
         try:
@@ -104,7 +142,7 @@ class StateStore:
         exactly what we wrote, it landed. A retry of the CAS itself would answer "wrong last
         sequence" and look like a takeover (NATS-NOTES).
         """
-        data = encode(value)
+        data = self._encode(value)
         try:
             if revision is None:
                 return await self._create_raw(key, data)
@@ -141,11 +179,13 @@ class StateStore:
     async def session(self, session_id: str) -> Versioned[SessionRecord] | None:
         return await self._get(SessionRecord, session_key(session_id))
 
-    async def turn(self, session_id: str, turn_id: str) -> Versioned[TurnRecord] | None:
-        return await self._get(TurnRecord, turn_key(session_id, turn_id))
+    async def turn(
+        self, session_id: str, turn_id: str, verify: bool = True
+    ) -> Versioned[TurnRecord] | None:
+        return await self._get(TurnRecord, turn_key(session_id, turn_id), verify)
 
-    async def call(self, call_key: str) -> Versioned[CallRecord] | None:
-        return await self._get(CallRecord, call_state_key(call_key))
+    async def call(self, call_key: str, verify: bool = True) -> Versioned[CallRecord] | None:
+        return await self._get(CallRecord, call_state_key(call_key), verify)
 
     async def approval(self, session_id: str, approval_id: str) -> Versioned[ApprovalRecord] | None:
         return await self._get(ApprovalRecord, approval_key(session_id, approval_id))

@@ -1,0 +1,157 @@
+"""Ending a turn from outside its steps: cancelled, lost too often, or not trusted.
+
+``close_turn`` runs after the turn record was marked ``cancelled`` or ``failed`` by a CAS
+(so any RunModel or join still running loses its next CAS and stops). It settles the calls
+still open — cancelled ones as ``cancelled`` (cancelling their tasks), those of a failed turn
+as their row says (a write in doubt is ``outcome_unknown``, anything else ``failed``) — then
+tells the log and moves the session on. Running tools see ``ctx.cancelled``.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from consumers.calls import TOOL_CALL_NOT_RUN_ERROR_PREFIX, ToolCtx
+from consumers.errors import DeadLetter, RetryLater
+from consumers.followers import Followers, finished
+from consumers.runtime import Delivery, Runtime
+from schemas import (
+    CallOutcome,
+    CallRecord,
+    CallState,
+    Event,
+    EventType,
+    StepKind,
+    StepMessage,
+    TurnPhase,
+    TurnRecord,
+    TurnStatus,
+    call_key,
+)
+from streams.bus import event_out, step_out
+from streams.seal import SealBroken
+from streams.state import Conflict, call_state_key, turn_key
+
+log = structlog.get_logger("jetloop.closing")
+
+
+def close_step(turn: TurnRecord) -> StepMessage:
+    return StepMessage(kind=StepKind.CLOSE_TURN, session_id=turn.session_id, turn_id=turn.turn_id)
+
+
+def _closed(rec: CallRecord, turn: TurnRecord) -> CallOutcome:
+    if turn.status == TurnStatus.CANCELLED:
+        return CallOutcome(
+            state=CallState.CANCELLED, error=f"the turn was cancelled by {turn.cancelled_by}"
+        )
+    why = f"the turn failed: {turn.error}"
+    if rec.attempts == 0 or rec.state in (CallState.AWAITING_APPROVAL, CallState.AWAITING_ANSWER):
+        return CallOutcome(state=CallState.FAILED, error=f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}; {why}")
+    if rec.state in (CallState.IN_DOUBT, CallState.TASK_RUNNING):
+        return CallOutcome(state=CallState.OUTCOME_UNKNOWN, error=why)
+    return CallOutcome(state=CallState.FAILED, error=why)
+
+
+async def on_close_turn(d: Delivery, step: StepMessage) -> None:
+    rt = d.rt
+    sid, tid = step.session_id, step.turn_id
+    cur = await rt.state.turn(sid, tid)
+    if cur is None or cur.value.status not in (TurnStatus.CANCELLED, TurnStatus.FAILED):
+        return
+    turn = cur.value
+    agent = rt.app.agent(turn.agent)
+    events = []
+    if turn.phase == TurnPhase.CALLS:
+        for c in turn.calls:
+            ckey = call_key(sid, tid, turn.model_step, c.index)
+            try:
+                rec_v = await rt.state.call(ckey)
+            except SealBroken:
+                rec_v = await rt.state.call(ckey, verify=False)
+            if rec_v is not None and rec_v.value.done:
+                continue
+            rec = (
+                rec_v.value
+                if rec_v
+                else CallRecord(key=ckey, tool=c.tool, effect=c.effect, state=CallState.RUNNING)
+            )
+            tool = agent.tool(c.tool) if agent else None
+            if (
+                turn.status == TurnStatus.CANCELLED
+                and rec.state == CallState.TASK_RUNNING
+                and tool is not None
+                and tool.cancel
+            ):
+                await tool.cancel(rec.task_handle, ToolCtx(d, c, rec.attempts))
+                log.info("task.cancelled", call=ckey)
+            outcome = _closed(rec, turn)
+            done = rec.model_copy(
+                update={
+                    "state": outcome.state,
+                    "outcome": outcome,
+                    "attempt": None,
+                    "settlement": "closed",
+                }
+            )
+            try:
+                await rt.state.write(call_state_key(ckey), done, rec_v.revision if rec_v else None)
+            except Conflict:
+                raise RetryLater(0.05, "a call changed while closing the turn") from None
+            events.append(
+                event_out(
+                    Event(
+                        key=f"call.{ckey}.outcome",
+                        type=EventType.CALL_OUTCOME,
+                        session_id=sid,
+                        turn_id=tid,
+                        data={
+                            "call_key": ckey,
+                            "tool": c.tool,
+                            "state": outcome.state.value,
+                            "effect": c.effect,
+                            "attempts": rec.attempts,
+                            "settlement": "closed",
+                            "error": outcome.error,
+                        },
+                    )
+                )
+            )
+    await rt.bus.publish(events)
+    await finished(turn).publish(rt.bus)
+
+
+async def fail_turn(
+    rt: Runtime, turn: TurnRecord, revision: int, reason: str, audit: Event
+) -> TurnRecord:
+    """Mark a turn failed (CAS), audit why, and let ``close_turn`` settle the rest."""
+    failed = turn.model_copy(update={"status": TurnStatus.FAILED, "error": reason, "attempt": None})
+    try:
+        await rt.state.write(turn_key(turn.session_id, turn.turn_id), failed, revision)
+    except Conflict:
+        raise RetryLater(0.05, "turn changed while failing it") from None
+    log.warning("turn.failed", reason=reason)
+    await Followers([event_out(audit)], [step_out(close_step(failed))]).publish(rt.bus)
+    return failed
+
+
+async def reject_untrusted(d: Delivery, step: StepMessage, exc: SealBroken) -> None:
+    """A checkpoint that does not verify is not run: its turn fails with the reason."""
+    rt = d.rt
+    raw = await rt.state.turn(step.session_id, step.turn_id, verify=False)
+    if raw is None:
+        raise DeadLetter(f"{exc}; and its turn has no record")
+    if raw.value.status.terminal:
+        try:
+            await rt.state.turn(step.session_id, step.turn_id)
+        except SealBroken:
+            pass
+        else:
+            return  # the turn already ended, sealed: the untrusted record was a call's
+    audit = Event(
+        key=f"{step.session_id}.{step.turn_id}.rejected.{raw.revision}",
+        type=EventType.CHECKPOINT_REJECTED,
+        session_id=step.session_id,
+        turn_id=step.turn_id,
+        data={"key": exc.key, "reason": exc.reason, "step": step.step_key()},
+    )
+    await fail_turn(rt, raw.value, raw.revision, f"checkpoint not trusted: {exc}", audit)

@@ -58,28 +58,6 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
 
     now = time.time()
     limits = agent.limits
-    exhausted = turn.attempts >= limits.model_attempts or (
-        turn.first_attempt_at is not None
-        and now - turn.first_attempt_at > limits.model_attempt_window_seconds
-    )
-    if not exhausted and n < limits.max_model_steps and limits.context_budget_tokens:
-        if await compaction_needed(rt, agent, turn):
-            await compact_first(rt, turn)
-            return
-
-    if exhausted or n >= limits.max_model_steps:
-        reason = (
-            f"model step {n} failed after {turn.attempts} attempts"
-            if exhausted
-            else f"the turn reached its limit of {limits.max_model_steps} model steps"
-        )
-        failed = turn.model_copy(
-            update={"status": TurnStatus.FAILED, "error": reason, "attempt": None}
-        )
-        await d.claim(turn_key(sid, tid), failed, cur.revision)
-        await finished(failed).publish(rt.bus)
-        return
-
     resumed = turn.attempt
     lost = list(turn.lost)
     if resumed is not None:
@@ -100,6 +78,29 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             await rt.bus.publish([event_out(lost_event(turn, len(lost), step.step_key()))])
             await finished(gone).publish(rt.bus)
             return
+
+    exhausted = turn.attempts >= limits.model_attempts or (
+        turn.first_attempt_at is not None
+        and now - turn.first_attempt_at > limits.model_attempt_window_seconds
+    )
+    if not exhausted and n < limits.max_model_steps and limits.context_budget_tokens:
+        if await compaction_needed(rt, agent, turn):
+            await compact_first(rt, turn)
+            return
+
+    if exhausted or n >= limits.max_model_steps:
+        reason = (
+            f"model step {n} failed after {turn.attempts} attempts"
+            if exhausted
+            else f"the turn reached its limit of {limits.max_model_steps} model steps"
+        )
+        failed = turn.model_copy(
+            update={"status": TurnStatus.FAILED, "error": reason, "attempt": None, "lost": lost}
+        )
+        await d.claim(turn_key(sid, tid), failed, cur.revision)
+        await finished(failed).publish(rt.bus)
+        return
+
     attempt = rt.new_attempt(turn.attempts + 1)
     claimed = turn.model_copy(
         update={

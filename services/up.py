@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
+from pathlib import Path
 
 import structlog
+from pydantic import SecretStr
 
 from agents import load_app
 from services.embedded import EmbeddedServer
@@ -20,6 +23,17 @@ from services.settings import Settings
 from services.worker import Worker
 
 log = structlog.get_logger("jetloop.up")
+
+
+def seal_key(store_dir: Path) -> str:
+    """The embedded default's checkpoint key: made once, kept beside the store (0600)."""
+    path = store_dir / "seal.key"
+    if not path.exists():
+        store_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return path.read_text().strip()
 
 
 async def run_up(settings: Settings, external: bool) -> None:
@@ -35,6 +49,9 @@ async def run_up(settings: Settings, external: bool) -> None:
         settings = settings.model_copy(update={"nats_url": server.url})
         log.info("nats.started", url=server.url, store=str(settings.store_dir))
     os.environ.setdefault("JETLOOP_VENDOR_DB", str(settings.store_dir / "vendor.sqlite"))
+    if settings.seal_key is None:
+        settings = settings.model_copy(update={"seal_key": SecretStr(seal_key(settings.store_dir))})
+        os.environ["JETLOOP_SEAL_KEY"] = settings.seal_key.get_secret_value()  # type: ignore[union-attr]
     try:
         worker = Worker(settings, load_app(settings.app))
         loop = asyncio.get_running_loop()

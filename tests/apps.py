@@ -233,6 +233,12 @@ async def script(req: ModelRequest) -> ModelResponse:
     return ModelResponse(text=spec.get("answer", "done") + "\n" + json.dumps(body, sort_keys=True))
 
 
+@tool(effect=Effect.IDEMPOTENT_WRITE, dedupe_window_seconds=1.0)
+async def windowed(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """A keyed write whose vendor remembers keys for one second only."""
+    return await vendor().write("windowed", ctx.idempotency_key, {"name": args.name})
+
+
 TOOLS = (
     write,
     once,
@@ -246,6 +252,7 @@ TOOLS = (
     refuse,
     guarded,
     pay,
+    windowed,
     patient,
     export,
     ask_user,
@@ -269,3 +276,16 @@ compactor = Agent(
 )
 
 app = App([tester, compactor])
+
+# The same agent after a deploy that removed the `write` tool (gates on resume).
+reduced_app = App(
+    [
+        Agent(
+            name="tester",
+            instructions="Follow the script.",
+            model=ScriptedModel(script),
+            tools=tuple(t for t in TOOLS if t.name != "write"),
+            limits=Limits(max_model_steps=8),
+        )
+    ]
+)

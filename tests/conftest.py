@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,11 @@ from services.harness import WorkerProcess
 from services.settings import Settings
 from streams import topology
 from streams.connection import connect
+
+# Checkpoints are sealed in every test, as `jetloop up` seals them; the test process
+# (clients that cancel or reconcile) and the workers it starts share the key.
+SEAL_KEY = "0f" * 32
+os.environ.setdefault("JETLOOP_SEAL_KEY", SEAL_KEY)
 
 LEASE = 2.0
 TEST_ENV = {"JETLOOP_LEASE_SECONDS": str(LEASE), "JETLOOP_DRAIN_SECONDS": "5"}
@@ -77,7 +83,9 @@ class WorkerFactory:
         self.env = env or {}
         self.procs: list[WorkerProcess] = []
 
-    def start(self, name: str | None = None, **kw: Any) -> WorkerProcess:
+    def start(
+        self, name: str | None = None, app: str = "tests.apps:app", **kw: Any
+    ) -> WorkerProcess:
         wid = name or f"w{next(_ids)}"
         env = {
             **TEST_ENV,
@@ -85,9 +93,7 @@ class WorkerFactory:
             **self.env,
             **kw.pop("env", {}),
         }
-        w = WorkerProcess(
-            self.url, "tests.apps:app", self.tmp / f"{wid}.log", worker_id=wid, env=env, **kw
-        )
+        w = WorkerProcess(self.url, app, self.tmp / f"{wid}.log", worker_id=wid, env=env, **kw)
         self.procs.append(w.start())
         return w
 

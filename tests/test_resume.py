@@ -1,0 +1,167 @@
+"""Crash resume (issue 5): sealed checkpoints, loss accounting, gates and settlement on
+resume, keyed writes with a dedupe window, answers handed on once."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from demo.vendor import Vendor
+from services.client import Client, TurnFailed
+from streams.state import turn_key
+from tests.conftest import SEAL_KEY, WorkerFactory, body, call, script, until
+
+
+async def events_of(client: Client, session: str, until_types: tuple[str, ...]) -> list[object]:
+    out = []
+    async for ev in client.events(session):
+        out.append(ev)
+        if ev.type in until_types:
+            return out
+    return out
+
+
+async def pending_approval(client: Client, session: str) -> str:
+    async def check() -> str | None:
+        snap = await client.snapshot(session)
+        return snap.approvals[0].approval_id if snap and snap.approvals else None
+
+    found: str = await until(check)
+    return found
+
+
+async def test_tampered_checkpoint_is_not_run(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A checkpoint changed behind jetloop's back (a raw KV put) does not verify: the turn
+    fails with the reason, audited, and the call it held is never made."""
+    workers.start()
+    h = await client.send("tester", "tp", script([call("guarded", name="harmless")]))
+    approval = await pending_approval(client, "tp")
+    kv = await client.js.key_value("jl_state")
+    entry = await kv.get(turn_key("tp", h.turn_id))
+    raw = msgpack.unpackb(entry.value)
+    raw["calls"][0]["args"] = {"name": "evil"}  # the seal stays the old one
+    await kv.put(turn_key("tp", h.turn_id), msgpack.packb(raw))
+    await client.approve("tp", approval, by="alice")
+    with pytest.raises(TurnFailed, match="checkpoint not trusted"):
+        await client.wait(h, timeout=30)
+    assert await vendor.effect_count("guarded") == 0
+    kinds = [e.type for e in await events_of(client, "tp", ("turn.failed",))]  # type: ignore[attr-defined]
+    assert "agent.run.checkpoint_rejected" in kinds
+
+
+async def test_rotated_key_still_verifies(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Checkpoints sealed under a key moved to JETLOOP_SEAL_OLD_KEYS still verify."""
+    old = workers.start()
+    h = await client.send("tester", "rot", script([call("guarded", name="g")]))
+    approval = await pending_approval(client, "rot")
+    old.kill()
+    new_key = "ab" * 32
+    workers.start(env={"JETLOOP_SEAL_KEY": new_key, "JETLOOP_SEAL_OLD_KEYS": SEAL_KEY})
+    from services.settings import load_settings
+
+    rotated = Client(
+        client.nc, sealer=load_settings(seal_key=new_key, seal_old_keys=SEAL_KEY).sealer()
+    )
+    await rotated.approve("rot", approval, by="alice")
+    await rotated.wait(h, timeout=30)
+    assert await vendor.effect_count("guarded") == 1
+
+
+async def test_turn_lost_three_times_fails(client: Client, workers: WorkerFactory) -> None:
+    """Every takeover is a loss; the third fails the turn with the reason, and the waiting
+    caller and the transcript are told. Each resume is audited with the loss count."""
+    h = await client.send("tester", "l3", script([call("read", name="r")]))
+    for n in range(3):
+        victim = workers.start(f"victim{n}", hold="run_model.in_call")
+        await victim.wait_for("fault.hold", point="run_model.in_call")
+        victim.kill()
+    workers.start("survivor")
+    with pytest.raises(TurnFailed, match="lost 3 times"):
+        await client.wait(h, timeout=60)
+    events = await events_of(client, "l3", ("turn.failed",))
+    resumed = [e.data["losses"] for e in events if e.type == "agent.run.crash_resumed"]  # type: ignore[attr-defined]
+    assert resumed == [1, 2]
+    assert [e.type for e in events][-1] == "turn.failed"  # type: ignore[attr-defined]
+
+
+async def test_gates_again_on_resume(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A resumed call meets the gates as they stand now: a tool the agent no longer offers
+    is not made (a write in doubt is outcome_unknown), a policy set meanwhile holds the
+    call for approval, a turn cancelled meanwhile runs nothing."""
+    # 1. the tool was removed by a deploy while its write was in doubt
+    victim = workers.start("victim", hold="call_tool.before_commit")
+    h = await client.send("tester", "gr", script([call("write", name="w")]))
+    await victim.wait_for("fault.hold")
+    victim.kill()
+    reduced = workers.start("reduced", app="tests.apps:reduced_app")
+    res = await client.wait(h, timeout=30)
+    [seen] = body(res.text)["seen"]
+    assert seen["status"] == "outcome_unknown" and "no longer offers" in seen["error"]
+    reduced.kill()
+
+    # 2. the approval policy changed while the worker was dead
+    victim = workers.start("victim2", hold="call_tool.before_mark")
+    h = await client.send("tester", "gp", script([call("read", name="r")]))
+    await victim.wait_for("fault.hold")
+    victim.kill()
+    await client.set_approval("gp", "read", True)
+    survivor = workers.start("survivor")
+    approval = await pending_approval(client, "gp")
+    await client.approve("gp", approval)
+    await client.wait(h, timeout=30)
+    survivor.kill()
+
+    # 3. cancelled while the worker was dead
+    victim = workers.start("victim3", hold="call_tool.before_mark")
+    h = await client.send("tester", "gc", script([call("slow", name="s", seconds=0)]))
+    await victim.wait_for("fault.hold")
+    victim.kill()
+    await client.cancel("gc")
+    workers.start("survivor3")
+    with pytest.raises(TurnFailed, match="cancelled"):
+        await client.wait(h, timeout=30)
+    assert await vendor.effect_count("slow") == 0
+
+
+async def test_keyed_write_past_its_dedupe_window_is_settled(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A keyed write whose vendor dedupes for 1 s only, resumed after the lease (2 s), is
+    not sent again with a key the vendor has forgotten: outcome_unknown."""
+    victim = workers.start("victim", hold="call_tool.before_commit")
+    h = await client.send("tester", "kw", script([call("windowed", name="w")]))
+    await victim.wait_for("fault.hold")
+    victim.kill()
+    workers.start("survivor")
+    res = await client.wait(h, timeout=30)
+    [seen] = body(res.text)["seen"]
+    assert seen["status"] == "outcome_unknown" and "dedupes the key only for 1s" in seen["error"]
+    assert sum((await vendor.request_counts("windowed")).values()) == 1
+
+
+async def test_answer_handed_on_once_after_a_crash(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A worker dying after the last step and before handing the answer on is replaced by
+    one that hands on the recorded answer; asking again with the same request id returns
+    it without running anything."""
+    victim = workers.start("victim", hold="run_model.after_commit")
+    h = await client.send("tester", "ans", script(answer="the answer"), request_id="req-ans")
+    await victim.wait_for("fault.hold", point="run_model.after_commit")
+    victim.kill()
+    workers.start("survivor")
+    res = await client.wait(h, timeout=30)
+    assert res.text is not None and res.text.startswith("the answer")
+    again = await client.send("tester", "ans", script(answer="the answer"), request_id="req-ans")
+    assert again.duplicate and again.turn_id == h.turn_id
+    res2 = await client.wait(again, timeout=30)
+    assert res2.text == res.text
+    assert sum((await vendor.payload_counts("model_call")).values()) == 1
+    events = await events_of(client, "ans", ("turn.completed",))
+    assert [e.type for e in events].count("turn.completed") == 1  # type: ignore[attr-defined]

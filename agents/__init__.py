@@ -1,6 +1,13 @@
 """Defining agents and tools: what user code writes, and what a worker loads."""
 
-from agents.agent import Agent, App, Limits, load_app
+from agents.adapters import (
+    MalformedToolCall,
+    ProviderError,
+    ProviderRejected,
+    ProviderRetryable,
+    adapter_from_spec,
+)
+from agents.agent import Agent, App, Limits, Trigger, load_app
 from agents.model import (
     Message,
     ModelAdapter,
@@ -25,6 +32,7 @@ from agents.tools import (
     ToolError,
     ToolKind,
     ask_user,
+    delegate,
     task_tool,
     tool,
     wait,
@@ -36,12 +44,16 @@ __all__ = [
     "Effect",
     "Found",
     "Limits",
+    "MalformedToolCall",
     "Message",
     "ModelAdapter",
     "ModelError",
     "ModelRequest",
     "ModelResponse",
     "NotFound",
+    "ProviderError",
+    "ProviderRejected",
+    "ProviderRetryable",
     "RetryableToolError",
     "ScriptedModel",
     "TaskDone",
@@ -53,7 +65,10 @@ __all__ = [
     "ToolError",
     "ToolKind",
     "ToolSpec",
+    "Trigger",
+    "adapter_from_spec",
     "ask_user",
+    "delegate",
     "load_app",
     "rough_tokens",
     "task_tool",

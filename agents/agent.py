@@ -22,12 +22,37 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Trigger:
+    """A cron trigger: a NATS message schedule that starts a turn of its agent.
+
+    ``schedule`` is a 6-field cron expression (with seconds) or ``@every 5m``; each fire
+    publishes ``text`` to ``session`` (default ``cron-<name>``) with a request id made of the
+    trigger and its fire time, so a fire delivered twice runs once.
+    """
+
+    name: str
+    schedule: str
+    text: str
+    session: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_name("trigger name", self.name)
+        if self.session is not None:
+            validate_name("session id", self.session)
+
+    @property
+    def session_id(self) -> str:
+        return self.session or f"cron-{self.name}"
+
+
+@dataclass(frozen=True)
 class Agent:
     name: str
     instructions: str
     model: ModelAdapter
     tools: tuple[Tool, ...] = ()
     limits: Limits = field(default_factory=Limits)
+    triggers: tuple[Trigger, ...] = ()
 
     def __post_init__(self) -> None:
         validate_name("agent name", self.name)

@@ -32,6 +32,7 @@ class ToolKind(StrEnum):
     TASK = "task"  # start → handle, then polls until done (PollToolTask)
     QUESTION = "question"  # the built-in ask_user: waits for a person's answer
     TIMER = "timer"  # the built-in wait: a durable timer (message schedule)
+    DELEGATE = "delegate"  # the built-in delegate: a child session of another agent
 
 
 class ToolContext(Protocol):
@@ -244,6 +245,21 @@ ask_user = Tool(
     fn=_never,
     effect=Effect.READ,
     kind=ToolKind.QUESTION,
+)
+
+
+class DelegateArgs(BaseModel):
+    agent: str
+    task: str
+
+
+delegate = Tool(
+    name="delegate",
+    description="Hand a task to another agent and wait for its answer.",
+    args_model=DelegateArgs,
+    fn=_never,
+    effect=Effect.IDEMPOTENT_WRITE,
+    kind=ToolKind.DELEGATE,
 )
 
 wait = Tool(

@@ -23,7 +23,7 @@ import structlog
 from pydantic import BaseModel
 
 from agents import Effect, Found, RetryableToolError, ToolError, ToolKind
-from consumers import tasks, waits
+from consumers import delegation, tasks, waits
 from consumers.approvals import Gate, gate
 from consumers.calls import (
     NOT_SENT_AGAIN,
@@ -108,6 +108,9 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
         case CallState.AWAITING_ANSWER:
             await waits.answer_ready(env)
             return
+        case CallState.AWAITING_CHILD:
+            await delegation.child_ready(env)
+            return
 
     passed = await gate(env)
     if passed is Gate.WAIT or passed is Gate.DONE:
@@ -119,6 +122,8 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
             await waits.ask(env)
         case ToolKind.TIMER:
             await waits.set_timer(env)
+        case ToolKind.DELEGATE:
+            await delegation.start(env)
         case ToolKind.CALL | ToolKind.TASK:
             await run(env)
 

@@ -152,7 +152,22 @@ def finished(turn: TurnRecord) -> Followers:
         if turn.tool_calls_made:
             records.append(history_out(turn.session_id, failed_turn_note(turn)))
     records.append(event_out(ev))
-    return Followers(records, [turn_done_step(turn)])
+    steps = [turn_done_step(turn)]
+    if turn.parent is not None:
+        # A delegated child turn: its end wakes the parent's call, which reads the answer.
+        p = turn.parent
+        steps.append(
+            step_out(
+                StepMessage(
+                    kind=StepKind.AWAIT_DELEGATION,
+                    session_id=p.session_id,
+                    turn_id=p.turn_id,
+                    model_step=p.model_step,
+                    call_index=p.call_index,
+                )
+            )
+        )
+    return Followers(records, steps)
 
 
 def call_done(turn: TurnRecord, model_step: int, index: int, rec: CallRecord) -> Followers:

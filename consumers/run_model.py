@@ -15,6 +15,7 @@ import structlog
 from pydantic import ValidationError
 
 from agents import Agent, ModelRequest, ModelResponse, ToolSpec
+from agents.adapters import MalformedToolCall, ProviderRejected, ProviderRetryable
 from consumers.compact import compact_first, compaction_needed, conversation
 from consumers.errors import DeadLetter, RetryLater
 from consumers.followers import answer, finished
@@ -30,6 +31,7 @@ from schemas import (
 )
 from streams.bus import event_out
 from streams.state import turn_key
+from streams.topology import live_subject
 
 log = structlog.get_logger("jetloop.run_model")
 
@@ -125,16 +127,30 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     )
     await rt.faults.point("run_model.in_call")
     try:
-        response = await agent.model.complete(request)
+        response = await _complete(rt, agent, request, sid, tid, attempt.no)
+    except ProviderRejected as exc:
+        # The provider refused the request itself (a 4xx): trying again cannot help.
+        log.warning("model.rejected", error=str(exc))
+        failed = claimed.model_copy(
+            update={
+                "status": TurnStatus.FAILED,
+                "attempt": None,
+                "error": f"the model provider rejected model step {n}: {exc}",
+            }
+        )
+        await d.commit(failed)
+        await finished(failed).publish(rt.bus)
+        return
     except Exception as exc:
         log.warning("model.call_failed", error=str(exc))
         # The attempt ended (it was not lost): record that, so the next one is no resume.
         await d.commit(
             claimed.model_copy(update={"attempt": None, "error": f"attempt {attempt.no}: {exc}"})
         )
-        raise RetryLater(
-            min(30.0, 0.5 * 2 ** (attempt.no - 1)), f"model call failed: {exc}"
-        ) from exc
+        delay = min(30.0, 0.5 * 2 ** (attempt.no - 1))
+        if isinstance(exc, ProviderRetryable) and exc.retry_after:
+            delay = max(delay, exc.retry_after)  # honour Retry-After with a delayed nak
+        raise RetryLater(delay, f"model call failed: {exc}") from exc
 
     committed = await _plan(rt, agent, claimed, response)
     await rt.faults.point("run_model.before_commit")
@@ -145,6 +161,24 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         await finished(committed).publish(rt.bus)
     else:
         await answer(committed).publish(rt.bus)
+
+
+async def _complete(
+    rt: Runtime, agent: Agent, request: ModelRequest, sid: str, tid: str, attempt: int
+) -> ModelResponse:
+    """Call the model; an adapter that streams sends text deltas to the turn's live subject
+    (core NATS, not durable: the history records the final text once)."""
+    if not getattr(agent.model, "supports_streaming", False):
+        return await agent.model.complete(request)
+    subject = live_subject(sid, tid)
+    hdrs = {"Jl-Attempt": str(attempt)}
+
+    async def on_delta(text: str) -> None:
+        await rt.nc.publish(subject, text.encode(), headers=hdrs)
+
+    complete: Any = agent.model.complete
+    response: ModelResponse = await complete(request, on_delta=on_delta)
+    return response
 
 
 async def _plan(rt: Runtime, agent: Agent, turn: TurnRecord, resp: ModelResponse) -> TurnRecord:
@@ -161,7 +195,10 @@ async def _plan(rt: Runtime, agent: Agent, turn: TurnRecord, resp: ModelResponse
     for i, c in enumerate(resp.tool_calls):
         t = agent.tool(c.name)
         invalid = None
-        if t is None:
+        if isinstance(c, MalformedToolCall):
+            invalid = f"malformed arguments for {c.name}: {c.problem}"
+            effect = t.effect.value if t is not None else "read"
+        elif t is None:
             invalid = f"unknown tool {c.name!r}"
             effect = "read"
         else:

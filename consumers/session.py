@@ -17,6 +17,7 @@ from consumers.runtime import Delivery
 from schemas import (
     Event,
     EventType,
+    ParentCall,
     SessionRecord,
     StepMessage,
     TurnRecord,
@@ -46,10 +47,8 @@ def _parse_subject(subject: str) -> tuple[str, str]:
 async def on_turn_request(d: Delivery) -> None:
     rt = d.rt
     agent_name, sid = _parse_subject(d.msg.subject)
-    request_id = (d.msg.headers or {}).get("Nats-Msg-Id")
-    if not request_id:
-        raise DeadLetter("turn request has no Nats-Msg-Id (the request id)")
-    req = decode(TurnRequest, d.msg.data)
+    request_id = _request_id(d)
+    req = _decode_request(d.msg.data)
     if rt.app.agent(agent_name) is None:
         raise DeadLetter(f"unknown agent {agent_name!r}")
     structlog.contextvars.bind_contextvars(session=sid)
@@ -73,8 +72,14 @@ async def on_turn_request(d: Delivery) -> None:
 
     turn = await rt.state.turn(sid, tid)
     if turn is None:
+        parent = req.metadata.get("parent")
         record = TurnRecord(
-            session_id=sid, turn_id=tid, agent=agent_name, request_id=request_id, text=req.text
+            session_id=sid,
+            turn_id=tid,
+            agent=agent_name,
+            request_id=request_id,
+            text=req.text,
+            parent=ParentCall.model_validate(parent) if parent else None,
         )
         try:
             await rt.state.write(turn_key(sid, tid), record, None)
@@ -102,6 +107,7 @@ async def on_turn_request(d: Delivery) -> None:
     except Conflict:
         raise RetryLater(0.05, "session changed concurrently") from None
 
+    await rt.faults.point("turn_request.after_accept")
     accepted = Event(
         key=f"{sid}.{tid}.accepted",
         type=EventType.TURN_ACCEPTED,
@@ -113,6 +119,31 @@ async def on_turn_request(d: Delivery) -> None:
     if session.active == tid and turn_rec.status == TurnStatus.QUEUED:
         out = out + turn_start(turn_rec)
     await out.publish(rt.bus)
+
+
+def _request_id(d: Delivery) -> str:
+    """The client's ``Nats-Msg-Id``; for a trigger's fire, the trigger and its fire time."""
+    hdrs = d.msg.headers or {}
+    if hdrs.get("Nats-Msg-Id"):
+        return hdrs["Nats-Msg-Id"]
+    if hdrs.get("Nats-Scheduler"):
+        if hdrs.get("Jl-Request-Id"):
+            return hdrs["Jl-Request-Id"]  # a one-off trigger with a caller-given id
+        trigger = hdrs.get("Jl-Trigger") or hdrs["Nats-Scheduler"]
+        # The stored message's time: identical however often this fire is delivered.
+        fired = d.msg.metadata.timestamp.replace(microsecond=0)
+        return f"{trigger}@{fired:%Y-%m-%dT%H:%M:%SZ}"
+    raise DeadLetter("turn request has no Nats-Msg-Id (the request id)")
+
+
+def _decode_request(data: bytes) -> TurnRequest:
+    """msgpack, as jetloop publishes; JSON too, so `nats pub` can send a message."""
+    if data[:1] == b"{":
+        try:
+            return TurnRequest.model_validate_json(data)
+        except ValueError as exc:
+            raise DeadLetter(f"TurnRequest invalid: {exc}") from None
+    return decode(TurnRequest, data)
 
 
 async def on_turn_done(d: Delivery, step: StepMessage) -> None:

@@ -78,6 +78,7 @@ WAITING = {
     CallState.AWAITING_ANSWER,
     CallState.WAITING_TIMER,
     CallState.TASK_RUNNING,
+    CallState.AWAITING_CHILD,
 }
 
 

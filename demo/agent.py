@@ -29,12 +29,14 @@ from agents import (
     App,
     Effect,
     Message,
+    ModelAdapter,
     ModelRequest,
     ModelResponse,
     ScriptedModel,
     ToolCallRequest,
     ToolContext,
     ToolError,
+    adapter_from_spec,
     ask_user,
     tool,
     wait,
@@ -148,10 +150,23 @@ def script(req: ModelRequest) -> ModelResponse:
     return ModelResponse(text="Done.\n" + "\n".join(lines))
 
 
+def demo_model() -> ModelAdapter:
+    """The scripted model, or a real provider when JETLOOP_MODEL names one."""
+    from services.settings import load_settings
+
+    s = load_settings()
+    if s.model is None:
+        return ScriptedModel(script)
+    return adapter_from_spec(s.model, api_key=s.model_api_key, base_url=s.model_base_url)
+
+
 demo_agent = Agent(
     name="demo",
-    instructions="You help people with their tickets.",
-    model=ScriptedModel(script),
+    instructions=(
+        "You help people with their tickets: create, look up, comment on, close and list "
+        "them with the tools you have. Ask the user when something is unclear."
+    ),
+    model=demo_model(),
     tools=(get_ticket, list_tickets, create_ticket, add_comment, close_ticket, ask_user, wait),
 )
 

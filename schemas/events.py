@@ -29,6 +29,7 @@ class EventType(StrEnum):
     TIMER_SET = "timer.set"
     TIMER_FIRED = "timer.fired"
     TASK_STARTED = "task.started"
+    DELEGATION_STARTED = "delegation.started"
     TASK_POLLED = "task.polled"
     CONTEXT_COMPACTED = "context.compacted"
     CALL_RECONCILED = "call.reconciled"

@@ -26,6 +26,7 @@ class StepKind(StrEnum):
     AWAIT_QUESTION_ANSWER = "await_question_answer"
     AWAIT_TIMER = "await_timer"
     POLL_TOOL_TASK = "poll_tool_task"
+    AWAIT_DELEGATION = "await_delegation"
     COMPACT_CONTEXT = "compact_context"
     JOIN = "join"
     TURN_DONE = "turn_done"
@@ -41,6 +42,7 @@ CALL_KINDS = frozenset(
         StepKind.AWAIT_QUESTION_ANSWER,
         StepKind.AWAIT_TIMER,
         StepKind.POLL_TOOL_TASK,
+        StepKind.AWAIT_DELEGATION,
     }
 )
 
@@ -74,6 +76,8 @@ class StepMessage(BaseModel):
                 key = f"{call}.timer"
             case StepKind.POLL_TOOL_TASK:
                 key = f"{call}.poll"
+            case StepKind.AWAIT_DELEGATION:
+                key = f"{call}.child"
             case StepKind.COMPACT_CONTEXT:
                 key = f"{base}.m{self.model_step}.compact"
             case StepKind.JOIN:

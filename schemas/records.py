@@ -122,6 +122,7 @@ class CallState(StrEnum):
     AWAITING_ANSWER = "awaiting_answer"
     WAITING_TIMER = "waiting_timer"
     TASK_RUNNING = "task_running"  # the task's handle is recorded; polls follow
+    AWAITING_CHILD = "awaiting_child"  # a delegation: the child session's turn runs
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     OUTCOME_UNKNOWN = "outcome_unknown"

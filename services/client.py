@@ -12,6 +12,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from nats.aio.client import Client as Nats
@@ -19,6 +20,7 @@ from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import NotFoundError
 
+from agents.agent import Trigger
 from consumers.control import Control
 from consumers.snapshot import SessionSnapshot, snapshot
 from schemas import (
@@ -46,6 +48,20 @@ from streams.seal import Sealer
 from streams.state import StateStore
 
 T = TypeVar("T")
+
+
+async def publish_trigger(js: Any, agent: str, trigger: Trigger) -> None:
+    """The schedule message of a cron trigger; publishing it again replaces it."""
+    validate_name("agent", agent)
+    await js.publish(
+        topology.trigger_subject(agent, trigger.name),
+        encode(TurnRequest(text=trigger.text)),
+        headers={
+            "Nats-Schedule": trigger.schedule,
+            "Nats-Schedule-Target": topology.turn_subject(agent, trigger.session_id),
+            "Jl-Trigger": trigger.name,
+        },
+    )
 
 
 class TurnFailed(Exception):
@@ -134,6 +150,38 @@ class Client:
             "send",
         )
         return TurnHandle(agent, session_id, rid, turn_id_for(session_id, rid), bool(ack.duplicate))
+
+    async def add_trigger(self, agent: str, trigger: Trigger) -> None:
+        """Start (or replace) a cron trigger: a message schedule on jl.cron.<agent>.<name>."""
+        await publish_trigger(self.js, agent, trigger)
+
+    async def remove_trigger(self, agent: str, name: str) -> None:
+        """Stop a trigger: purging its subject cancels the schedule."""
+        validate_name("trigger name", name)
+        await self.js.purge_stream(
+            topology.TURNS_STREAM, subject=topology.trigger_subject(agent, name)
+        )
+
+    async def schedule_turn(
+        self, agent: str, session_id: str, text: str, at: datetime, trigger_id: str
+    ) -> TurnHandle:
+        """A one-off trigger: the message is sent at ``at`` with the caller's id as its
+        request id, so scheduling it twice runs it once."""
+        validate_name("agent", agent)
+        validate_name("session id", session_id)
+        validate_name("trigger id", trigger_id)
+        when = at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        await self.js.publish(
+            topology.trigger_subject(agent, f"once-{trigger_id}"),
+            encode(TurnRequest(text=text)),
+            headers={
+                "Nats-Schedule": f"@at {when}",
+                "Nats-Schedule-Target": topology.turn_subject(agent, session_id),
+                "Jl-Request-Id": trigger_id,
+                "Nats-Msg-Id": f"schedule.{agent}.{trigger_id}",
+            },
+        )
+        return TurnHandle(agent, session_id, trigger_id, turn_id_for(session_id, trigger_id), False)
 
     async def turn(self, session_id: str, turn_id: str) -> TurnRecord | None:
         state = await self._state()

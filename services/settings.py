@@ -53,6 +53,13 @@ class Settings(BaseSettings):
     max_losses: int = Field(
         2, ge=0, description="a turn lost (taken over) more often than this fails"
     )
+    model: str | None = Field(
+        None,
+        description="the demo agent's model: openai:<m>, openai-responses:<m>, anthropic:<m>, "
+        "openai-compatible:<m>@<base url>; unset: the offline scripted model",
+    )
+    model_api_key: SecretStr | None = Field(None, description="the model provider's API key")
+    model_base_url: str | None = Field(None, description="the provider's base URL")
     vendor_db: Path = Field(
         Path(".jetloop/vendor.sqlite"), description="the demo ticketing vendor's database"
     )

@@ -22,6 +22,7 @@ from agents import App
 from consumers import Faults, Runtime, dispatch, route_step, route_turn
 from consumers.control import Control
 from consumers.dispatch import Handler
+from services.client import publish_trigger
 from services.control import ControlService
 from services.settings import Settings
 from streams import topology
@@ -106,6 +107,15 @@ class Worker:
                 faults=self.faults,
                 max_losses=s.max_losses,
             )
+            for agent in self.app.agents.values():
+                for trigger in agent.triggers:
+                    await publish_trigger(js, agent.name, trigger)
+                    log.info(
+                        "trigger.applied",
+                        agent=agent.name,
+                        trigger=trigger.name,
+                        schedule=trigger.schedule,
+                    )
             control: ControlService | None = None
             if topology.SESSION_POOL in self.pools:
                 control = ControlService(

@@ -34,6 +34,10 @@ def turn_subject(agent: str, session_id: str) -> str:
     return f"jl.turn.{agent}.{session_id}"
 
 
+def trigger_subject(agent: str, name: str) -> str:
+    return f"jl.cron.{agent}.{name}"
+
+
 def session_turns_filter(session_id: str) -> str:
     return f"jl.turn.*.{session_id}"
 
@@ -61,6 +65,11 @@ def history_subject(session_id: str, role: str) -> str:
 
 def history_filter(session_id: str) -> str:
     return f"jl.event.{session_id}.history.>"
+
+
+def live_subject(session_id: str, turn_id: str) -> str:
+    """Core NATS (no stream): streamed model text as it arrives, header Jl-Attempt."""
+    return f"jl.live.{session_id}.{turn_id}"
 
 
 def session_events_filter(session_id: str) -> str:
@@ -94,7 +103,10 @@ def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
         api.StreamConfig(
             name=TURNS_STREAM,
             description="jetloop turn requests and user messages",
-            subjects=["jl.turn.>"],
+            # jl.cron.> holds the schedules of triggers (one subject per trigger); each fire
+            # is published to its jl.turn.<agent>.<session> target.
+            subjects=["jl.turn.>", "jl.cron.>"],
+            allow_msg_schedules=True,
             # A work queue: an accepted request is deleted, so the first stored message of a
             # session is the next to accept (FIFO); state dedupes what the window forgets.
             retention=api.RetentionPolicy.WORK_QUEUE,

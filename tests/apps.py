@@ -35,6 +35,7 @@ from agents import (
     ToolContext,
     ToolError,
     ask_user,
+    delegate,
     task_tool,
     tool,
     wait,
@@ -257,6 +258,7 @@ TOOLS = (
     export,
     ask_user,
     wait,
+    delegate,
 )
 
 tester = Agent(

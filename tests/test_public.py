@@ -43,6 +43,21 @@ def test_public_names_are_pinned() -> None:
             "load_app",
             "load_settings",
             "tool",
+            "Found",
+            "MalformedToolCall",
+            "NotFound",
+            "ProviderError",
+            "ProviderRejected",
+            "ProviderRetryable",
+            "TaskDone",
+            "TaskFailed",
+            "TaskPending",
+            "Trigger",
+            "adapter_from_spec",
+            "ask_user",
+            "delegate",
+            "task_tool",
+            "wait",
         ]
     )
     for name in jetloop.__all__:

@@ -30,10 +30,12 @@ def test_every_cell_names_an_existing_test_and_every_test_is_named() -> None:
     assert len(named) == len(set(named)), "a test is named twice"
 
 
-def test_other_tests_the_page_names_exist() -> None:
-    """References like tests/test_x.py::test_y point at real test functions."""
+def test_other_tests_the_pages_name_exist() -> None:
+    """References like tests/test_x.py::test_y, in the crash-matrix and crash-resume pages,
+    point at real test functions."""
     import importlib
 
-    for module, name in re.findall(r"tests/(test_\w+)\.py::(\w+)", DOC.read_text()):
+    pages = DOC.read_text() + (DOC.parent / "crash-resume.md").read_text()
+    for module, name in re.findall(r"tests/(test_\w+)\.py::(\w+)", pages):
         mod = importlib.import_module(f"tests.{module}")
         assert callable(getattr(mod, name, None)), f"tests/{module}.py::{name} does not exist"

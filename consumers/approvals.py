@@ -24,6 +24,7 @@ from schemas import (
     EventType,
     approval_id_for,
 )
+from services import metrics
 from streams.bus import event_out
 from streams.state import Conflict, approval_key
 
@@ -94,6 +95,8 @@ async def gate(env: CallEnv) -> Gate | CallEnv:
             },
         )
         await rt.bus.publish([event_out(event)])
+        if env.rec.state != CallState.AWAITING_APPROVAL:
+            metrics.APPROVALS_ASKED.inc()
         log.info("call.awaiting_approval", approval_id=aid)
         return Gate.WAIT
     if approval.status == Decision.REJECTED:

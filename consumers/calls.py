@@ -18,6 +18,7 @@ from agents import Agent, Tool
 from consumers.followers import call_done
 from consumers.runtime import Delivery, Runtime
 from schemas import CallOutcome, CallRecord, CallState, PlannedCall, TurnRecord
+from services import metrics
 from streams.state import call_state_key
 
 log = structlog.get_logger("jetloop.calls")
@@ -98,6 +99,8 @@ async def settle(env: CallEnv, outcome: CallOutcome, settlement: str, **extra: A
     """Record the call's outcome, then tell the log and let the join look at the turn."""
     done = _done(env.rec, outcome, settlement, extra)
     await write(env, done)
+    if outcome.state == CallState.OUTCOME_UNKNOWN:
+        metrics.OUTCOME_UNKNOWN.inc()
     log.info("call.recorded", state=outcome.state.value, settlement=settlement)
     await call_done(env.turn, env.n, env.call.index, done).publish(env.rt.bus)
 

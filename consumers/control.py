@@ -33,6 +33,7 @@ from schemas import (
     TurnStatus,
     validate_name,
 )
+from services import metrics
 from streams.bus import Bus, event_out, step_out
 from streams.state import (
     Conflict,
@@ -93,6 +94,7 @@ class Control:
                     )
                 except Conflict:
                     continue
+                metrics.APPROVALS_DECIDED.inc()
                 log.info("approval.decided", approval_id=approval_id, status=ap.status.value, by=by)
             await self._wake(
                 ap.session_id,

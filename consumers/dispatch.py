@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -18,6 +19,7 @@ from nats.aio.msg import Msg
 from consumers.errors import DeadLetter, RetryLater, TakenOver
 from consumers.runtime import Delivery, Runtime
 from schemas import DecodeError
+from services import metrics
 from streams.bus import H_KIND, H_SESSION, H_STEP, H_TURN
 from streams.topology import dead_subject
 
@@ -71,6 +73,11 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
         delivery=msg.metadata.num_delivered,
     )
     d = Delivery(rt, msg)
+    kind = hdrs.get(H_KIND) or "unknown"
+    if msg.metadata.num_delivered > 1:
+        metrics.REDELIVERIES.labels(kind).inc()
+    started = time.perf_counter()
+    outcome = "error"
     beat = asyncio.create_task(_heartbeats(d, rt.lease_seconds / 3))
     try:
         try:
@@ -82,13 +89,17 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
         if d.lost:
             raise TakenOver(d.fence_key or "?")
         await msg.ack_sync(timeout=5)
+        outcome = "acked"
         log.debug("step.acked")
     except TakenOver as exc:
+        outcome = "taken_over"
         log.warning("step.taken_over", key=exc.key)
     except RetryLater as exc:
+        outcome = "retry_later"
         log.info("step.retry_later", delay=exc.delay, reason=exc.reason)
         await _quietly(msg.nak(delay=exc.delay))
     except (DeadLetter, DecodeError) as exc:
+        outcome = "dead_letter"
         reason = exc.reason if isinstance(exc, DeadLetter) else str(exc)
         log.error("step.dead_letter", reason=reason)
         try:
@@ -110,6 +121,8 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
         if not d.lost:
             await _quietly(msg.nak(delay=delay))
     finally:
+        metrics.STEPS.labels(kind, outcome).inc()
+        metrics.STEP_SECONDS.labels(kind).observe(time.perf_counter() - started)
         structlog.contextvars.clear_contextvars()
 
 

@@ -13,6 +13,7 @@ from consumers.closing import fail_turn
 from consumers.errors import RetryLater
 from consumers.runtime import Runtime
 from schemas import Attempt, Event, EventType, TurnRecord
+from services import metrics
 from streams.bus import event_out
 from streams.state import Conflict, turn_key
 
@@ -43,6 +44,7 @@ async def record_loss(
 ) -> int | None:
     """Count the loss on the turn record; None when it was one too many (the turn failed)."""
     lid = loss_id(step_key, lost)
+    metrics.TAKEOVERS.inc()
     for _ in range(20):
         cur = await rt.state.turn(turn_sid, turn_tid)
         assert cur is not None

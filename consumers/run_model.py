@@ -29,6 +29,7 @@ from schemas import (
     TurnStatus,
     idempotency_key,
 )
+from services import metrics
 from streams.bus import event_out
 from streams.state import turn_key
 from streams.topology import live_subject
@@ -63,6 +64,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     resumed = turn.attempt
     lost = list(turn.lost)
     if resumed is not None:
+        metrics.TAKEOVERS.inc()
         # The attempt before this one was lost (its lease lapsed): a takeover of the turn.
         lid = loss_id(step.step_key(), resumed)
         if lid not in lost:

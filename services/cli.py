@@ -322,6 +322,216 @@ def reconcile(
 
 @main.command()
 @click.option("--nats", "nats_url")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--kv", "kv_key", help="decode one jl_state key (e.g. turn.s1.t…)")
+@click.option("--stream", "stream", help="with --seq: decode one stored message")
+@click.option("--seq", type=int)
+def inspect(
+    nats_url: str | None, as_json: bool, kv_key: str | None, stream: str | None, seq: int | None
+) -> None:
+    """Streams, consumers (pending, redelivered), KV and blob sizes; or decode one record."""
+    import msgpack
+
+    from streams import topology as topo
+
+    s = _settings(nats_url=nats_url)
+
+    def readable(data: bytes) -> Any:
+        try:
+            return msgpack.unpackb(data, raw=False)
+        except Exception:
+            return data.decode(errors="replace")
+
+    async def go() -> None:
+        from streams.connection import connect
+
+        nc = await connect(s.nats_urls, "jetloop-inspect")
+        js = nc.jetstream()
+        try:
+            if kv_key:
+                kv = await js.key_value(topo.STATE_BUCKET)
+                entry = await kv.get(kv_key)
+                click.echo(
+                    json.dumps(
+                        {
+                            "key": kv_key,
+                            "revision": entry.revision,
+                            "value": readable(entry.value or b""),
+                        },
+                        indent=2,
+                        default=str,
+                    )
+                )
+                return
+            if stream and seq:
+                m = await js.get_msg(stream, seq)
+                click.echo(
+                    json.dumps(
+                        {
+                            "subject": m.subject,
+                            "seq": m.seq,
+                            "headers": m.headers,
+                            "body": readable(m.data or b""),
+                        },
+                        indent=2,
+                        default=str,
+                    )
+                )
+                return
+            report: dict[str, Any] = {"streams": [], "consumers": []}
+            names = [
+                topo.TURNS_STREAM,
+                topo.STEPS_STREAM,
+                topo.EVENTS_STREAM,
+                topo.DEAD_STREAM,
+                f"KV_{topo.STATE_BUCKET}",
+                f"OBJ_{topo.BLOB_BUCKET}",
+            ]
+            for name in names:
+                try:
+                    info = await js.stream_info(name)
+                except Exception as exc:
+                    report["streams"].append({"name": name, "error": str(exc)})
+                    continue
+                report["streams"].append(
+                    {
+                        "name": name,
+                        "messages": info.state.messages,
+                        "bytes": info.state.bytes,
+                        "replicas": info.config.num_replicas,
+                    }
+                )
+            consumers = [(topo.TURNS_STREAM, topo.TURNS_CONSUMER)] + [
+                (topo.STEPS_STREAM, topo.step_consumer(p)) for p in topo.POOLS
+            ]
+            for stream_name, cname in consumers:
+                try:
+                    ci = await js.consumer_info(stream_name, cname)
+                except Exception as exc:
+                    report["consumers"].append({"name": cname, "error": str(exc)})
+                    continue
+                report["consumers"].append(
+                    {
+                        "name": cname,
+                        "stream": stream_name,
+                        "pending": ci.num_pending,
+                        "ack_pending": ci.num_ack_pending,
+                        "redelivered": ci.num_redelivered,
+                        "ack_wait": ci.config.ack_wait,
+                    }
+                )
+            if as_json:
+                click.echo(json.dumps(report, indent=2))
+                return
+            click.echo(f"{'stream':<16} {'messages':>10} {'bytes':>14} replicas")
+            for st in report["streams"]:
+                if "error" in st:
+                    click.echo(f"{st['name']:<16} {st['error']}")
+                else:
+                    click.echo(
+                        f"{st['name']:<16} {st['messages']:>10} {st['bytes']:>14} R{st['replicas']}"
+                    )
+            click.echo("")
+            click.echo(f"{'consumer':<12} {'pending':>8} {'ack pending':>12} {'redelivered':>12}")
+            for c in report["consumers"]:
+                if "error" in c:
+                    click.echo(f"{c['name']:<12} {c['error']}")
+                else:
+                    click.echo(
+                        f"{c['name']:<12} {c['pending']:>8} {c['ack_pending']:>12} "
+                        f"{c['redelivered']:>12}"
+                    )
+        finally:
+            await nc.close()
+
+    _run(go())
+
+
+@main.command()
+@click.option("--agent", required=True)
+@click.option("--resume", "session_id", help="a session to go on with (default: a new one)")
+@click.option("--nats", "nats_url")
+def chat(agent: str, session_id: str | None, nats_url: str | None) -> None:
+    """Talk to an agent: its text and tool calls as they happen, approvals with y/n,
+    questions answered inline. Ctrl-D leaves (and says how to come back)."""
+    import uuid
+
+    from services.client import Client, TurnFailed
+    from streams import topology as topo
+
+    s = _settings(nats_url=nats_url)
+    sid = session_id or f"chat-{uuid.uuid4().hex[:8]}"
+
+    async def ask(prompt: str) -> str:
+        return await asyncio.to_thread(input, prompt)
+
+    async def go() -> None:
+        async with await Client.connect(s.nats_urls) as jl:
+            click.echo(f"session {sid} with agent {agent} — Ctrl-D to leave")
+            while True:
+                try:
+                    text = await ask("you> ")
+                except EOFError:
+                    click.echo(
+                        f"\nbye. Come back with: jetloop chat --agent {agent} --resume {sid}"
+                    )
+                    return
+                if not text.strip():
+                    continue
+                h = await jl.send(agent, sid, text)
+                live = await jl.nc.subscribe(topo.live_subject(sid, h.turn_id), cb=_print_delta)
+                try:
+                    async for ev in jl.events(sid):
+                        if ev.turn_id != h.turn_id:
+                            continue
+                        if ev.type == EventType.APPROVAL_REQUESTED:
+                            d = ev.data
+                            yes = (
+                                (
+                                    await ask(
+                                        f"  approve {d['tool']}({json.dumps(d['args'])})? [y/n] "
+                                    )
+                                )
+                                .strip()
+                                .lower()
+                                .startswith("y")
+                            )
+                            if yes:
+                                await jl.approve(sid, d["approval_id"], by="chat")
+                            else:
+                                await jl.reject(
+                                    sid, d["approval_id"], by="chat", reason="declined in chat"
+                                )
+                        elif ev.type == EventType.QUESTION_ASKED:
+                            answer = await ask(f"  {ev.data['question']} > ")
+                            await jl.answer(sid, ev.data["question_id"], answer, by="chat")
+                        elif ev.type in (EventType.TIMER_SET, EventType.TASK_STARTED):
+                            click.echo(_describe(ev) + " … waiting")
+                        elif ev.type not in (EventType.TURN_ACCEPTED, EventType.TURN_STARTED):
+                            click.echo(_describe(ev))
+                        if ev.type in (
+                            EventType.TURN_COMPLETED,
+                            EventType.TURN_FAILED,
+                            EventType.TURN_CANCELLED,
+                        ):
+                            break
+                    try:
+                        res = await jl.wait(h, timeout=30)
+                        click.echo(f"agent> {res.text}")
+                    except TurnFailed as exc:
+                        click.echo(f"agent> (the turn {exc.turn.status.value}: {exc.turn.error})")
+                finally:
+                    await live.unsubscribe()
+
+    _run(go())
+
+
+async def _print_delta(msg: Any) -> None:
+    click.echo(msg.data.decode(errors="replace"), nl=False)
+
+
+@main.command()
+@click.option("--nats", "nats_url")
 @click.option("--replicas", type=int, help="set the replica count of every stream (R3: 3)")
 def topology(nats_url: str | None, replicas: int | None) -> None:
     """Apply the topology (streams, consumers, buckets) to existing servers."""

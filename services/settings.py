@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     tool_concurrency: int = Field(16, ge=1, description="tool steps one worker runs at once")
     session_concurrency: int = Field(32, ge=1, description="session steps run at once")
     drain_seconds: float = Field(10.0, ge=0, description="graceful stop: time to finish steps")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="a worker serves /metrics here (the gateway always)"
+    )
     worker_id: str | None = Field(None, description="name of this worker in claims and logs")
     log_format: Literal["json", "console"] = Field("json", description="log lines format")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")

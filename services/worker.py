@@ -17,6 +17,7 @@ import structlog
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
+from prometheus_client import start_http_server
 
 from agents import App
 from consumers import Faults, Runtime, dispatch, route_step, route_turn
@@ -24,6 +25,7 @@ from consumers.control import Control
 from consumers.dispatch import Handler
 from services.client import publish_trigger
 from services.control import ControlService
+from services.metrics import watch_lag
 from services.settings import Settings
 from streams import topology
 from streams.blobs import BlobStore
@@ -152,9 +154,12 @@ class Worker:
                 agents=sorted(self.app.agents),
             )
             self._started.set()
+            if s.metrics_port is not None:
+                start_http_server(s.metrics_port, addr="127.0.0.1")
             async with asyncio.TaskGroup() as tg:
                 for loop in loops:
                     tg.create_task(loop)
+                tg.create_task(watch_lag(js, self._stopping))
             if control is not None:
                 await control.stop()
             await self._drain()

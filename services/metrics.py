@@ -1,0 +1,61 @@
+"""Prometheus metrics of the engine (prometheus-client's default registry).
+
+Steps by kind and outcome, step latency, redeliveries, takeovers, ``outcome_unknown`` calls,
+approvals asked and decided (pending = asked - decided), consumer lag. The gateway serves
+them on ``/metrics``; a worker alone serves them on ``JETLOOP_METRICS_PORT`` when set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from nats.js import JetStreamContext
+from prometheus_client import Counter, Gauge, Histogram
+
+from streams import topology
+
+log = structlog.get_logger("jetloop.metrics")
+
+STEPS = Counter("jetloop_steps_total", "Step messages handled", ["kind", "outcome"])
+STEP_SECONDS = Histogram(
+    "jetloop_step_seconds",
+    "Time to handle one step message",
+    ["kind"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+REDELIVERIES = Counter("jetloop_redeliveries_total", "Step messages delivered again", ["kind"])
+TAKEOVERS = Counter("jetloop_takeovers_total", "Attempts found lost and taken over")
+OUTCOME_UNKNOWN = Counter("jetloop_outcome_unknown_total", "Calls settled outcome_unknown")
+APPROVALS_ASKED = Counter("jetloop_approvals_requested_total", "Calls held for approval")
+APPROVALS_DECIDED = Counter("jetloop_approvals_decided_total", "Approval decisions recorded")
+CONSUMER_PENDING = Gauge(
+    "jetloop_consumer_pending", "Messages not yet delivered, per consumer", ["consumer"]
+)
+CONSUMER_ACK_PENDING = Gauge(
+    "jetloop_consumer_ack_pending", "Messages delivered and not acked, per consumer", ["consumer"]
+)
+CONSUMER_REDELIVERED = Gauge(
+    "jetloop_consumer_redelivered", "Messages being redelivered, per consumer", ["consumer"]
+)
+
+
+async def watch_lag(js: JetStreamContext, stop: asyncio.Event, every: float = 10.0) -> None:
+    """Read the consumers' lag now and then (one request per consumer)."""
+    consumers = [(topology.TURNS_STREAM, topology.TURNS_CONSUMER)] + [
+        (topology.STEPS_STREAM, topology.step_consumer(p)) for p in topology.POOLS
+    ]
+    while not stop.is_set():
+        for stream, name in consumers:
+            try:
+                info = await js.consumer_info(stream, name)
+            except Exception as exc:  # an outage: the next round reads again
+                log.debug("metrics.lag_unavailable", consumer=name, error=str(exc))
+                continue
+            CONSUMER_PENDING.labels(name).set(info.num_pending or 0)
+            CONSUMER_ACK_PENDING.labels(name).set(info.num_ack_pending or 0)
+            CONSUMER_REDELIVERED.labels(name).set(info.num_redelivered or 0)
+        try:
+            await asyncio.wait_for(stop.wait(), every)
+        except TimeoutError:
+            pass

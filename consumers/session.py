@@ -124,6 +124,8 @@ async def on_turn_request(d: Delivery) -> None:
 def _request_id(d: Delivery) -> str:
     """The client's ``Nats-Msg-Id``; for a trigger's fire, the trigger and its fire time."""
     hdrs = d.msg.headers or {}
+    if hdrs.get("Jl-Request-Id"):
+        return hdrs["Jl-Request-Id"]  # jetloop's clients scope Nats-Msg-Id by session
     if hdrs.get("Nats-Msg-Id"):
         return hdrs["Nats-Msg-Id"]
     if hdrs.get("Nats-Scheduler"):

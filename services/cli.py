@@ -595,5 +595,63 @@ def _describe(ev: Any) -> str:
     return f"· {ev.type}"
 
 
+@main.command()
+@click.option("--q", "query", help="search session ids, agents and message texts")
+@click.option("--status", help="idle, running, …")
+@click.option("--agent")
+@click.option("--limit", default=50, show_default=True)
+@click.option(
+    "--db", type=click.Path(), help="the read model (default <store dir>/readmodel.sqlite)"
+)
+@click.option("--json", "as_json", is_flag=True)
+def sessions(
+    query: str | None,
+    status: str | None,
+    agent: str | None,
+    limit: int,
+    db: str | None,
+    as_json: bool,
+) -> None:
+    """List and search sessions (from the projector's read model)."""
+    from pathlib import Path
+
+    from services.readmodel import ReadModel, ReadModelMissing
+
+    s = _settings()
+    path = Path(db) if db else (s.readmodel_db or s.store_dir / "readmodel.sqlite")
+
+    async def go() -> None:
+        try:
+            rm = await ReadModel.open(path, readonly=True)
+        except ReadModelMissing:
+            raise click.ClickException(
+                f"no read model at {path}: run `jetloop up` or `jetloop projector`"
+            ) from None
+        async with rm:
+            page = await rm.list_sessions(query, status, agent, limit)
+        if as_json:
+            click.echo(json.dumps({"total": page.total, "sessions": page.sessions}, default=str))
+            return
+        click.echo(f"{page.total} session(s)")
+        for row in page.sessions:
+            click.echo(
+                f"  {row.get('session_id')}  agent={row.get('agent')}  "
+                f"status={row.get('status')}  turns={row.get('turns_total')}"
+            )
+
+    _run(go())
+
+
+def _add_service_commands() -> None:
+    from services.gateway import gateway_command
+    from services.projector import projector_command
+
+    main.add_command(gateway_command)
+    main.add_command(projector_command)
+
+
+_add_service_commands()
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -144,7 +144,13 @@ class Client:
             lambda: self.js.publish(
                 topology.turn_subject(agent, session_id),
                 encode(TurnRequest(text=text)),
-                headers={"Nats-Msg-Id": rid, "Jl-Kind": "turn.request", "Jl-Session": session_id},
+                headers={
+                    # The stream dedupes ids across all subjects: scope the id by session.
+                    "Nats-Msg-Id": f"{session_id}.{rid}",
+                    "Jl-Request-Id": rid,
+                    "Jl-Kind": "turn.request",
+                    "Jl-Session": session_id,
+                },
             ),
             self.retry_for,
             "send",

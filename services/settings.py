@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.gateway_config import HookTrigger, Scope, TokenGrant
 from streams.seal import Sealer, key_bytes
 from streams.topology import TopologyConfig
 
@@ -43,6 +44,24 @@ class Settings(BaseSettings):
     drain_seconds: float = Field(10.0, ge=0, description="graceful stop: time to finish steps")
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="a worker serves /metrics here (the gateway always)"
+    )
+    gateway_host: str = Field("127.0.0.1", description="the gateway's address")
+    gateway_port: int = Field(8080, ge=0, le=65535, description="the gateway's port")
+    gateway_tokens: dict[str, TokenGrant] = Field(
+        default_factory=dict,
+        description='bearer tokens, JSON: {"<token>": {"name": "alice", "scopes": ["read"]}}',
+    )
+    gateway_anonymous_scopes: frozenset[Scope] | None = Field(
+        None, description="scopes of requests without a token (jetloop up: all, on loopback)"
+    )
+    gateway_hooks: dict[str, HookTrigger] = Field(
+        default_factory=dict,
+        description="inbound webhooks, JSON: "
+        '{"<trigger>": {"agent", "session", "secret", "scheme"}}',
+    )
+    gateway_max_body_bytes: int = Field(1024 * 1024, ge=1024, description="request size limit")
+    readmodel_db: Path | None = Field(
+        None, description="the projector's SQLite read model (default <store dir>/readmodel.sqlite)"
     )
     worker_id: str | None = Field(None, description="name of this worker in claims and logs")
     log_format: Literal["json", "console"] = Field("json", description="log lines format")

@@ -19,6 +19,9 @@ from pydantic import SecretStr
 
 from agents import load_app
 from services.embedded import EmbeddedServer
+from services.gateway import Gateway
+from services.gateway_config import GatewayConfig
+from services.projector import Projector
 from services.settings import Settings
 from services.worker import Worker
 
@@ -52,19 +55,40 @@ async def run_up(settings: Settings, external: bool) -> None:
     if settings.seal_key is None:
         settings = settings.model_copy(update={"seal_key": SecretStr(seal_key(settings.store_dir))})
         os.environ["JETLOOP_SEAL_KEY"] = settings.seal_key.get_secret_value()  # type: ignore[union-attr]
+    gw_config = GatewayConfig.from_settings(settings)
+    if settings.gateway_anonymous_scopes is None and not gw_config.tokens:
+        # The embedded default listens on loopback only: a person at this machine may do all.
+        gw_config = gw_config.model_copy(
+            update={"anonymous_scopes": frozenset({"read", "write", "approve"})}
+        )
+    assert gw_config.readmodel_db is not None
     try:
         worker = Worker(settings, load_app(settings.app))
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, worker.stop_soon)
-        task = asyncio.create_task(worker.run())
-        await worker.wait_started()
-        log.info(
-            "jetloop.up",
-            nats=settings.nats_url,
-            hint="try: jetloop send --agent demo --session s1 'create ticket printer on fire'",
+        gateway = Gateway(
+            gw_config, settings.nats_urls, settings.gateway_host, settings.gateway_port
         )
-        await task
+        projector = Projector(settings.nats_urls, gw_config.readmodel_db)
+        loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            gateway.stop_soon()
+            worker.stop_soon()
+            projector.stop_soon()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(worker.run())
+            tg.create_task(gateway.run())
+            tg.create_task(projector.run())
+            await worker.wait_started()
+            await gateway.wait_started()
+            log.info(
+                "jetloop.up",
+                nats=settings.nats_url,
+                gateway=gateway.url,
+                hint="try: jetloop chat --agent demo",
+            )
     finally:
         if server is not None:
             server.stop()

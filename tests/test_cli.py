@@ -73,3 +73,29 @@ async def test_inspect_and_snapshot_as_json(
     }
     snap = await asyncio.to_thread(cli, nats_ready.url, "snapshot", "ij", "--json")
     assert json.loads(snap.stdout)["session_id"] == "ij"
+
+
+async def test_sessions_lists_from_the_read_model(
+    nats_ready: EmbeddedServer, workers: WorkerFactory, tmp_path: object
+) -> None:
+    """`jetloop sessions` finds a session the projector has written to the read model."""
+    from pathlib import Path
+
+    from services.projector import Projector
+
+    workers.start()
+    db = Path(str(tmp_path)) / "rm.sqlite"
+    sent = await asyncio.to_thread(
+        cli, nats_ready.url, "send", "--agent", "tester", "--session", "findme", script()
+    )
+    assert sent.returncode == 0, sent.stderr
+    async with Projector([nats_ready.url], db, burst=True) as projector:
+        await projector.run()
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "services.cli", "sessions", "--db", str(db), "--q", "findme",
+         "--json"],
+        capture_output=True, text=True, timeout=60,
+    )
+    found = json.loads(out.stdout)
+    assert found["total"] == 1 and found["sessions"][0]["session_id"] == "findme"

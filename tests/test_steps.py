@@ -119,8 +119,7 @@ async def test_approval_runs_the_call_once(
     returns the recorded one."""
     workers.start()
     h = await client.send("tester", "ap", script([call("guarded", name="g")]))
-    snap = await snapshot_when(client, "ap", lambda s: s.approvals)
-    assert snap.status == "waiting"  # type: ignore[attr-defined]
+    snap = await snapshot_when(client, "ap", lambda s: s.approvals and s.status == "waiting")
     [ap] = snap.approvals  # type: ignore[attr-defined]
     assert ap.tool == "guarded" and ap.args == {"name": "g"}
     assert await vendor.effect_count("guarded") == 0

@@ -29,7 +29,11 @@ def start_up(tmp_path: Path, port: int) -> subprocess.Popen[bytes]:
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "JETLOOP_VENDOR_DB": str(tmp_path / "vendor.sqlite")},
+            env={
+                **os.environ,
+                "JETLOOP_VENDOR_DB": str(tmp_path / "vendor.sqlite"),
+                "JETLOOP_GATEWAY_PORT": "0",
+            },
             start_new_session=True,
         )
 

@@ -48,7 +48,7 @@ from typing import Any
 import click
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
 from consumers.control import dump
@@ -316,7 +316,9 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
+    # The gateway's own metrics, and the engine's (the default registry) when a worker runs
+    # in this process, as under `jetloop up`.
+    body = generate_latest(request.app[METRICS].registry) + generate_latest(REGISTRY)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -90,6 +90,7 @@ from services.gateway_openapi import (
     TurnOut,
     openapi_document,
 )
+from services.lifecycle import Service
 from services.logs import configure
 from services.readmodel import ReadModel, ReadModelMissing
 from services.settings import SettingsError, load_settings
@@ -415,7 +416,7 @@ def make_app(config: GatewayConfig, nats_urls: Sequence[str] | str) -> web.Appli
     return app
 
 
-class Gateway:
+class Gateway(Service):
     """The gateway as a service: ``run()`` serves until ``stop()``."""
 
     def __init__(
@@ -426,29 +427,13 @@ class Gateway:
         port: int = 8080,
         shutdown_timeout: float = 10.0,
     ) -> None:
+        super().__init__()
         self.config = config
         self.nats_urls = nats_urls
         self.host = host
         self.port = port
         self.shutdown_timeout = shutdown_timeout
         self.url: str | None = None
-        self._stopping = asyncio.Event()
-        self._started = asyncio.Event()
-
-    async def __aenter__(self) -> Gateway:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    async def wait_started(self) -> None:
-        await self._started.wait()
-
-    def stop_soon(self) -> None:
-        self._stopping.set()
-
-    async def stop(self) -> None:
-        self._stopping.set()
 
     async def run(self) -> None:
         runner = web.AppRunner(

@@ -38,6 +38,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from consumers.faults import Faults
+from services.lifecycle import Service
 from services.logs import configure
 from services.readmodel import Incoming, ReadModel
 from services.settings import SettingsError, load_settings
@@ -50,7 +51,7 @@ DEFAULT_DURABLE = "jl_projector"
 DEFAULT_DB = Path(".jetloop/readmodel.sqlite")
 
 
-class Projector:
+class Projector(Service):
     def __init__(
         self,
         nats_urls: Sequence[str],
@@ -63,6 +64,7 @@ class Projector:
         ack_wait: float = 30.0,
         faults: Faults | None = None,
     ) -> None:
+        super().__init__()
         self.nats_urls = list(nats_urls)
         self.db_path = Path(db_path)
         self.durable = durable
@@ -72,24 +74,6 @@ class Projector:
         self.ack_wait = ack_wait
         self.faults = faults or Faults.from_env()
         self.position = 0
-        self._stopping = asyncio.Event()
-        self._started = asyncio.Event()
-
-    async def __aenter__(self) -> Projector:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    async def wait_started(self) -> None:
-        await self._started.wait()
-
-    def stop_soon(self) -> None:
-        self._stopping.set()
-
-    async def stop(self) -> None:
-        """Idempotent: the loop ends after the batch in hand."""
-        self._stopping.set()
 
     async def run(self) -> None:
         nc = await connect(self.nats_urls, name=f"jetloop-projector-{self.durable}")

@@ -25,6 +25,7 @@ from consumers.control import Control
 from consumers.dispatch import Handler
 from services.client import publish_trigger
 from services.control import ControlService
+from services.lifecycle import Service
 from services.metrics import watch_lag
 from services.settings import Settings
 from streams import topology
@@ -41,7 +42,7 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class Worker:
+class Worker(Service):
     def __init__(
         self,
         settings: Settings,
@@ -51,6 +52,7 @@ class Worker:
         apply_topology: bool = True,
         faults: Faults | None = None,
     ) -> None:
+        super().__init__()
         unknown = set(pools) - set(topology.POOLS)
         if unknown:
             raise ValueError(f"unknown pools {sorted(unknown)}; pools are {topology.POOLS}")
@@ -60,25 +62,8 @@ class Worker:
         self.worker_id = worker_id or settings.worker_id or default_worker_id()
         self.apply_topology = apply_topology
         self.faults = faults or Faults.from_env()
-        self._stopping = asyncio.Event()
-        self._started = asyncio.Event()
         self._nc: Client | None = None
         self._inflight: set[asyncio.Task[None]] = set()
-
-    async def __aenter__(self) -> Worker:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    async def wait_started(self) -> None:
-        await self._started.wait()
-
-    def stop_soon(self) -> None:
-        self._stopping.set()
-
-    async def stop(self) -> None:
-        self._stopping.set()
 
     def _concurrency(self, pool: str) -> int:
         s = self.settings

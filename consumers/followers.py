@@ -83,6 +83,7 @@ def answer(turn: TurnRecord) -> Followers:
         turn_id=turn.turn_id,
         data={
             "model_step": n,
+            "usage": turn.usage,
             "text": turn.answer_text,
             "calls": [
                 {"call_id": c.call_id, "tool": c.tool, "args": c.args, "effect": c.effect}
@@ -131,6 +132,7 @@ def finished(turn: TurnRecord) -> Followers:
                 "text": turn.answer_text if turn.answer_ref is None else None,
                 "text_ref": turn.answer_ref.model_dump() if turn.answer_ref else None,
                 "model_steps": turn.model_step + 1,
+                "usage": turn.usage,
             },
         )
     elif turn.status == TurnStatus.CANCELLED:

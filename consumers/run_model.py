@@ -222,6 +222,7 @@ async def _plan(rt: Runtime, agent: Agent, turn: TurnRecord, resp: ModelResponse
             )
         )
     update: dict[str, Any] = {
+        "usage": dict(resp.usage),
         "answer_text": text,
         "answer_ref": text_ref,
         "attempt": None,

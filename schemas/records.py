@@ -105,6 +105,7 @@ class TurnRecord(BaseModel):
     first_attempt_at: float | None = None
     answer_text: str | None = None
     answer_ref: BlobRef | None = None
+    usage: dict[str, int] = Field(default_factory=dict)  # tokens of the current model step
     calls: list[PlannedCall] = Field(default_factory=list)
     error: str | None = None
     tool_calls_made: int = 0

@@ -66,6 +66,15 @@ async def test_demo_conversation_on_each_provider(
     assert await vendor.effect_count("create_ticket") == 1
     shapes = shape(snap.history)
     assert [s[0] for s in shapes] == ["user", "assistant", "tool", "assistant"]
+    usage = []
+    async for ev in client.events(f"m-{provider}"):
+        if ev.type in ("model.answered", "turn.completed"):
+            usage.append(ev.data["usage"])
+        if ev.type == "turn.completed":
+            break
+    # the fakes report 11 tokens in and 7 out for every answer
+    assert [u["output_tokens"] for u in usage] == [7, 7]
+    assert all(u["input_tokens"] >= 11 for u in usage)
 
 
 async def test_same_history_on_every_provider(client: Client, workers: WorkerFactory) -> None:

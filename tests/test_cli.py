@@ -93,9 +93,20 @@ async def test_sessions_lists_from_the_read_model(
         await projector.run()
     out = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "services.cli", "sessions", "--db", str(db), "--q", "findme",
-         "--json"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "sessions",
+            "--db",
+            str(db),
+            "--q",
+            "findme",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     found = json.loads(out.stdout)
     assert found["total"] == 1 and found["sessions"][0]["session_id"] == "findme"

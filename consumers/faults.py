@@ -5,8 +5,10 @@
 file named by ``JETLOOP_FAULT_RELEASE`` exists (or forever). The test then SIGKILLs,
 SIGSTOPs or releases it. With the variable unset a point costs one set lookup.
 
-Points: run_model.in_call, run_model.before_commit, run_model.after_commit,
-call_tool.before_mark, call_tool.in_tool, call_tool.before_commit, call_tool.after_commit.
+Points: turn_request.after_accept, run_model.in_call, run_model.before_commit,
+run_model.after_commit, call_tool.before_mark, call_tool.in_tool, call_tool.before_commit,
+call_tool.after_commit, poll_tool_task.in_poll, compact_context.in_call,
+projector.before_commit, projector.before_ack.
 """
 
 from __future__ import annotations

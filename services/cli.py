@@ -642,6 +642,66 @@ def sessions(
     _run(go())
 
 
+@main.command()
+@click.option(
+    "--mode",
+    "modes",
+    multiple=True,
+    default=("worker_kill",),
+    type=click.Choice(["worker_kill", "server_restart", "takeover", "mixed"]),
+)
+@click.option("--rounds", type=int, help="default JETLOOP_TRIALS (10)")
+@click.option("--seed", type=int, help="default JETLOOP_KILL_SEED (random)")
+@click.option("--json", "out_json", type=click.Path(dir_okay=False))
+@click.option("--keep", type=click.Path(file_okay=False), help="keep logs and stores here")
+def trials(
+    modes: tuple[str, ...],
+    rounds: int | None,
+    seed: int | None,
+    out_json: str | None,
+    keep: str | None,
+) -> None:
+    """Kill trials: random SIGKILLs of workers, servers or leaders, judged from state."""
+    from pathlib import Path
+
+    from services.trials import main as run
+
+    sys.exit(run(modes, rounds, seed, out_json, Path(keep) if keep else None))
+
+
+@main.command()
+@click.argument(
+    "which",
+    nargs=-1,
+    type=click.Choice(["overhead", "throughput", "history", "waiting", "profile"]),
+)
+@click.option("--quick", is_flag=True, help="small sizes, for a smoke run")
+@click.option("--waiting-sessions", type=int)
+@click.option("--json", "out_json", type=click.Path(dir_okay=False))
+@click.option("--keep", type=click.Path(file_okay=False))
+def bench(
+    which: tuple[str, ...],
+    quick: bool,
+    waiting_sessions: int | None,
+    out_json: str | None,
+    keep: str | None,
+) -> None:
+    """Benchmarks, each as a ratio against the raw JetStream floor measured in the same run."""
+    from pathlib import Path
+
+    from services.bench import main as run
+
+    sys.exit(
+        run(
+            which or ("overhead", "throughput", "history"),
+            quick,
+            out_json,
+            Path(keep) if keep else None,
+            waiting_sessions,
+        )
+    )
+
+
 def _add_service_commands() -> None:
     from services.gateway import gateway_command
     from services.projector import projector_command

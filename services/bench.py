@@ -1,0 +1,698 @@
+"""Core benchmarks (issue 7), each against a baseline measured in the same run.
+
+- ``engine_overhead``: turn latency p50/p99 of a one-model-step turn and of the 7-step turn
+  (a model step, five parallel no-op tool steps, a model step) with the zero-latency app
+  ``services.bench_app``, sequential and with 50 turns in flight, against the raw JetStream
+  floor of ``services.bench_floor`` (the same CAS writes, publishes and acks, nothing else).
+- ``throughput``: steps per second (model and tool steps) of 7-step turns on many concurrent
+  sessions, with one and with two worker processes, against the floor.
+- ``history_growth``: durable bytes per step (growth of every jetloop stream's and bucket's
+  ``state.bytes``) and turn latency when the session's history holds ~10 and ~1,000 messages.
+- ``waiting_at_scale``: N sessions parked on approvals and timers: worker and server RSS,
+  store size on disk, and the time to release them all.
+- ``profile`` (``services.bench_profile``): the 7-step turn under pyinstrument.
+
+Every benchmark runs on its own nats-server on a temporary store with real worker processes
+(``services.bench_rig``); nothing here changes the engine. ``run_benchmarks`` runs a chosen
+set and judges the issue's targets; ``main`` is what ``jetloop bench`` calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from schemas import Event, approval_id_for, call_key, decode, turn_id_for
+from services.bench_profile import ProfileResult, profile_engine
+from services.bench_rig import (
+    ENGINE_MARKS,
+    FLOOR_MARKS,
+    SEAL_KEY,
+    STEPS_OF,
+    TURN_KINDS,
+    Latency,
+    OpCounts,
+    Rig,
+    count_ops,
+    message_mix,
+    rig,
+    run_batch,
+    start_sized_floor,
+    tag,
+)
+from services.client import Client
+from services.trials import machine, percentile
+from streams.bus import H_SESSION
+from streams.seal import Sealer, key_bytes
+
+# --- engine overhead -----------------------------------------------------------------------
+
+
+@dataclass
+class OverheadRow:
+    """Engine against floor for one turn shape and one load."""
+
+    turn: str
+    load: str
+    engine: Latency
+    floor: Latency
+
+    @property
+    def ratio_p50(self) -> float:
+        return self.engine.p50_ms / self.floor.p50_ms
+
+    @property
+    def ratio_p99(self) -> float:
+        return self.engine.p99_ms / self.floor.p99_ms
+
+
+@dataclass
+class OverheadResult:
+    """The latency rows, and what a turn costs each side in operations and messages."""
+
+    rows: list[OverheadRow]
+    engine_ops: dict[str, OpCounts]
+    floor_ops: dict[str, OpCounts]
+    # per turn shape: what the worker sent the server, by kind (``bench_rig.message_kind``)
+    engine_mix: dict[str, dict[str, float]]
+    floor_mix: dict[str, dict[str, float]]
+
+
+async def engine_overhead(
+    r: Rig, sequential: int = 200, concurrent: int = 500, in_flight: int = 50, chunks: int = 4
+) -> OverheadResult:
+    """Latency of both turn shapes, engine against floor, sequential and ``in_flight`` at
+    once. The engine worker and the floor worker both run throughout and their batches
+    alternate in ``chunks``, so a change in the machine's background load hits both."""
+    await r.start_workers(1)
+    await run_batch(r.engine_turn, 5, 40, 10, tag("warm"))
+    engine_ops = {k: await count_ops(r, r.engine_turn, f, 20, True) for k, f in TURN_KINDS.items()}
+    floor_ops = await start_sized_floor(r, engine_ops["7-step"])
+    engine_mix = {
+        k: await message_mix(r, r.engine_turn, f, 20, ENGINE_MARKS) for k, f in TURN_KINDS.items()
+    }
+    floor_mix = {
+        k: await message_mix(r, r.floor_turn, f, 20, FLOOR_MARKS) for k, f in TURN_KINDS.items()
+    }
+    rows = []
+    for load, total, width in (
+        ("sequential", sequential, 1),
+        (f"{in_flight} in flight", concurrent, in_flight),
+    ):
+        for kind, fan in TURN_KINDS.items():
+            eng: list[float] = []
+            flo: list[float] = []
+            for _ in range(chunks):
+                for start, out in ((r.engine_turn, eng), (r.floor_turn, flo)):
+                    await r.quiet()
+                    b = await run_batch(start, fan, total // chunks, width, tag("o"))
+                    out.extend(b.latencies)
+            rows.append(OverheadRow(kind, load, Latency.of(eng), Latency.of(flo)))
+    r.stop_workers()
+    r.stop_floor()
+    return OverheadResult(rows, engine_ops, floor_ops, engine_mix, floor_mix)
+
+
+# --- throughput ----------------------------------------------------------------------------
+
+
+@dataclass
+class ThroughputRow:
+    """One throughput run: engine (with n workers) or floor."""
+
+    what: str
+    turns: int
+    in_flight: int
+    wall_s: float
+    steps_per_s: float
+    turn_p50_ms: float
+
+
+async def throughput(
+    r: Rig, turns: int = 1000, in_flight: int = 200, workers: Sequence[int] = (1, 2)
+) -> list[ThroughputRow]:
+    """Steps per second of 7-step turns, ``in_flight`` sessions at once."""
+    rows = []
+    ops: OpCounts | None = None
+    for n in workers:
+        await r.start_workers(n)
+        await run_batch(r.engine_turn, 5, 100, 50, tag("warm"))
+        if ops is None:
+            ops = await count_ops(r, r.engine_turn, 5, 20, True)
+        await r.quiet()
+        b = await run_batch(r.engine_turn, 5, turns, in_flight, tag("t"))
+        rows.append(
+            ThroughputRow(
+                f"engine, {n} worker{'s' if n > 1 else ''}",
+                turns,
+                in_flight,
+                b.wall,
+                b.per_second(7),
+                Latency.of(b.latencies).p50_ms,
+            )
+        )
+        await r.quiet()
+        r.stop_workers()
+    assert ops is not None, "no worker count given"
+    await start_sized_floor(r, ops)
+    await run_batch(r.floor_turn, 5, 100, 50, tag("warm"))
+    await r.quiet()
+    b = await run_batch(r.floor_turn, 5, turns, in_flight, tag("t"))
+    rows.append(
+        ThroughputRow(
+            "floor, 1 process",
+            turns,
+            in_flight,
+            b.wall,
+            b.per_second(7),
+            Latency.of(b.latencies).p50_ms,
+        )
+    )
+    await r.quiet()
+    r.stop_floor()
+    return rows
+
+
+# --- history growth ------------------------------------------------------------------------
+
+
+@dataclass
+class HistoryRow:
+    """Turns measured when a session's history held about ``history`` messages."""
+
+    history: int
+    turn: str
+    latency: Latency
+    bytes_per_step: float
+
+
+async def history_growth(
+    r: Rig, small: int = 10, large: int = 1000, samples: int = 10
+) -> list[HistoryRow]:
+    """Durable bytes per step and turn latency at a short and a long history.
+
+    A 7-step turn adds 8 history entries (user, assistant with calls, 5 tool results,
+    answer), a 1-step turn 2. At ``small``, ``samples`` sessions are each brought to about
+    ``small`` entries and measured once per shape; at ``large``, one session is filled with
+    7-step turns and measured ``samples`` times per shape. Bytes are the growth of
+    ``state.bytes`` over every jetloop stream and bucket, the turn's trailing steps included.
+    """
+    await r.start_workers(1)
+    await run_batch(r.engine_turn, 5, 40, 10, tag("warm"))
+    rows: list[HistoryRow] = []
+    short = [f"{tag('hs')}{i}" for i in range(samples)]
+    for sid in short:
+        await _fill(r, sid, small)
+    long_sid = f"{tag('hl')}0"
+    await _fill(r, long_sid, large)
+    for kind, fan in TURN_KINDS.items():
+        rows.append(await _measure(r, short, fan, kind, small))
+        rows.append(await _measure(r, [long_sid] * samples, fan, kind, large))
+    r.stop_workers()
+    return rows
+
+
+async def _fill(r: Rig, sid: str, entries: int) -> None:
+    """Bring a session's history to about ``entries`` messages with real turns."""
+    have = 0
+    while have + 8 <= entries:
+        await asyncio.wait_for(await r.engine_turn(sid, f"{sid}-fill{have}", 5), 60)
+        have += 8
+    while have + 2 <= entries:
+        await asyncio.wait_for(await r.engine_turn(sid, f"{sid}-fill{have}", 0), 60)
+        have += 2
+    await r.quiet()
+
+
+async def _measure(r: Rig, sids: list[str], fan: int, kind: str, history: int) -> HistoryRow:
+    latencies: list[float] = []
+    grown = 0
+    for n, sid in enumerate(sids):
+        before = await r.stored_bytes()
+        t0 = time.perf_counter()
+        t1 = await asyncio.wait_for(await r.engine_turn(sid, f"{sid}-m{fan}-{n}", fan), 60)
+        latencies.append(t1 - t0)
+        await r.quiet()
+        grown += await r.stored_bytes() - before
+    return HistoryRow(history, kind, Latency.of(latencies), grown / len(sids) / STEPS_OF[fan])
+
+
+# --- waiting at scale ----------------------------------------------------------------------
+
+
+@dataclass
+class WaitingResult:
+    """Sessions parked on approvals and timers, what they cost, how fast they got going."""
+
+    approvals: int
+    timers: int
+    park_seconds: float
+    worker_rss_mb_before: float
+    worker_rss_mb_parked: float
+    server_rss_mb_before: float
+    server_rss_mb_parked: float
+    store_mb_before: float
+    store_mb_parked: float
+    approvals_release_seconds: float
+    timers_release_seconds: float  # from the scheduled second to the last turn's end
+    timer_lateness_p50_s: float
+    timer_lateness_p99_s: float
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+def dir_mb(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
+
+
+class Tally:
+    """Sessions seen on a core subject (a re-emitted event counts once); ``reached(n)``
+    waits until ``n`` were seen."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.changed = asyncio.Event()
+
+    async def on(self, msg: Msg) -> None:
+        self.seen.add((msg.headers or {}).get(H_SESSION, msg.subject))
+        self.changed.set()
+
+    async def reached(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.seen) < n:
+            self.changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(self.seen)} of {n} seen in {timeout}s")
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except TimeoutError:
+                continue
+
+
+async def waiting_at_scale(r: Rig, sessions: int = 2000, in_flight: int = 200) -> WaitingResult:
+    """Half the sessions wait for an approval, half for a timer, all due at one wall-clock
+    second; the worker's and server's memory and the store's size before and after parking;
+    then every approval is granted at once, then the timers come due; for each kind, the
+    time until every turn ended (for timers, from the second they were scheduled for)."""
+    n_a, n_t = sessions // 2, sessions - sessions // 2
+    [worker] = await r.start_workers(1)
+    await run_batch(r.engine_turn, 5, 40, 10, tag("warm"))
+    await r.quiet()
+    assert r.server.proc is not None
+    before = (rss_mb(worker.pid), rss_mb(r.server.proc.pid), dir_mb(r.base / "store"))
+
+    parked = Tally()
+    fire_at: dict[str, float] = {}  # session → the second its timer is scheduled for
+
+    async def timer_set(msg: Msg) -> None:
+        ev = decode(Event, msg.data)
+        fire_at[ev.session_id] = math.ceil(float(ev.data["due"]))  # the engine rounds up
+        await parked.on(msg)
+
+    subs = [
+        await r.nc.subscribe("jl.event.*.approval.requested", cb=parked.on),
+        await r.nc.subscribe("jl.event.*.timer.set", cb=timer_set),
+    ]
+    prefix = tag("p")
+    sem = asyncio.Semaphore(in_flight)
+    ends: dict[str, asyncio.Future[float]] = {}
+
+    async def park(lo: int, hi: int, text: str) -> None:
+        async def one(i: int) -> None:
+            async with sem:
+                sid = f"{prefix}{i}"
+                ends[sid] = await r.send("parked", sid, sid, text)
+
+        async with asyncio.TaskGroup() as tg:
+            for i in range(lo, hi):
+                tg.create_task(one(i))
+        await parked.reached(hi, timeout=1200)
+
+    t0 = time.perf_counter()
+    await park(0, n_a, "approve")
+    per_session = (time.perf_counter() - t0) / max(1, n_a)
+    # Every timer due at one second, after all are parked and the approvals released
+    # (about as long as parking them took), with a margin.
+    due = math.ceil(time.time() + 10 + 3 * per_session * sessions)
+    await park(n_a, sessions, f"timer_at {due}")
+    park_seconds = time.perf_counter() - t0
+    await r.quiet(timeout=600)
+    after = (rss_mb(worker.pid), rss_mb(r.server.proc.pid), dir_mb(r.base / "store"))
+    for sub in subs:
+        await sub.unsubscribe()
+
+    sealer = Sealer([key_bytes(SEAL_KEY)])
+    async with await Client.connect(r.server.url, sealer=sealer) as client:
+        t_start = time.perf_counter()
+
+        async def grant(i: int) -> None:
+            async with sem:
+                sid = f"{prefix}{i}"
+                aid = approval_id_for(call_key(sid, turn_id_for(sid, sid), 0, 0))
+                await client.approve(sid, aid, by="bench")
+
+        async with asyncio.TaskGroup() as tg:
+            for i in range(n_a):
+                tg.create_task(grant(i))
+        done = await asyncio.gather(*(ends[f"{prefix}{i}"] for i in range(n_a)))
+        approvals_release = max(done) - t_start
+    if time.time() > min(fire_at.values()):
+        raise RuntimeError("timers came due before the approvals were released: raise the margin")
+    timer_done = await asyncio.wait_for(
+        asyncio.gather(*(ends[f"{prefix}{i}"] for i in range(n_a, sessions))),
+        timeout=max(fire_at.values()) - time.time() + 600,
+    )
+    # perf_counter → wall clock, to compare with the second each timer was scheduled for.
+    offset = time.time() - time.perf_counter()
+    lateness = [
+        t + offset - fire_at[f"{prefix}{i}"]
+        for i, t in zip(range(n_a, sessions), timer_done, strict=True)
+    ]
+    r.stop_workers()
+    return WaitingResult(
+        approvals=n_a,
+        timers=n_t,
+        park_seconds=park_seconds,
+        worker_rss_mb_before=before[0],
+        worker_rss_mb_parked=after[0],
+        server_rss_mb_before=before[1],
+        server_rss_mb_parked=after[1],
+        store_mb_before=before[2],
+        store_mb_parked=after[2],
+        approvals_release_seconds=approvals_release,
+        timers_release_seconds=max(lateness),
+        timer_lateness_p50_s=percentile(lateness, 50) or math.nan,
+        timer_lateness_p99_s=percentile(lateness, 99) or math.nan,
+    )
+
+
+# --- the run -------------------------------------------------------------------------------
+
+BENCHMARKS = ("overhead", "throughput", "history", "waiting", "profile")
+
+
+@dataclass
+class Target:
+    """A target of issue 7 and what this run measured against it."""
+
+    name: str
+    target: str
+    measured: str
+    met: bool
+
+
+@dataclass
+class BenchReport:
+    """Everything one ``run_benchmarks`` measured, and the targets judged from it."""
+
+    machine: dict[str, str]
+    overhead: OverheadResult | None = None
+    throughput: list[ThroughputRow] | None = None
+    history: list[HistoryRow] | None = None
+    waiting: WaitingResult | None = None
+    profile: ProfileResult | None = None
+    targets: list[Target] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.overhead is not None:
+            data["overhead"]["ratios"] = [
+                {"turn": r.turn, "load": r.load, "p50": r.ratio_p50, "p99": r.ratio_p99}
+                for r in self.overhead.rows
+            ]
+        return data
+
+
+def judge(rep: BenchReport) -> list[Target]:
+    """The issue's targets against what was measured (only those measured)."""
+    out: list[Target] = []
+    if rep.overhead is not None:
+        seq7 = next(r for r in rep.overhead.rows if r.turn == "7-step" and r.load == "sequential")
+        out.append(
+            Target(
+                "7-step turn latency",
+                "≤ 6 ms p50",
+                f"{seq7.engine.p50_ms:.1f} ms p50 (floor {seq7.floor.p50_ms:.1f} ms)",
+                seq7.engine.p50_ms <= 6.0,
+            )
+        )
+        worst = max(rep.overhead.rows, key=lambda r: r.ratio_p50)
+        out.append(
+            Target(
+                "engine overhead per step",
+                "≤ 3× the raw floor",
+                f"{seq7.ratio_p50:.2f}× (7-step, sequential, p50); worst {worst.ratio_p50:.2f}×"
+                f" ({worst.turn}, {worst.load})",
+                worst.ratio_p50 <= 3.0,
+            )
+        )
+    if rep.throughput is not None:
+        best = max(
+            (r for r in rep.throughput if r.what.startswith("engine")), key=lambda r: r.steps_per_s
+        )
+        out.append(
+            Target(
+                "throughput",
+                "≥ 3,000 steps/s",
+                f"{best.steps_per_s:,.0f} steps/s ({best.what})",
+                best.steps_per_s >= 3000,
+            )
+        )
+    if rep.history is not None:
+        by = {(h.history, h.turn): h for h in rep.history}
+        small, large = sorted({h.history for h in rep.history})
+        a, b = by[(small, "7-step")], by[(large, "7-step")]
+        ratio = b.bytes_per_step / a.bytes_per_step
+        out.append(
+            Target(
+                "bytes per step as history grows",
+                f"at {large} ≤ 1.5× at {small}",
+                f"{b.bytes_per_step:,.0f} vs {a.bytes_per_step:,.0f} B/step ({ratio:.2f}×)",
+                ratio <= 1.5,
+            )
+        )
+    if rep.waiting is not None:
+        w = rep.waiting
+        n = w.approvals + w.timers
+        per_10k = (w.worker_rss_mb_parked - w.worker_rss_mb_before) * 10_000 / n
+        out.append(
+            Target(
+                "worker memory of parked sessions",
+                "< 50 MB for 10,000",
+                f"{per_10k:+.1f} MB per 10,000 (measured on {n:,})",
+                per_10k < 50,
+            )
+        )
+    return out
+
+
+def _ms(v: float) -> str:
+    return f"{v:.1f}"
+
+
+def format_report(rep: BenchReport) -> str:
+    """The report as Markdown tables (what docs/performance.md shows)."""
+    lines: list[str] = []
+    m = rep.machine
+    lines.append(
+        f"Machine: {m.get('cpus')} CPUs, Python {m.get('python')}, {m.get('nats_server')},"
+        f" load (1 min) at start {m.get('load_1m')}. Wall time {rep.wall_seconds:.0f} s."
+    )
+    if rep.overhead is not None:
+        o = rep.overhead
+        lines += ["", "### Engine overhead: turn latency (ms), engine against the raw floor", ""]
+        lines.append(
+            "| turn | load | engine p50 | engine p99 | floor p50 | floor p99 | ratio p50 |"
+            " ratio p99 | turns |"
+        )
+        lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in o.rows:
+            lines.append(
+                f"| {r.turn} | {r.load} | {_ms(r.engine.p50_ms)} | {_ms(r.engine.p99_ms)} |"
+                f" {_ms(r.floor.p50_ms)} | {_ms(r.floor.p99_ms)} | {r.ratio_p50:.2f}× |"
+                f" {r.ratio_p99:.2f}× | {r.engine.n} |"
+            )
+        lines += ["", "Operations per turn (measured, not assumed):", ""]
+        lines.append(
+            "| turn | side | KV writes | stored publishes | deliveries acked |"
+            " messages the worker sent | B per KV write | B per message |"
+        )
+        lines.append("|---|---|---:|---:|---:|---:|---:|---:|")
+        for side, ops in (("engine", o.engine_ops), ("floor", o.floor_ops)):
+            for kind, c in ops.items():
+                lines.append(
+                    f"| {kind} | {side} | {c.kv_writes:.1f} | {c.publishes:.1f} | {c.acks:.1f} |"
+                    f" {c.sent:.1f} | {c.kv_bytes} | {c.msg_bytes} |"
+                )
+        kinds = sorted(
+            {k for mix in (*o.engine_mix.values(), *o.floor_mix.values()) for k in mix},
+            key=lambda k: -o.engine_mix["7-step"].get(k, 0.0),
+        )
+        lines += ["", "What the worker sent the server per turn, by kind:", ""]
+        shapes = list(o.engine_mix)
+        lines.append("| kind | " + " | ".join(f"engine {s} | floor {s}" for s in shapes) + " |")
+        lines.append("|---|" + "---:|" * (2 * len(shapes)))
+        for k in kinds:
+            cells = " | ".join(
+                f"{o.engine_mix[s].get(k, 0.0):.1f} | {o.floor_mix[s].get(k, 0.0):.1f}"
+                for s in shapes
+            )
+            lines.append(f"| {k} | {cells} |")
+    if rep.throughput is not None:
+        lines += ["", "### Throughput: 7-step turns on many concurrent sessions", ""]
+        lines.append("| what | turns | in flight | wall s | steps/s | turn p50 ms |")
+        lines.append("|---|---:|---:|---:|---:|---:|")
+        for t in rep.throughput:
+            lines.append(
+                f"| {t.what} | {t.turns} | {t.in_flight} | {t.wall_s:.1f} |"
+                f" {t.steps_per_s:,.0f} | {_ms(t.turn_p50_ms)} |"
+            )
+    if rep.history is not None:
+        lines += ["", "### History growth", ""]
+        lines.append(
+            "| history (messages) | turn | p50 ms | p99 ms | durable bytes per step | turns |"
+        )
+        lines.append("|---:|---|---:|---:|---:|---:|")
+        for h in rep.history:
+            lines.append(
+                f"| ~{h.history} | {h.turn} | {_ms(h.latency.p50_ms)} | {_ms(h.latency.p99_ms)} |"
+                f" {h.bytes_per_step:,.0f} | {h.latency.n} |"
+            )
+    if rep.waiting is not None:
+        w = rep.waiting
+        lines += ["", "### Waiting at scale", ""]
+        lines.append("| measure | value |")
+        lines.append("|---|---:|")
+        for k, v in asdict(w).items():
+            lines.append(
+                f"| {k.replace('_', ' ')} | {v:,.2f} |"
+                if isinstance(v, float)
+                else f"| {k.replace('_', ' ')} | {v:,} |"
+            )
+    if rep.profile is not None:
+        p = rep.profile
+        lines += ["", "### Profile of the worker on 7-step turns (pyinstrument, self time)", ""]
+        lines.append("| where | share of all samples | share of busy samples |")
+        lines.append("|---|---:|---:|")
+        for k, v in p.categories.items():
+            lines.append(f"| {k} | {v:.1%} | {p.busy_categories.get(k, 0.0):.1%} |")
+        lines += ["", "Top functions by self time (share of busy samples):", ""]
+        lines += [f"- {v:.1%} `{name}`" for name, v in p.top_self]
+        lines += ["", "Handlers by cumulative time (share of busy samples):", ""]
+        lines += [f"- {v:.1%} `{name}`" for name, v in p.handlers]
+        lines.append(f"\nFull tree: {p.text_path}")
+    if rep.targets:
+        lines += [
+            "",
+            "### Targets",
+            "",
+            "| target | wanted | measured | verdict |",
+            "|---|---|---|---|",
+        ]
+        for g in rep.targets:
+            lines.append(
+                f"| {g.name} | {g.target} | {g.measured} | {'met' if g.met else 'not met'} |"
+            )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each benchmark runs; ``QUICK`` is a smoke run."""
+
+    sequential: int = 300
+    concurrent: int = 1000
+    throughput_turns: int = 1500
+    throughput_in_flight: int = 200
+    history_large: int = 1000
+    history_samples: int = 10
+    waiting_sessions: int = 2000
+    profile_sequential: int = 300
+    profile_concurrent: int = 600
+
+
+QUICK = Sizes(60, 200, 300, 100, 200, 3, 200, 60, 120)
+
+
+async def run_benchmarks(
+    which: Sequence[str] = ("overhead", "throughput", "history"),
+    *,
+    sizes: Sizes = Sizes(),
+    out_json: Path | str | None = None,
+    work_dir: Path | None = None,
+) -> BenchReport:
+    """Run the named benchmarks (``BENCHMARKS``), each on a fresh server, and judge them."""
+    unknown = set(which) - set(BENCHMARKS)
+    if unknown:
+        raise ValueError(f"unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}")
+    began = time.monotonic()
+    rep = BenchReport(machine=machine())
+    for name in which:
+        wd = work_dir / name if work_dir is not None else None
+        async with rig(wd) as r:
+            if name == "overhead":
+                rep.overhead = await engine_overhead(r, sizes.sequential, sizes.concurrent)
+            elif name == "throughput":
+                rep.throughput = await throughput(
+                    r, sizes.throughput_turns, sizes.throughput_in_flight
+                )
+            elif name == "history":
+                rep.history = await history_growth(
+                    r, large=sizes.history_large, samples=sizes.history_samples
+                )
+            elif name == "waiting":
+                rep.waiting = await waiting_at_scale(r, sizes.waiting_sessions)
+            else:
+                # Kept after the run (the report names it): the text tree and pstats.
+                out = (
+                    work_dir / "profile"
+                    if work_dir is not None
+                    else Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="jetloop-profile-"))
+                )
+                rep.profile = await profile_engine(
+                    r, out, sizes.profile_sequential, sizes.profile_concurrent
+                )
+    rep.targets = judge(rep)
+    rep.wall_seconds = time.monotonic() - began
+    if out_json is not None:
+        text = json.dumps(rep.to_json(), indent=2, default=str) + "\n"
+        await asyncio.to_thread(Path(out_json).write_text, text)
+    return rep
+
+
+def main(
+    which: Sequence[str] = ("overhead", "throughput", "history"),
+    quick: bool = False,
+    out_json: Path | str | None = None,
+    work_dir: Path | None = None,
+    waiting_sessions: int | None = None,
+) -> int:
+    """What ``jetloop bench`` runs: prints the tables; 0 if every measured target is met."""
+    from dataclasses import replace
+
+    from services.logs import configure
+
+    configure("console", "warning")
+    sizes = QUICK if quick else Sizes()
+    if waiting_sessions is not None:
+        sizes = replace(sizes, waiting_sessions=waiting_sessions)
+    rep = asyncio.run(run_benchmarks(which, sizes=sizes, out_json=out_json, work_dir=work_dir))
+    print(format_report(rep))
+    return 0 if all(t.met for t in rep.targets) else 1

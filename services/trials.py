@@ -1,0 +1,658 @@
+"""Kill trials (issue 7): real processes killed at random moments, judged from state.
+
+Each round starts a fresh *victim* worker beside a *survivor* that runs throughout, keeps a
+few sessions busy with turns that mix reads, idempotent writes, single-attempt writes (with
+and without a reader), approvals (granted here), timers and task polls, and at a random
+moment 0.2–4 s after the victim is up applies the mode's failure:
+
+- ``worker_kill``: SIGKILL the victim;
+- ``server_restart``: SIGKILL nats-server and restart it on its store directory;
+- ``takeover``: on a 3-node cluster (R3), SIGKILL the node leading ``JL_STEPS``; it is
+  restarted on its store once a new leader is elected;
+- ``mixed``: on the 3-node cluster, each round picks a worker kill, a node restart (a random
+  node, restarted at once), a takeover, or a worker kill and a takeover together.
+
+Every turn is judged from state (``Client.turn``, call records) and from the vendor's SQLite
+log, never from worker logs: a turn is *lost* if it does not end within the deadline or ends
+failed or cancelled (``outcome_unknown`` for a single-attempt write in doubt is a legitimate
+end); a *duplicate* is a vendor write applied twice for one idempotency key, or a
+single-attempt write requested twice with one key; *recovery* is the time from the kill to
+the end of every turn that was in flight when it came. Targets: no lost turn, no duplicate,
+recovery p99 within the lease plus 2 s.
+
+This module only wires processes together (STYLE rule 1): the engine is driven through the
+public client, the harness (``WorkerProcess``; ``EmbeddedServer`` and ``LocalCluster``
+through ``services.trials_servers``) and the test app ``tests.apps:app`` the workers load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import sqlite3
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nats.errors import Error as NatsError
+
+from schemas import (
+    CallState,
+    DecodeError,
+    Event,
+    TurnPhase,
+    call_key,
+    decode,
+    idempotency_key,
+)
+from services.client import Client
+from services.embedded import server_binary
+from services.harness import WorkerProcess
+from services.logs import configure
+from services.trials_servers import Cluster, Servers, SingleServer
+from streams import topology
+from streams.connection import connect
+from streams.seal import Sealer, key_bytes
+
+MODES = ("worker_kill", "server_restart", "takeover", "mixed")
+MIXED_FAILURES = ("worker_kill", "node_restart", "takeover", "worker_kill+takeover")
+
+APP = "tests.apps:app"
+AGENT = "tester"
+LEASE_SECONDS = 2.0
+# Any key will do: the harness (approvals through the client) and the workers share it.
+SEAL_KEY = "5e" * 32
+KILL_WINDOW = (0.2, 4.0)
+SESSIONS_PER_ROUND = 4
+# How often the harness reads a turn record: the resolution of a measured recovery.
+POLL_SECONDS = 0.05
+# From the kill, how long a turn in flight may take to end before it counts as lost.
+DEADLINES = {
+    "worker_kill": 40.0,
+    "server_restart": 60.0,
+    "node_restart": 60.0,
+    "takeover": 90.0,
+    "worker_kill+takeover": 90.0,
+}
+# Vendor operations that change something; reads, notes and polls may repeat by design.
+WRITE_OPS = ("write", "slow", "guarded", "once", "once_read", "task_start")
+SINGLE_ATTEMPT_OPS = ("once", "once_read")
+# ``slow`` (an idempotent write that takes 0.3 s) widens the window a kill can land in.
+TOOLS = ("read", "write", "slow", "once", "once_read", "guarded", "wait", "export")
+WORKER_START_SECONDS = 60.0
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+@dataclass
+class TurnTrial:
+    """One turn of a round, as the harness saw it (times are seconds from the round start)."""
+
+    session_id: str
+    turn_id: str
+    request_id: str
+    tools: list[list[str]]
+    sent_at: float
+    ended_at: float | None = None
+    status: str | None = None
+    error: str | None = None
+    calls: dict[str, int] = field(default_factory=dict)
+    in_flight: bool = False
+    recovery: float | None = None
+
+
+@dataclass
+class RoundTrial:
+    """One round: its failure, when it came, and the turns it caught."""
+
+    round: int
+    failure: str
+    kill_after: float
+    kill_at: float
+    election: float | None = None  # seconds from the kill to a new JL_STEPS leader
+    turns: list[TurnTrial] = field(default_factory=list)
+
+    @property
+    def in_flight(self) -> list[TurnTrial]:
+        return [t for t in self.turns if t.in_flight]
+
+
+@dataclass
+class Duplicate:
+    """A write the vendor applied (or a single-attempt write it received) twice for a key."""
+
+    op: str
+    idempotency_key: str
+    applied: int
+    call: str | None
+
+
+@dataclass
+class Report:
+    """The verdict of a run of trials; ``ok`` when every target is met."""
+
+    mode: str
+    rounds: int
+    seed: int
+    lease_seconds: float
+    recovery_target: float
+    turns: int
+    in_flight: int
+    lost: list[str]
+    duplicates: list[Duplicate]
+    stray_keys: list[str]
+    call_states: dict[str, int]
+    recovery_p50: float | None
+    recovery_p99: float | None
+    recovery_max: float | None
+    by_failure: dict[str, dict[str, Any]]
+    wall_seconds: float
+    machine: dict[str, str]
+    trials: list[RoundTrial]
+
+    @property
+    def recovery_ok(self) -> bool:
+        return self.recovery_p99 is None or self.recovery_p99 <= self.recovery_target
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and not self.duplicates and self.recovery_ok
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        data["recovery_ok"] = self.recovery_ok
+        return data
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile (``p`` in 0–100): an observed value, never interpolated."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def machine() -> dict[str, str]:
+    """What the numbers were measured on."""
+    try:
+        version = subprocess.run(
+            [server_binary(), "--version"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        version = "?"
+    return {
+        "cpus": str(os.cpu_count()),
+        "python": platform.python_version(),
+        "nats_server": version,
+        "platform": platform.platform(),
+        "load_1m": f"{os.getloadavg()[0]:.2f}",
+    }
+
+
+# --- the workload --------------------------------------------------------------------------
+
+
+def _call(tool: str, name: str) -> dict[str, Any]:
+    if tool == "wait":
+        return {"tool": tool, "args": {"seconds": 1}}
+    if tool == "export":
+        return {"tool": tool, "args": {"name": name, "polls": 2}}
+    if tool == "slow":
+        return {"tool": tool, "args": {"name": name, "seconds": 0.3}}
+    return {"tool": tool, "args": {"name": name}}
+
+
+def plan_turn(rng: random.Random, tag: str, covering: bool = False) -> list[list[dict[str, Any]]]:
+    """The steps of one turn for the test model: 1–2 model steps of 1–3 parallel calls.
+
+    ``covering`` gives the turn that has every kind once (the first turn of each round), so
+    every round exercises every step kind whatever the seed.
+    """
+    if covering:
+        groups = [["write", "once", "once_read", "read"], ["guarded", "wait", "export", "slow"]]
+    else:
+        groups = [
+            [rng.choice(TOOLS) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 2))
+        ]
+    return [
+        [_call(tool, f"{tag}-{k}-{i}") for i, tool in enumerate(group)]
+        for k, group in enumerate(groups)
+    ]
+
+
+def script_text(steps: list[list[dict[str, Any]]]) -> str:
+    """The user text that makes ``tests.apps``' scripted model run these steps."""
+    return json.dumps({"steps": steps, "answer": "done"})
+
+
+# --- a run ---------------------------------------------------------------------------------
+
+
+class Trials:
+    """One run: the servers, the survivor, a client; ``round()`` runs one round."""
+
+    def __init__(
+        self, mode: str, servers: Servers, base: Path, rng: random.Random, seed: int
+    ) -> None:
+        self.mode = mode
+        self.servers = servers
+        self.base = base
+        self.rng = rng
+        self.seed = seed
+        self.vendor_db = base / "vendor.sqlite"
+        self.client: Client | None = None
+        self.survivor: WorkerProcess | None = None
+        self.victims: list[WorkerProcess] = []
+        # Every call the harness planned, by its idempotency key: to name a duplicate.
+        self.calls_by_key: dict[str, str] = {}
+
+    def _worker(self, name: str) -> WorkerProcess:
+        env = {
+            "JETLOOP_LEASE_SECONDS": str(LEASE_SECONDS),
+            "JETLOOP_VENDOR_DB": str(self.vendor_db),
+            "JETLOOP_SEAL_KEY": SEAL_KEY,
+            "JETLOOP_REPLICAS": str(self.servers.replicas),
+            "JETLOOP_DRAIN_SECONDS": "5",
+            "JETLOOP_LOG_LEVEL": "info",
+        }
+        return WorkerProcess(
+            self.servers.url, APP, self.base / f"{name}.log", worker_id=name, env=env
+        ).start()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Trials]:
+        """Topology, survivor and client up; everything stopped and closed on the way out."""
+        nc = await connect(self.servers.url.split(","), "jetloop-trials-topology")
+        try:
+            cfg = topology.TopologyConfig(
+                replicas=self.servers.replicas, lease_seconds=LEASE_SECONDS
+            )
+            await topology.apply(nc.jetstream(), cfg, set_replicas=True)
+        finally:
+            await nc.close()
+        self.survivor = self._worker("survivor")
+        try:
+            await self.survivor.wait_for("worker.started", timeout=WORKER_START_SECONDS)
+            sealer = Sealer([key_bytes(SEAL_KEY)])
+            self.client = await Client.connect(self.servers.url, sealer=sealer)
+            try:
+                yield self
+            finally:
+                await self.client.close()
+        finally:
+            for v in self.victims:
+                v.kill()
+            self.survivor.kill()
+
+    def failure_of(self) -> str:
+        if self.mode == "mixed":
+            return self.rng.choice(MIXED_FAILURES)
+        return self.mode
+
+    async def round(self, r: int) -> RoundTrial:
+        """Start a victim, keep sessions busy, fail at a random moment, judge every turn."""
+        failure = self.failure_of()
+        kill_after = self.rng.uniform(*KILL_WINDOW)
+        plans = [
+            [plan_turn(self.rng, f"r{r}s{s}t{k}", covering=(s == 0 and k == 0)) for k in range(64)]
+            for s in range(SESSIONS_PER_ROUND)
+        ]
+        victim = self._worker(f"victim{r}")
+        self.victims.append(victim)
+        await victim.wait_for("worker.started", timeout=WORKER_START_SECONDS)
+        start = time.monotonic()
+        trial = RoundTrial(round=r, failure=failure, kill_after=kill_after, kill_at=math.inf)
+        stop_sending = asyncio.Event()
+        deadline: list[float] = []  # set at the kill: [monotonic deadline]
+
+        async with asyncio.TaskGroup() as tg:
+            for s in range(SESSIONS_PER_ROUND):
+                sid = f"{self.mode[:2]}{r}s{s}"
+                tg.create_task(
+                    self._session(sid, plans[s], start, stop_sending, deadline, trial.turns)
+                )
+            # The random kill moment is the point of the trial, not a wait for a condition.
+            await asyncio.sleep(kill_after)
+            stop_sending.set()
+            kill_at = await self.servers.fail(failure, victim, self.rng)
+            trial.kill_at = kill_at - start
+            deadline.append(kill_at + DEADLINES[failure])
+        trial.election = await self.servers.heal()
+        victim.kill()
+        for t in trial.turns:
+            t.in_flight = t.sent_at < trial.kill_at and (
+                t.ended_at is None or t.ended_at > trial.kill_at
+            )
+            if t.in_flight and t.ended_at is not None:
+                t.recovery = t.ended_at - trial.kill_at
+        return trial
+
+    async def _session(
+        self,
+        sid: str,
+        plans: list[list[list[dict[str, Any]]]],
+        start: float,
+        stop_sending: asyncio.Event,
+        deadline: list[float],
+        out: list[TurnTrial],
+    ) -> None:
+        """Send turns one after the other until the kill; follow each to its end."""
+        assert self.client is not None
+        for k, steps in enumerate(plans):
+            if stop_sending.is_set():
+                return
+            rid = f"{sid}-{k}"
+            sent = time.monotonic() - start
+            handle = await self.client.send(AGENT, sid, script_text(steps), request_id=rid)
+            for n, group in enumerate(steps):
+                for i, c in enumerate(group):
+                    key = idempotency_key(sid, handle.turn_id, n, i)
+                    self.calls_by_key[key] = f"{call_key(sid, handle.turn_id, n, i)} {c['tool']}"
+            t = TurnTrial(
+                session_id=sid,
+                turn_id=handle.turn_id,
+                request_id=rid,
+                tools=[[c["tool"] for c in group] for group in steps],
+                sent_at=sent,
+            )
+            out.append(t)
+            await self._follow(t, steps, start, deadline)
+            if t.status != "completed":
+                return  # a lost turn: the session's next turn would only queue behind it
+
+    async def _follow(
+        self,
+        t: TurnTrial,
+        steps: list[list[dict[str, Any]]],
+        start: float,
+        deadline: list[float],
+    ) -> None:
+        """Poll the turn record until it ends (approving held calls on the way) or the
+        deadline after the kill passes."""
+        assert self.client is not None
+        approved: set[str] = set()
+        while True:
+            if deadline and time.monotonic() > deadline[0]:
+                t.error = "did not end within the deadline after the kill"
+                return
+            try:
+                # A read sent just before a server died waits out its own timeout; a short
+                # one here sends a fresh read instead.
+                turn = await asyncio.wait_for(self.client.turn(t.session_id, t.turn_id), 1.0)
+                if turn is not None and turn.status.terminal:
+                    t.ended_at = await self._end_time(t, turn.status.value, start)
+                    t.status = turn.status.value
+                    t.error = turn.error
+                    await self._settled_calls(t, steps)
+                    return
+                if turn is not None and turn.phase == TurnPhase.CALLS:
+                    await asyncio.wait_for(self._approve(t, turn.model_step, steps, approved), 2.0)
+            except (NatsError, TimeoutError, OSError):
+                pass  # an outage: the client rides it out; look again
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def _end_time(self, t: TurnTrial, status: str, start: float) -> float:
+        """When the turn ended: the time on its end event (written by a worker on this
+        machine) if it can be read, else when the harness saw the end. The harness can see
+        it late (a read that rode out a restart); the event says when the state changed."""
+        assert self.client is not None
+        seen = time.monotonic() - start
+        subject = topology.event_subject(t.session_id, f"turn.{status}")
+        try:
+            raw = await asyncio.wait_for(
+                self.client.js.get_msg(topology.EVENTS_STREAM, subject=subject), 5.0
+            )
+            event = decode(Event, raw.data or b"")
+        except (NatsError, TimeoutError, DecodeError):
+            return seen
+        if event.turn_id != t.turn_id:
+            return seen
+        wall_to_monotonic = time.monotonic() - time.time()
+        return min(seen, event.at + wall_to_monotonic - start)
+
+    async def _approve(
+        self, t: TurnTrial, n: int, steps: list[list[dict[str, Any]]], approved: set[str]
+    ) -> None:
+        """Grant every held call of the step, as a person watching the session would."""
+        assert self.client is not None
+        if n >= len(steps):
+            return
+        for i, c in enumerate(steps[n]):
+            ckey = call_key(t.session_id, t.turn_id, n, i)
+            if c["tool"] != "guarded" or ckey in approved:
+                continue
+            rec = await self.client.call(t.session_id, t.turn_id, n, i)
+            if rec is not None and rec.state == CallState.AWAITING_APPROVAL and rec.approval_id:
+                await self.client.approve(t.session_id, rec.approval_id, by="trials")
+                approved.add(ckey)
+
+    async def _settled_calls(self, t: TurnTrial, steps: list[list[dict[str, Any]]]) -> None:
+        assert self.client is not None
+        states: Counter[str] = Counter()
+        for n, group in enumerate(steps):
+            for i in range(len(group)):
+                rec = await self.client.call(t.session_id, t.turn_id, n, i)
+                states[rec.state.value if rec is not None else "not_made"] += 1
+        t.calls = dict(states)
+
+
+def vendor_duplicates(db: Path, calls_by_key: dict[str, str]) -> tuple[list[Duplicate], list[str]]:
+    """Writes applied twice for one key, and write keys no planned call owns (a key that
+    changed between attempts would show up here)."""
+    if not db.exists():
+        return [], []
+    marks = ",".join("?" for _ in WRITE_OPS)
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        # With dedupe the vendor logs a repeat as deduped; without it (single-attempt ops)
+        # every request applies, so two undeduped requests for one key are two effects.
+        rows = con.execute(
+            f"SELECT op, idem_key, COUNT(*) FROM requests WHERE deduped = 0 AND op IN ({marks})"
+            " GROUP BY op, idem_key HAVING COUNT(*) > 1",
+            WRITE_OPS,
+        ).fetchall()
+        keys = con.execute(
+            f"SELECT DISTINCT idem_key FROM requests WHERE op IN ({marks})", WRITE_OPS
+        ).fetchall()
+    finally:
+        con.close()
+    dups = [Duplicate(str(op), str(k), int(n), calls_by_key.get(str(k))) for op, k, n in rows]
+    stray = sorted(str(k) for (k,) in keys if str(k) not in calls_by_key)
+    return dups, stray
+
+
+@asynccontextmanager
+async def _work_dir(work_dir: Path | None) -> AsyncIterator[Path]:
+    if work_dir is not None:
+        await asyncio.to_thread(work_dir.mkdir, parents=True, exist_ok=True)
+        yield work_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="jetloop-trials-") as d:
+        yield Path(d)
+
+
+async def run_trials(
+    mode: str,
+    rounds: int,
+    seed: int,
+    out_json: Path | str | None,
+    *,
+    work_dir: Path | None = None,
+) -> Report:
+    """Run ``rounds`` rounds of ``mode`` (one of ``MODES``) and judge them.
+
+    ``seed`` fixes the kill moments, failures and turn plans (not the scheduler). The report
+    is written as JSON to ``out_json`` when given; worker and server logs stay in
+    ``work_dir`` when given (else a temporary directory, removed afterwards).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown trial mode {mode!r}; modes are {', '.join(MODES)}")
+    if rounds < 1:
+        raise ValueError("trials need at least one round")
+    began = time.monotonic()
+    rng = random.Random(seed)
+    info = machine()
+    async with _work_dir(work_dir) as base:
+        servers: Servers = Cluster(base) if mode in ("takeover", "mixed") else SingleServer(base)
+        try:
+            await servers.start()
+            trials = Trials(mode, servers, base, rng, seed)
+            done: list[RoundTrial] = []
+            async with trials.running():
+                for r in range(rounds):
+                    done.append(await trials.round(r))
+            dups, stray = await asyncio.to_thread(
+                vendor_duplicates, trials.vendor_db, trials.calls_by_key
+            )
+        finally:
+            servers.close()
+    turns = [t for rnd in done for t in rnd.turns]
+    recoveries = [t.recovery for t in turns if t.recovery is not None]
+    lost = [
+        f"round {rnd.round} {t.session_id}/{t.turn_id} {t.status or 'not ended'}: {t.error}"
+        for rnd in done
+        for t in rnd.turns
+        if t.status != "completed"
+    ]
+    states: Counter[str] = Counter()
+    for t in turns:
+        states.update(t.calls)
+    by_failure: dict[str, dict[str, Any]] = {}
+    for failure in sorted({rnd.failure for rnd in done}):
+        rounds_of = [rnd for rnd in done if rnd.failure == failure]
+        rec = [t.recovery for rnd in rounds_of for t in rnd.turns if t.recovery is not None]
+        elections = [rnd.election for rnd in rounds_of if rnd.election is not None]
+        by_failure[failure] = {
+            "rounds": len(rounds_of),
+            "in_flight": sum(len(rnd.in_flight) for rnd in rounds_of),
+            "lost": sum(1 for rnd in rounds_of for t in rnd.turns if t.status != "completed"),
+            "recovery_p50": percentile(rec, 50),
+            "recovery_p99": percentile(rec, 99),
+            "recovery_max": max(rec) if rec else None,
+            "election_p50": percentile(elections, 50),
+            "election_max": max(elections) if elections else None,
+        }
+    report = Report(
+        mode=mode,
+        rounds=rounds,
+        seed=seed,
+        lease_seconds=LEASE_SECONDS,
+        recovery_target=LEASE_SECONDS + 2.0,
+        turns=len(turns),
+        in_flight=sum(1 for t in turns if t.in_flight),
+        lost=lost,
+        duplicates=dups,
+        stray_keys=stray,
+        call_states=dict(states),
+        recovery_p50=percentile(recoveries, 50),
+        recovery_p99=percentile(recoveries, 99),
+        recovery_max=max(recoveries) if recoveries else None,
+        by_failure=by_failure,
+        wall_seconds=time.monotonic() - began,
+        machine=info,
+        trials=done,
+    )
+    if out_json is not None:
+        text = json.dumps(report.to_json(), indent=2, default=str) + "\n"
+        await asyncio.to_thread(Path(out_json).write_text, text)
+    return report
+
+
+# --- printing ------------------------------------------------------------------------------
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}s"
+
+
+def format_reports(reports: Sequence[Report]) -> str:
+    """The summary table of one or more runs, then each run's rounds."""
+    head = (
+        f"{'mode':<15}{'rounds':>7}{'turns':>7}{'in flight':>10}{'lost':>6}{'dup':>5}"
+        f"{'unknown':>9}{'rec p50':>9}{'rec p99':>9}{'rec max':>9}{'target':>8}  verdict"
+    )
+    lines = [head, "-" * len(head)]
+    for rep in reports:
+        verdict = "met" if rep.ok else "NOT MET"
+        lines.append(
+            f"{rep.mode:<15}{rep.rounds:>7}{rep.turns:>7}{rep.in_flight:>10}{len(rep.lost):>6}"
+            f"{len(rep.duplicates):>5}{rep.call_states.get('outcome_unknown', 0):>9}"
+            f"{_s(rep.recovery_p50):>9}{_s(rep.recovery_p99):>9}{_s(rep.recovery_max):>9}"
+            f"{'≤' + format(rep.recovery_target, 'g') + 's':>8}  {verdict}"
+        )
+    for rep in reports:
+        lines.append("")
+        lines.append(f"{rep.mode} (seed {rep.seed}, {rep.wall_seconds:.0f}s)")
+        for failure, f in rep.by_failure.items():
+            election = ""
+            if f["election_p50"] is not None:
+                election = (
+                    f"  new leader after p50 {_s(f['election_p50'])} max {_s(f['election_max'])}"
+                )
+            lines.append(
+                f"  {failure:<22} rounds {f['rounds']:>3}  in flight {f['in_flight']:>3}"
+                f"  lost {f['lost']}  recovery p50 {_s(f['recovery_p50'])}"
+                f" p99 {_s(f['recovery_p99'])}{election}"
+            )
+        for rnd in rep.trials:
+            rec = [t.recovery for t in rnd.in_flight if t.recovery is not None]
+            lines.append(
+                f"  round {rnd.round:>3} {rnd.failure:<22} kill at {rnd.kill_after:4.2f}s"
+                f"  turns {len(rnd.turns):>3}  in flight {len(rnd.in_flight):>2}"
+                f"  recovery max {_s(max(rec) if rec else None)}"
+                + (f"  new leader after {_s(rnd.election)}" if rnd.election is not None else "")
+            )
+        for what in rep.lost:
+            lines.append(f"  LOST {what}")
+        for d in rep.duplicates:
+            lines.append(f"  DUPLICATE {d.op} {d.idempotency_key} x{d.applied} ({d.call})")
+        if rep.stray_keys:
+            lines.append(f"  stray vendor keys (no planned call): {len(rep.stray_keys)}")
+    return "\n".join(lines)
+
+
+def main(
+    modes: Sequence[str] = ("worker_kill",),
+    rounds: int | None = None,
+    seed: int | None = None,
+    out_json: Path | str | None = None,
+    work_dir: Path | None = None,
+) -> int:
+    """What ``jetloop trials`` runs: each mode in turn; prints the table; 0 if all targets met.
+
+    ``rounds`` defaults to ``JETLOOP_TRIALS`` (else 10), ``seed`` to ``JETLOOP_KILL_SEED``
+    (else random, and printed). With several modes, ``out_json`` holds a list of reports.
+    """
+    if rounds is None:
+        rounds = int(os.environ.get("JETLOOP_TRIALS", "10"))
+    if seed is None:
+        seed = int(os.environ.get("JETLOOP_KILL_SEED", str(random.randrange(1 << 30))))
+    print(f"JETLOOP_KILL_SEED={seed} JETLOOP_TRIALS={rounds}", flush=True)
+
+    async def go() -> list[Report]:
+        out = []
+        for i, mode in enumerate(modes):
+            wd = work_dir / mode if work_dir is not None else None
+            out.append(await run_trials(mode, rounds, seed + i, None, work_dir=wd))
+        return out
+
+    configure("console", "warning")  # the client's own log lines would drown the table
+    reports = asyncio.run(go())
+    print(format_reports(reports))
+    if out_json is not None:
+        body: Any = [r.to_json() for r in reports]
+        Path(out_json).write_text(json.dumps(body, indent=2, default=str) + "\n")
+    return 0 if all(r.ok for r in reports) else 1

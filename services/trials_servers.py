@@ -1,0 +1,184 @@
+"""The NATS side of a kill trial: one server or a 3-node cluster, and the failures it takes.
+
+``SingleServer`` (``EmbeddedServer`` on a store directory) takes a worker kill or a
+server restart; ``Cluster`` (``LocalCluster``, R3) takes a worker kill, a node restart, a
+takeover (SIGKILL of the node leading ``JL_STEPS``) or a worker kill and a takeover at once,
+and heals after each round: the killed node restarted on its store, every replica caught up.
+Used by ``services.trials``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Protocol
+
+from nats.errors import Error as NatsError
+
+from services.cluster import LocalCluster
+from services.embedded import EmbeddedServer
+from services.harness import WorkerProcess
+from streams import topology
+from streams.connection import connect
+
+
+class Servers(Protocol):
+    """The NATS side of a trial run: one server or a cluster, and the failures it can take."""
+
+    replicas: int
+
+    @property
+    def url(self) -> str: ...
+
+    async def start(self) -> None: ...
+
+    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> float:
+        """Apply ``failure``; return the ``time.monotonic()`` of the kill."""
+        ...
+
+    async def heal(self) -> float | None:
+        """After a round: everything restarted and caught up for the next one. Returns the
+        seconds from the kill to a new ``JL_STEPS`` leader, after a takeover."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SingleServer:
+    """One nats-server on a store directory: a worker kill or a server restart."""
+
+    replicas = 1
+
+    def __init__(self, base: Path) -> None:
+        self.server = EmbeddedServer(base / "store", port=0, log_file=base / "nats.log")
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.server.start)
+        await self.server.wait_jetstream()
+
+    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> float:
+        if failure == "worker_kill":
+            at = time.monotonic()
+            victim.kill()
+            return at
+        if failure == "server_restart":
+            at = time.monotonic()
+            self.server.kill()
+            # start() waits for the port with blocking sleeps: keep the event loop free.
+            await asyncio.to_thread(self.server.start)
+            return at
+        raise ValueError(f"a single server cannot take the failure {failure!r}")
+
+    async def heal(self) -> float | None:
+        await self.server.wait_jetstream(timeout=30)
+        return None
+
+    def close(self) -> None:
+        self.server.kill()
+
+
+class Cluster:
+    """Three nodes, R3 streams: leader kills (takeovers), node restarts, worker kills."""
+
+    replicas = 3
+
+    def __init__(self, base: Path) -> None:
+        self.cluster = LocalCluster(base / "cluster", "jl-trials")
+        self._healing: asyncio.Task[float | None] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url_string
+
+    async def start(self) -> None:
+        self.cluster.start()
+        await self.cluster.wait_ready(timeout=60)
+
+    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> float:
+        if failure == "worker_kill":
+            at = time.monotonic()
+            victim.kill()
+            return at
+        if failure == "node_restart":
+            i = rng.randrange(len(self.cluster.nodes))
+            at = time.monotonic()
+            self.cluster.kill(i)
+            self.cluster.start_node(i)
+            self._healing = asyncio.create_task(self._restarted(i))
+            return at
+        if failure in ("takeover", "worker_kill+takeover"):
+            leader = await self._leader(topology.STEPS_STREAM)
+            at = time.monotonic()
+            if failure == "worker_kill+takeover":
+                victim.kill()
+            self.cluster.kill(leader)
+            self._healing = asyncio.create_task(self._restart_after_election(leader, at))
+            return at
+        raise ValueError(f"a cluster does not take the failure {failure!r}")
+
+    async def _leader(self, stream: str) -> int:
+        return await self.cluster.wait_leader(stream, timeout=60)
+
+    async def _restarted(self, node: int) -> float | None:
+        await self.cluster.wait_node(node, timeout=60)
+        return None
+
+    async def _restart_after_election(self, node: int, killed_at: float) -> float | None:
+        await self.cluster.wait_leader(topology.STEPS_STREAM, not_node=node, timeout=60)
+        elected = time.monotonic() - killed_at
+        self.cluster.start_node(node)
+        await self.cluster.wait_node(node, timeout=60)
+        return elected
+
+    async def heal(self) -> float | None:
+        elected = None
+        if self._healing is not None:
+            task, self._healing = self._healing, None
+            elected = await task
+        await self._caught_up()
+        return elected
+
+    async def _caught_up(self, timeout: float = 60.0) -> None:
+        """Every replica of every jetloop stream current, so the next kill meets a whole
+        cluster (a lagging replica would make the next election slower, not the engine)."""
+        streams = [
+            topology.TURNS_STREAM,
+            topology.STEPS_STREAM,
+            topology.EVENTS_STREAM,
+            f"KV_{topology.STATE_BUCKET}",
+        ]
+        deadline = time.monotonic() + timeout
+        nc = await connect(self.cluster.urls, "jetloop-trials-health")
+        try:
+            js = nc.jetstream()
+            for stream in streams:
+                while True:
+                    try:
+                        info = await js.stream_info(stream)
+                        c = info.cluster
+                        if (
+                            c is not None
+                            and c.leader
+                            and c.replicas is not None
+                            and len(c.replicas) == self.replicas - 1
+                            and all(r.current for r in c.replicas)
+                        ):
+                            break
+                    except (NatsError, TimeoutError):
+                        pass
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"stream {stream} did not catch up in {timeout}s")
+                    await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    def close(self) -> None:
+        if self._healing is not None:
+            self._healing.cancel()
+        self.cluster.stop()

@@ -11,7 +11,6 @@ from typing import Generic, TypeVar
 
 import msgpack
 from nats.errors import ConnectionClosedError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
@@ -27,6 +26,7 @@ from schemas import (
     encode,
 )
 from schemas.codec import DecodeError
+from streams.connection import TRANSIENT, retrying
 from streams.seal import SEAL_FIELD, SealBroken, Sealer
 
 R = TypeVar("R", bound=BaseModel)
@@ -72,6 +72,7 @@ def compaction_key(session_id: str, turn_id: str, model_step: int) -> str:
 
 
 SEALED: tuple[type[BaseModel], ...] = (TurnRecord, CallRecord)
+RETRYABLE: tuple[type[BaseException], ...] = (*TRANSIENT, ConnectionClosedError)
 
 
 class StateStore:
@@ -81,9 +82,10 @@ class StateStore:
     a ``Sealer`` is given; ``SealBroken`` says a record is not to be trusted.
     """
 
-    def __init__(self, kv: KeyValue, sealer: Sealer | None = None) -> None:
+    def __init__(self, kv: KeyValue, sealer: Sealer | None = None, retry_for: float = 15.0) -> None:
         self.kv = kv
         self.sealer = sealer
+        self.retry_for = retry_for
 
     def _encode(self, value: BaseModel) -> bytes:
         if self.sealer is None or not isinstance(value, SEALED):
@@ -138,23 +140,40 @@ class StateStore:
     async def write(self, key: str, value: BaseModel, revision: int | None) -> int:
         """Create when ``revision`` is None, else CAS-update from ``revision``.
 
-        A write whose PubAck was lost (timeout, reconnect) is read back: if the key holds
-        exactly what we wrote, it landed. A retry of the CAS itself would answer "wrong last
-        sequence" and look like a takeover (NATS-NOTES).
+        While the servers are between leaders (a restart, an election) the write is tried
+        again for up to ``retry_for`` seconds, so a short outage does not fail the attempt
+        (which a redelivery would then count as lost). A write whose answer was lost is read
+        back: if the key holds exactly what we wrote, it landed — a retried CAS would answer
+        "wrong last sequence" and look like a takeover (NATS-NOTES).
         """
         data = self._encode(value)
-        try:
-            if revision is None:
-                return await self._create_raw(key, data)
-            return await self._update_raw(key, data, revision)
-        except (TimeoutError, NatsTimeoutError, ConnectionClosedError) as exc:
+        tried = False
+
+        async def landed() -> int | None:
+            entry = await self.kv.get(key)
+            return entry.revision if entry.value == data and entry.revision else None
+
+        async def once() -> int:
+            nonlocal tried
+            again, tried = tried, True
             try:
-                entry = await self.kv.get(key)
-            except Exception:
-                raise exc from None
-            if entry.value == data and entry.revision:
-                return entry.revision
-            raise
+                if revision is None:
+                    return await self._create_raw(key, data)
+                return await self._update_raw(key, data, revision)
+            except Conflict:
+                if again and (rev := await landed()) is not None:
+                    return rev  # our earlier try landed; its answer was lost
+                raise
+            except RETRYABLE as exc:
+                try:
+                    rev = await landed()
+                except Exception:
+                    raise exc from None
+                if rev is not None:
+                    return rev
+                raise
+
+        return await retrying(once, self.retry_for, "state write")
 
     async def revision(self, key: str) -> int | None:
         try:

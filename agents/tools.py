@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -270,13 +270,3 @@ wait = Tool(
     effect=Effect.READ,
     kind=ToolKind.TIMER,
 )
-
-
-@dataclass
-class ToolSet:
-    tools: dict[str, Tool] = field(default_factory=dict)
-
-    def add(self, t: Tool) -> None:
-        if t.name in self.tools:
-            raise ValueError(f"two tools are named {t.name!r}")
-        self.tools[t.name] = t

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
-from pydantic import BaseModel
 
 from schemas import (
     SCHEMA_VERSION,
@@ -127,6 +126,3 @@ class Bus:
             await self.js.publish_async(o.subject, o.body, headers=dict(o.headers)) for o in out
         ]
         await asyncio.wait_for(asyncio.gather(*futures), timeout=self.timeout)
-
-    async def publish_model(self, subject: str, model: BaseModel, hdrs: dict[str, str]) -> None:
-        await self.js.publish(subject, encode(model), headers=dict(hdrs), timeout=self.timeout)

@@ -8,6 +8,7 @@ crash leaves it in doubt.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -108,6 +109,11 @@ class RetryableToolError(Exception):
     """A transient failure: the call is tried again, within its attempts."""
 
 
+@functools.cache
+def _schema_of(model: type[BaseModel]) -> dict[str, Any]:
+    return model.model_json_schema()
+
+
 @dataclass(frozen=True)
 class Tool:
     name: str
@@ -132,7 +138,8 @@ class Tool:
     dedupe_window_seconds: float | None = None
 
     def json_schema(self) -> dict[str, Any]:
-        return self.args_model.model_json_schema()
+        """The arguments' JSON schema, computed once per argument model (read-only)."""
+        return _schema_of(self.args_model)
 
     def needs_approval(self, args: BaseModel) -> bool:
         if callable(self.approval):

@@ -39,8 +39,8 @@ class Gate(Enum):
 async def required(env: CallEnv) -> bool:
     if env.rec.approval_id is not None:
         return True
-    session = await env.rt.state.session(env.turn.session_id)
-    override = session.value.approval_overrides.get(env.tool.name) if session else None
+    session = env.session
+    override = session.approval_overrides.get(env.tool.name) if session else None
     if override is not None:
         return override
     return env.tool.needs_approval(env.tool.args_model.model_validate(env.call.args))

@@ -58,11 +58,10 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
     ckey = call_key(sid, tid, n, i)
     structlog.contextvars.bind_contextvars(call=ckey)
 
-    turn_v = await rt.state.turn(sid, tid)
+    turn_v, rec_v, session_v = await rt.state.step_view(sid, tid, ckey)
     if turn_v is None:
         raise DeadLetter(f"{step.kind.value} for turn {tid} of session {sid}, which has no record")
     turn = turn_v.value
-    rec_v = await rt.state.call(ckey)
     current = turn.model_step == n and turn.phase == TurnPhase.CALLS and not turn.status.terminal
     if rec_v is not None and rec_v.value.done:
         if current:
@@ -95,7 +94,18 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
             d, turn, n, call.index, rec, rec_v.revision if rec_v else None, outcome, "gate"
         )
         return
-    env = CallEnv(d, turn, n, call, ckey, rec, rec_v.revision if rec_v else None, agent, tool)
+    env = CallEnv(
+        d,
+        turn,
+        n,
+        call,
+        ckey,
+        rec,
+        rec_v.revision if rec_v else None,
+        agent,
+        tool,
+        session_v.value if session_v else None,
+    )
     d.watch_turn = (sid, tid)
 
     match rec.state:
@@ -166,7 +176,7 @@ async def run(env: CallEnv) -> None:
     structlog.contextvars.bind_contextvars(attempt=attempt.no)
 
     await rt.faults.point("call_tool.in_tool")
-    if not await env.d.still_ours():
+    if not await env.d.still_ours(fresh_for=rt.lease_seconds / 4):
         # Stalled past the lease between the mark and the call: another attempt owns it.
         raise TakenOver(env.skey)
     ctx = ToolCtx(env.d, env.call, attempt.no)

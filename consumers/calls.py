@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from agents import Agent, Tool
 from consumers.followers import call_done
 from consumers.runtime import Delivery, Runtime
-from schemas import CallOutcome, CallRecord, CallState, PlannedCall, TurnRecord
+from schemas import CallOutcome, CallRecord, CallState, PlannedCall, SessionRecord, TurnRecord
 from services import metrics
 from streams.state import call_state_key
 
@@ -41,6 +41,8 @@ class CallEnv:
     rev: int | None
     agent: Agent
     tool: Tool
+    # The session as read with the turn and the call (its approval overrides gate the call).
+    session: SessionRecord | None = None
 
     @property
     def rt(self) -> Runtime:

@@ -8,13 +8,12 @@ every attempt fails the turn fails, and the next message compacts again.
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any
 
 import structlog
 
 from agents import Agent, Message, ModelRequest, rough_tokens
+from consumers.conversation import conversation
 from consumers.errors import RetryLater
 from consumers.followers import Followers, finished
 from consumers.losses import record_loss, tell_resumed
@@ -43,38 +42,11 @@ SUMMARY_INSTRUCTIONS = (
 )
 
 
-async def message_of(rt: Runtime, e: HistoryEntry) -> Message:
-    text = e.text
-    if e.text_ref is not None:
-        text = (await rt.blobs.get(e.text_ref)).decode()
-    result: Any = e.result
-    if e.result_ref is not None:
-        result = json.loads(await rt.blobs.get(e.result_ref))
-    return Message.from_entry(e, text, result)
-
-
 def turn_start(history: list[HistoryEntry], turn_id: str) -> int:
     for i, e in enumerate(history):
         if e.turn_id == turn_id:
             return i
     return len(history)
-
-
-async def conversation(rt: Runtime, session_id: str, upto: int | None = None) -> list[Message]:
-    """What the model sees: the stored summary, then the entries it does not cover."""
-    history = await rt.history.read(session_id)
-    session = await rt.state.session(session_id)
-    summary = session.value.summary if session else None
-    end = len(history) if upto is None else upto
-    start = 0
-    out: list[Message] = []
-    if summary is not None and summary.covers <= end:
-        out.append(Message(role=HistoryRole.SUMMARY.value, text=summary.text))
-        start = summary.covers
-    # Summary entries in the log are the record of a compaction; the session's summary
-    # (above) is what the model is given.
-    out += [await message_of(rt, e) for e in history[start:end] if e.role != HistoryRole.SUMMARY]
-    return out
 
 
 def estimate(agent: Agent, messages: list[Message]) -> int:

@@ -3,25 +3,30 @@
 Each call's completion publishes its own join message (keyed by the call), so whichever
 arrives after the last outcome moves the turn on; the others find it moved and stop. The
 move is one CAS on the turn record from the revision read: two joins racing cannot both
-win, and the loser looks again.
+win. The winner publishes what follows; if it dies before that, its own message is
+redelivered and publishes it. So a join that lost the race, or that finds the turn already
+moved on its first delivery, has nothing to do. The step's call records are read in one
+request (``StateStore.calls``).
 """
 
 from __future__ import annotations
 
-import asyncio
-
 from consumers.errors import DeadLetter, RetryLater
 from consumers.followers import joined
 from consumers.runtime import Delivery
-from schemas import CallRecord, StepMessage, TurnPhase, call_key
+from schemas import CallRecord, StepMessage, TurnPhase, TurnRecord, call_key
 from streams.state import Conflict, turn_key
 
 
 async def _results(d: Delivery, sid: str, tid: str, n: int, count: int) -> list[CallRecord] | None:
-    got = await asyncio.gather(*(d.rt.state.call(call_key(sid, tid, n, i)) for i in range(count)))
+    got = await d.rt.state.calls([call_key(sid, tid, n, i) for i in range(count)])
     if any(v is None or not v.value.done for v in got):
         return None
     return [v.value for v in got if v is not None]
+
+
+def _moved_on(turn: TurnRecord, n: int) -> bool:
+    return turn.model_step == n + 1 and turn.phase == TurnPhase.MODEL
 
 
 async def on_join(d: Delivery, step: StepMessage) -> None:
@@ -33,8 +38,10 @@ async def on_join(d: Delivery, step: StepMessage) -> None:
     turn = cur.value
     if turn.status.terminal:
         return
-    if turn.model_step == n + 1 and turn.phase == TurnPhase.MODEL:
-        # Moved on already: make sure what follows the move went out.
+    if _moved_on(turn, n):
+        if d.num_delivered == 1:
+            return  # another join moved it; its message is not acked until it published
+        # Maybe this message moved it and its worker died before publishing what follows.
         results = await _results(d, sid, tid, n, len(turn.calls))
         if results is not None:
             await joined(turn, results).publish(rt.bus)
@@ -60,5 +67,8 @@ async def on_join(d: Delivery, step: StepMessage) -> None:
     try:
         await rt.state.write(turn_key(sid, tid), moved, cur.revision)
     except Conflict:
+        again = await rt.state.turn(sid, tid)
+        if again is not None and (again.value.status.terminal or _moved_on(again.value, n)):
+            return  # another join won the race (or the turn ended): it publishes what follows
         raise RetryLater(0.02, "turn changed while joining") from None
     await joined(moved, results).publish(rt.bus)

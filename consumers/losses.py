@@ -1,8 +1,13 @@
-"""Loss accounting: every takeover of a turn (an attempt found lost) counts once.
+"""Loss accounting: a turn is lost once for every worker that lost it.
 
-A loss is named by the step and the lost attempt's number, so counting it again after a
-redelivery changes nothing. A turn lost more than ``JETLOOP_MAX_LOSSES`` times (default 2)
-fails with the reason; its calls are settled by ``close_turn`` and waiting callers are told.
+An attempt is lost when its lease lapses and another attempt finds its claim: its worker
+died, stalled, or could not reach the servers for longer than the lease. A loss is named by
+the lost attempt's worker incarnation (one worker process), so every step that one failure
+left behind — the parallel calls of a step, a whole election's worth of steps — counts as
+one loss, and counting it again after a redelivery changes nothing. A turn lost by more than
+``JETLOOP_MAX_LOSSES`` workers (default 2) — a turn that keeps killing its workers — fails
+with the reason; its calls are settled by ``close_turn`` and waiting callers are told. A
+step's own attempts bound how often one step runs, whoever loses it.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from streams.bus import event_out
 from streams.state import Conflict, turn_key
 
 
-def loss_id(step_key: str, lost: Attempt) -> str:
-    return f"{step_key}#{lost.no}"
+def loss_id(lost: Attempt) -> str:
+    return f"{lost.worker}/{lost.incarnation}"
 
 
 def lost_reason(turn: TurnRecord, losses: int, step_key: str) -> str:
@@ -43,7 +48,7 @@ async def record_loss(
     rt: Runtime, turn_sid: str, turn_tid: str, step_key: str, lost: Attempt
 ) -> int | None:
     """Count the loss on the turn record; None when it was one too many (the turn failed)."""
-    lid = loss_id(step_key, lost)
+    lid = loss_id(lost)
     metrics.TAKEOVERS.inc()
     for _ in range(20):
         cur = await rt.state.turn(turn_sid, turn_tid)

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from agents import Agent, ModelRequest, ModelResponse, ToolSpec
 from agents.adapters import MalformedToolCall, ProviderRejected, ProviderRetryable
-from consumers.compact import compact_first, compaction_needed, conversation
+from consumers.compact import compact_first, compaction_needed
+from consumers.conversation import conversation
 from consumers.errors import DeadLetter, RetryLater
 from consumers.followers import answer, finished
 from consumers.losses import loss_id, lost_event, lost_reason, tell_resumed
@@ -66,7 +67,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     if resumed is not None:
         metrics.TAKEOVERS.inc()
         # The attempt before this one was lost (its lease lapsed): a takeover of the turn.
-        lid = loss_id(step.step_key(), resumed)
+        lid = loss_id(resumed)
         if lid not in lost:
             lost.append(lid)
         if len(lost) > rt.max_losses:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
@@ -17,6 +18,7 @@ from nats.js import JetStreamContext
 from pydantic import BaseModel
 
 from agents import App
+from consumers.conversation import MessageCache
 from consumers.errors import TakenOver
 from consumers.faults import Faults
 from schemas import Attempt
@@ -39,9 +41,14 @@ class Runtime:
     lease_seconds: float
     faults: Faults = field(default_factory=Faults)
     max_losses: int = 2
+    # Names this process's life in its claims: a worker id can be reused after a restart.
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    messages: MessageCache = field(default_factory=MessageCache)
 
     def new_attempt(self, no: int) -> Attempt:
-        return Attempt(no=no, worker=self.worker_id, started_at=time.time())
+        return Attempt(
+            no=no, worker=self.worker_id, started_at=time.time(), incarnation=self.incarnation
+        )
 
 
 class Delivery:
@@ -52,6 +59,7 @@ class Delivery:
         self.msg = msg
         self.fence_key: str | None = None
         self.fence_rev: int | None = None
+        self.fenced_at = 0.0  # monotonic time of the last fenced write that landed
         self.lost = False
         # Set by a call handler: the heartbeat then also notices a cancelled turn.
         self.watch_turn: tuple[str, str] | None = None
@@ -74,6 +82,7 @@ class Delivery:
                 self.lost = True
                 raise TakenOver(key) from exc
             self.fence_key, self.fence_rev = key, rev
+            self.fenced_at = time.monotonic()
             return rev
 
     async def commit(self, value: BaseModel) -> int:
@@ -88,13 +97,21 @@ class Delivery:
                 self.lost = True
                 raise TakenOver(self.fence_key) from exc
             self.fence_rev = rev
+            self.fenced_at = time.monotonic()
             return rev
 
-    async def still_ours(self) -> bool:
+    async def still_ours(self, fresh_for: float = 0.0) -> bool:
+        """Read the fence back, unless this attempt wrote it less than ``fresh_for`` seconds
+        ago. A takeover needs the lease to lapse, and the lease began at the delivery, just
+        before the claim; so a short while after the claim the read would only cost a round
+        trip. (A delivery that waited in the client past its lease is still fenced: every
+        later commit is a CAS, so it records nothing.)"""
         async with self._lock:
             if self.lost:
                 return False
             if self.fence_key is None:
+                return True
+            if time.monotonic() - self.fenced_at < fresh_for:
                 return True
             current = await self.rt.state.revision(self.fence_key)
             if current != self.fence_rev:

@@ -28,6 +28,8 @@ class Attempt(BaseModel):
     no: int
     worker: str
     started_at: float
+    # One worker process's life: losses are counted per incarnation (consumers/losses.py).
+    incarnation: str = ""
 
 
 class Summary(BaseModel):

@@ -73,7 +73,7 @@ class Settings(BaseSettings):
         "", description="comma-separated keys that still verify (rotation), never seal"
     )
     max_losses: int = Field(
-        2, ge=0, description="a turn lost (taken over) more often than this fails"
+        2, ge=0, description="a turn lost (taken over) by more workers than this fails"
     )
     model: str | None = Field(
         None,

@@ -84,7 +84,7 @@ class Worker(Service):
             rt = Runtime(
                 nc=nc,
                 js=js,
-                state=StateStore(await js.key_value(topology.STATE_BUCKET), s.sealer()),
+                state=await StateStore.open(nc, s.sealer()),
                 blobs=BlobStore(await js.object_store(topology.BLOB_BUCKET), s.blob_threshold),
                 history=await HistoryReader.for_stream(nc),
                 bus=Bus(js),

@@ -8,7 +8,6 @@ tail it has seen per session, so a model step reads only what was appended since
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from schemas import HistoryEntry, decode
+from streams.direct import direct_batch
 from streams.topology import EVENTS_STREAM, history_filter
 
 BATCH = 256
@@ -81,23 +81,8 @@ class HistoryReader:
 
     async def _read_batch(self, session_id: str, tail: _Tail) -> int:
         """One batched direct get; returns how many matching messages remain after it."""
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
-        try:
-            req = {"seq": tail.next_seq, "next_by_subj": history_filter(session_id), "batch": BATCH}
-            await self.nc.publish(
-                f"$JS.API.DIRECT.GET.{EVENTS_STREAM}", json.dumps(req).encode(), reply=inbox
-            )
-            while True:
-                msg = await sub.next_msg(timeout=self.timeout)
-                hdrs = msg.headers or {}
-                status = hdrs.get("Status")
-                if status == "404":
-                    return 0
-                if status:
-                    if status != "204":
-                        raise RuntimeError(f"history read failed: {status} {hdrs}")
-                    return int(hdrs.get("Nats-Num-Pending", "0"))
-                self._keep(tail, int(hdrs["Nats-Sequence"]), msg.data)
-        finally:
-            await sub.unsubscribe()
+        req = {"seq": tail.next_seq, "next_by_subj": history_filter(session_id), "batch": BATCH}
+        found, pending = await direct_batch(self.nc, EVENTS_STREAM, req, self.timeout)
+        for m in found:
+            self._keep(tail, m.seq, m.data)
+        return pending

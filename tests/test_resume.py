@@ -88,6 +88,28 @@ async def test_turn_lost_three_times_fails(client: Client, workers: WorkerFactor
     assert [e.type for e in events][-1] == "turn.failed"  # type: ignore[attr-defined]
 
 
+async def test_one_worker_lost_is_one_loss(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A worker killed while it held three parallel calls of one turn lost the turn once:
+    each call is resumed and audited with a loss count of 1, and the turn completes."""
+    victim = workers.start("victim", hold="call_tool.before_commit")
+    calls = [call("write", name=f"w{i}") for i in range(3)]
+    h = await client.send("tester", "p3", script(calls))
+
+    async def all_held() -> bool:
+        return len(victim.find("fault.hold", point="call_tool.before_commit")) == 3
+
+    await until(all_held)
+    victim.kill()
+    workers.start("survivor")
+    await client.wait(h, timeout=60)
+    events = await events_of(client, "p3", ("turn.completed",))
+    resumed = [e.data["losses"] for e in events if e.type == "agent.run.crash_resumed"]  # type: ignore[attr-defined]
+    assert resumed == [1, 1, 1]
+    assert await vendor.effect_count("write") == 3
+
+
 async def test_gates_again_on_resume(
     client: Client, workers: WorkerFactory, vendor: Vendor
 ) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from agents import Message
-from schemas import HistoryEntry, HistoryRole
+from schemas import HistoryEntry, HistoryRole, SessionRecord
+from streams.state import Versioned
 
 if TYPE_CHECKING:
     from consumers.runtime import Runtime
@@ -48,10 +49,17 @@ async def message_of(rt: Runtime, e: HistoryEntry) -> Message:
     return Message.from_entry(e, text, result)
 
 
-async def conversation(rt: Runtime, session_id: str, upto: int | None = None) -> list[Message]:
-    """What the model sees: the stored summary, then the entries it does not cover."""
+async def conversation(
+    rt: Runtime,
+    session_id: str,
+    upto: int | None = None,
+    session: Versioned[SessionRecord] | Literal["read"] | None = "read",
+) -> list[Message]:
+    """What the model sees: the stored summary, then the entries it does not cover.
+    ``session`` is the session record when the caller read it already."""
     history = await rt.history.read(session_id)
-    session = await rt.state.session(session_id)
+    if session == "read":
+        session = await rt.state.session(session_id)
     summary = session.value.summary if session else None
     end = len(history) if upto is None else upto
     start = 0

@@ -5,8 +5,8 @@ arrives after the last outcome moves the turn on; the others find it moved and s
 move is one CAS on the turn record from the revision read: two joins racing cannot both
 win. The winner publishes what follows; if it dies before that, its own message is
 redelivered and publishes it. So a join that lost the race, or that finds the turn already
-moved on its first delivery, has nothing to do. The step's call records are read in one
-request (``StateStore.calls``).
+moved on its first delivery, has nothing to do. The turn and its step's call records are
+read in one request (``StateStore.join_view``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from __future__ import annotations
 from consumers.errors import DeadLetter, RetryLater
 from consumers.followers import joined
 from consumers.runtime import Delivery
-from schemas import CallRecord, StepMessage, TurnPhase, TurnRecord, call_key
-from streams.state import Conflict, turn_key
+from schemas import CallRecord, StepMessage, TurnPhase, TurnRecord
+from streams.state import Conflict, Versioned, turn_key
 
 
-async def _results(d: Delivery, sid: str, tid: str, n: int, count: int) -> list[CallRecord] | None:
-    got = await d.rt.state.calls([call_key(sid, tid, n, i) for i in range(count)])
+def _results(got: list[Versioned[CallRecord] | None]) -> list[CallRecord] | None:
     if any(v is None or not v.value.done for v in got):
         return None
     return [v.value for v in got if v is not None]
@@ -32,7 +31,7 @@ def _moved_on(turn: TurnRecord, n: int) -> bool:
 async def on_join(d: Delivery, step: StepMessage) -> None:
     rt = d.rt
     sid, tid, n = step.session_id, step.turn_id, step.model_step
-    cur = await rt.state.turn(sid, tid)
+    cur, calls = await rt.state.join_view(sid, tid, n)
     if cur is None:
         raise DeadLetter(f"join for turn {tid} of session {sid}, which has no record")
     turn = cur.value
@@ -42,13 +41,13 @@ async def on_join(d: Delivery, step: StepMessage) -> None:
         if d.num_delivered == 1:
             return  # another join moved it; its message is not acked until it published
         # Maybe this message moved it and its worker died before publishing what follows.
-        results = await _results(d, sid, tid, n, len(turn.calls))
+        results = _results(calls)
         if results is not None:
             await joined(turn, results).publish(rt.bus)
         return
     if turn.model_step != n or turn.phase != TurnPhase.CALLS:
         return
-    results = await _results(d, sid, tid, n, len(turn.calls))
+    results = _results(calls)
     if results is None:
         return  # a later call's join will move the turn
     moved = turn.model_copy(

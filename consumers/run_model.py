@@ -41,7 +41,7 @@ log = structlog.get_logger("jetloop.run_model")
 async def on_run_model(d: Delivery, step: StepMessage) -> None:
     rt = d.rt
     sid, tid, n = step.session_id, step.turn_id, step.model_step
-    cur = await rt.state.turn(sid, tid)
+    cur, session = await rt.state.turn_view(sid, tid)
     if cur is None:
         raise DeadLetter(f"run_model for turn {tid} of session {sid}, which has no record")
     turn = cur.value
@@ -124,7 +124,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     request = ModelRequest(
         agent=agent.name,
         instructions=agent.instructions,
-        messages=await conversation(rt, sid),
+        messages=await conversation(rt, sid, session=session),
         tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in agent.tools],
         attempt=attempt.no,
     )

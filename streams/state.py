@@ -25,6 +25,7 @@ from schemas import (
     QuestionRecord,
     SessionRecord,
     TurnRecord,
+    call_key,
     decode,
     encode,
 )
@@ -162,8 +163,14 @@ class StateStore:
         if self.direct is None or len(keys) < 2:
             got = await asyncio.gather(*(self._raw(k) for k in keys))
             return {k: r for k, r in zip(keys, got, strict=True) if r is not None}
-        req = {"multi_last": [self._prefix + k for k in keys], "batch": len(keys)}
-        found, _ = await direct_batch(self.direct, self._stream, req)
+        return await self._direct_last(self.direct, keys, len(keys))
+
+    async def _direct_last(
+        self, nc: Client, patterns: Sequence[str], most: int
+    ) -> dict[str, tuple[bytes, int]]:
+        """One batched direct get of the last value of every key matching ``patterns``."""
+        req = {"multi_last": [self._prefix + k for k in patterns], "batch": most}
+        found, _ = await direct_batch(nc, self._stream, req)
         out: dict[str, tuple[bytes, int]] = {}
         for m in found:
             if m.headers.get("KV-Operation") in ("DEL", "PURGE"):
@@ -190,6 +197,36 @@ class StateStore:
             self._typed(CallRecord, ck, raw.get(ck)),
             self._typed(SessionRecord, sk, raw.get(sk)),
         )
+
+    async def turn_view(
+        self, session_id: str, turn_id: str
+    ) -> tuple[Versioned[TurnRecord] | None, Versioned[SessionRecord] | None]:
+        """A turn and its session (a model step's conversation needs both), in one request."""
+        tk, sk = turn_key(session_id, turn_id), session_key(session_id)
+        raw = await self._raw_many([tk, sk])
+        return self._typed(TurnRecord, tk, raw.get(tk)), self._typed(SessionRecord, sk, raw.get(sk))
+
+    async def join_view(
+        self, session_id: str, turn_id: str, model_step: int, most_calls: int = 1000
+    ) -> tuple[Versioned[TurnRecord] | None, list[Versioned[CallRecord] | None]]:
+        """A turn and the records of its step's calls (one per planned call, None where
+        there is none yet), in one request where direct gets are allowed."""
+        tk = turn_key(session_id, turn_id)
+        if self.direct is None:
+            turn = await self.turn(session_id, turn_id)
+            if turn is None:
+                return None, []
+            keys = [
+                call_key(session_id, turn_id, model_step, i) for i in range(len(turn.value.calls))
+            ]
+            return turn, await self.calls(keys)
+        step = call_state_key(f"{session_id}.{turn_id}.{model_step}")
+        raw = await self._direct_last(self.direct, [tk, f"{step}.*"], most_calls + 1)
+        turn = self._typed(TurnRecord, tk, raw.get(tk))
+        if turn is None:
+            return None, []
+        keys = [f"{step}.{i}" for i in range(len(turn.value.calls))]
+        return turn, [self._typed(CallRecord, k, raw.get(k)) for k in keys]
 
     async def calls(self, call_keys: Sequence[str]) -> list[Versioned[CallRecord] | None]:
         """The records of several calls (a step's calls, for its join), in one request."""

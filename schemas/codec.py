@@ -27,6 +27,11 @@ def decode(model: type[M], data: bytes) -> M:
         raw = msgpack.unpackb(data, raw=False)
     except Exception as exc:  # msgpack raises several unrelated types
         raise DecodeError(f"body is not msgpack: {exc}") from exc
+    return decode_map(model, raw)
+
+
+def decode_map(model: type[M], raw: object) -> M:
+    """Validate an already unpacked body (a reader that unpacked it to check it first)."""
     if not isinstance(raw, dict):
         raise DecodeError(f"body is not a map but {type(raw).__name__}")
     try:

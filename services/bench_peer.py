@@ -84,6 +84,7 @@ class PeerResult:
     sqlite_journal_mode: str  # DBOS's defaults, not tuned: what a user gets
     sqlite_synchronous: str
     dbos_checkpoints_per_turn: float  # step results recorded per workflow (expected: 7)
+    chunks: int  # batches of each side per load, alternating
     steps_per_turn: int = STEPS
 
 
@@ -228,6 +229,7 @@ async def peer_side_by_side(
         sqlite_journal_mode=str(stats["journal_mode"]),
         sqlite_synchronous=str(stats["synchronous"]),
         dbos_checkpoints_per_turn=float(stats["checkpoints_per_turn"]),
+        chunks=chunks,
     )
 
 
@@ -250,8 +252,11 @@ def format_peer(result: PeerResult) -> str:
         )
     lines += [
         "",
-        f"Latencies in ms; ratios are jetloop ÷ DBOS ({result.steps_per_turn} steps per turn)."
-        f" DBOS: {result.dbos_checkpoints_per_turn:.1f} step checkpoints per turn, SQLite"
+        f"Latencies in ms; ratios are jetloop ÷ DBOS ({result.steps_per_turn} steps per turn;"
+        f" each side's batches alternate in {result.chunks} chunks per load). A jetloop turn"
+        " runs from a client's publish to its turn.completed event, through one worker; a"
+        " DBOS turn from start_workflow_async to get_result in DBOS's own process. DBOS:"
+        f" {result.dbos_checkpoints_per_turn:.1f} step checkpoints per turn, SQLite"
         f" journal_mode={result.sqlite_journal_mode}, synchronous={result.sqlite_synchronous}"
         f" (DBOS's defaults), {result.sqlite_bytes / 1e6:.1f} MB after the run.",
     ]

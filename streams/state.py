@@ -29,7 +29,7 @@ from schemas import (
     decode,
     encode,
 )
-from schemas.codec import DecodeError
+from schemas.codec import DecodeError, decode_map
 from streams.connection import TRANSIENT, retrying
 from streams.direct import direct_batch
 from streams.seal import SEAL_FIELD, SealBroken, Sealer
@@ -123,22 +123,21 @@ class StateStore:
         return packed
 
     def _decode(self, model: type[R], key: str, raw: bytes, verify: bool) -> R:
-        if self.sealer is not None and verify and issubclass(model, SEALED):
-            try:
-                data = msgpack.unpackb(raw, raw=False)
-            except Exception as exc:
-                raise SealBroken(key, f"it is not msgpack ({exc})") from exc
-            if not isinstance(data, dict):
-                raise SealBroken(key, "it is not a record")
-            why = self.sealer.verify(data)
-            if why is not None:
-                raise SealBroken(key, why)
-        try:
+        if self.sealer is None or not verify or not issubclass(model, SEALED):
             return decode(model, raw)
+        try:
+            data = msgpack.unpackb(raw, raw=False)
+        except Exception as exc:
+            raise SealBroken(key, f"it is not msgpack ({exc})") from exc
+        if not isinstance(data, dict):
+            raise SealBroken(key, "it is not a record")
+        why = self.sealer.verify(data)
+        if why is not None:
+            raise SealBroken(key, why)
+        try:
+            return decode_map(model, data)
         except DecodeError as exc:
-            if self.sealer is not None and verify and issubclass(model, SEALED):
-                raise SealBroken(key, str(exc)) from exc
-            raise
+            raise SealBroken(key, str(exc)) from exc
 
     async def _get(self, model: type[R], key: str, verify: bool = True) -> Versioned[R] | None:
         try:

@@ -11,6 +11,8 @@
 - ``waiting_at_scale``: N sessions parked on approvals and timers: worker and server RSS,
   store size on disk, and the time to release them all.
 - ``profile`` (``services.bench_profile``): the 7-step turn under pyinstrument.
+- ``peer`` (``services.bench_peer``): the 7-step turn on DBOS Transact with SQLite, side by
+  side with the engine, sequential and 50 in flight (needs the ``peer`` extra).
 
 Every benchmark runs on its own nats-server on a temporary store with real worker processes
 (``services.bench_rig``); nothing here changes the engine. ``run_benchmarks`` runs a chosen
@@ -20,8 +22,10 @@ set and judges the issue's targets; ``main`` is what ``jetloop bench`` calls.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -32,6 +36,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from schemas import Event, approval_id_for, call_key, decode, turn_id_for
+from services.bench_peer import PeerResult, format_peer, peer_side_by_side
 from services.bench_profile import ProfileResult, profile_engine
 from services.bench_rig import (
     ENGINE_MARKS,
@@ -404,7 +409,7 @@ async def waiting_at_scale(r: Rig, sessions: int = 2000, in_flight: int = 200) -
 
 # --- the run -------------------------------------------------------------------------------
 
-BENCHMARKS = ("overhead", "throughput", "history", "waiting", "profile")
+BENCHMARKS = ("overhead", "throughput", "history", "waiting", "profile", "peer")
 
 
 @dataclass
@@ -427,6 +432,7 @@ class BenchReport:
     history: list[HistoryRow] | None = None
     waiting: WaitingResult | None = None
     profile: ProfileResult | None = None
+    peer: PeerResult | None = None
     targets: list[Target] = field(default_factory=list)
     wall_seconds: float = 0.0
 
@@ -586,6 +592,8 @@ def format_report(rep: BenchReport) -> str:
                 if isinstance(v, float)
                 else f"| {k.replace('_', ' ')} | {v:,} |"
             )
+    if rep.peer is not None:
+        lines += ["", format_peer(rep.peer)]
     if rep.profile is not None:
         p = rep.profile
         lines += ["", "### Profile of the worker on 7-step turns (pyinstrument, self time)", ""]
@@ -626,9 +634,11 @@ class Sizes:
     waiting_sessions: int = 2000
     profile_sequential: int = 300
     profile_concurrent: int = 600
+    peer_sequential: int = 200
+    peer_concurrent: int = 500
 
 
-QUICK = Sizes(60, 200, 300, 100, 200, 3, 200, 60, 120)
+QUICK = Sizes(60, 200, 300, 100, 200, 3, 200, 60, 120, 40, 100)
 
 
 async def run_benchmarks(
@@ -642,6 +652,8 @@ async def run_benchmarks(
     unknown = set(which) - set(BENCHMARKS)
     if unknown:
         raise ValueError(f"unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}")
+    if "peer" in which and importlib.util.find_spec("dbos") is None:
+        raise ValueError("the peer benchmark runs DBOS Transact: pip install 'jetloop[peer]'")
     began = time.monotonic()
     rep = BenchReport(machine=machine())
     for name in which:
@@ -659,6 +671,8 @@ async def run_benchmarks(
                 )
             elif name == "waiting":
                 rep.waiting = await waiting_at_scale(r, sizes.waiting_sessions)
+            elif name == "peer":
+                rep.peer = await peer_side_by_side(r, sizes.peer_sequential, sizes.peer_concurrent)
             else:
                 # Kept after the run (the report names it): the text tree and pstats.
                 out = (
@@ -693,6 +707,10 @@ def main(
     sizes = QUICK if quick else Sizes()
     if waiting_sessions is not None:
         sizes = replace(sizes, waiting_sessions=waiting_sessions)
-    rep = asyncio.run(run_benchmarks(which, sizes=sizes, out_json=out_json, work_dir=work_dir))
+    try:
+        rep = asyncio.run(run_benchmarks(which, sizes=sizes, out_json=out_json, work_dir=work_dir))
+    except ValueError as exc:
+        print(f"jetloop bench: {exc}", file=sys.stderr)
+        return 2
     print(format_report(rep))
     return 0 if all(t.met for t in rep.targets) else 1

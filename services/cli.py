@@ -673,7 +673,7 @@ def trials(
 @click.argument(
     "which",
     nargs=-1,
-    type=click.Choice(["overhead", "throughput", "history", "waiting", "profile"]),
+    type=click.Choice(["overhead", "throughput", "history", "waiting", "profile", "peer"]),
 )
 @click.option("--quick", is_flag=True, help="small sizes, for a smoke run")
 @click.option("--waiting-sessions", type=int)
@@ -686,7 +686,8 @@ def bench(
     out_json: str | None,
     keep: str | None,
 ) -> None:
-    """Benchmarks, each as a ratio against the raw JetStream floor measured in the same run."""
+    """Benchmarks, each as a ratio against a baseline measured in the same run: the raw
+    JetStream floor, or (``peer``, needs ``pip install 'jetloop[peer]'``) DBOS Transact."""
     from pathlib import Path
 
     from services.bench import main as run

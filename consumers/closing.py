@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import structlog
 
+from agents.tools import DelegateArgs
 from consumers.calls import TOOL_CALL_NOT_RUN_ERROR_PREFIX, ToolCtx
+from consumers.delegation import child_request, child_session
 from consumers.errors import DeadLetter, RetryLater
 from consumers.followers import Followers, finished
 from consumers.runtime import Delivery, Runtime
@@ -21,16 +23,18 @@ from schemas import (
     CallState,
     Event,
     EventType,
+    PlannedCall,
     StepKind,
     StepMessage,
     TurnPhase,
     TurnRecord,
     TurnStatus,
     call_key,
+    turn_id_for,
 )
-from streams.bus import event_out, step_out
+from streams.bus import Bus, event_out, step_out
 from streams.seal import SealBroken
-from streams.state import Conflict, call_state_key, turn_key
+from streams.state import Conflict, StateStore, call_state_key, turn_key
 
 log = structlog.get_logger("jetloop.closing")
 
@@ -76,6 +80,8 @@ async def on_close_turn(d: Delivery, step: StepMessage) -> None:
                 else CallRecord(key=ckey, tool=c.tool, effect=c.effect, state=CallState.RUNNING)
             )
             tool = agent.tool(c.tool) if agent else None
+            if turn.status == TurnStatus.CANCELLED and rec.state == CallState.AWAITING_CHILD:
+                await _cancel_child(rt, turn, ckey, c)
             if (
                 turn.status == TurnStatus.CANCELLED
                 and rec.state == CallState.TASK_RUNNING
@@ -118,6 +124,62 @@ async def on_close_turn(d: Delivery, step: StepMessage) -> None:
             )
     await rt.bus.publish(events)
     await finished(turn).publish(rt.bus)
+
+
+async def cancel_turn(
+    state: StateStore,
+    bus: Bus,
+    session_id: str,
+    turn_id: str,
+    by: str,
+    if_absent: TurnRecord | None = None,
+) -> TurnRecord | None:
+    """Mark a turn cancelled (a CAS) and ask ``close_turn`` to settle what it left open.
+
+    Returns the turn as it now stands: already ended otherwise, it is returned untouched;
+    with no record, ``if_absent`` is created cancelled (so a request not accepted yet never
+    starts), or None is returned. A repeat is harmless: the close step has a fixed key.
+    """
+    for _ in range(20):
+        found = await state.turn(session_id, turn_id)
+        if found is None and if_absent is None:
+            return None
+        turn = found.value if found is not None else if_absent
+        assert turn is not None
+        if turn.status.terminal and turn.status != TurnStatus.CANCELLED:
+            return turn
+        if turn.status != TurnStatus.CANCELLED:
+            turn = turn.model_copy(
+                update={
+                    "status": TurnStatus.CANCELLED,
+                    "cancelled_by": by,
+                    "error": f"cancelled by {by}",
+                    "attempt": None,
+                }
+            )
+            try:
+                await state.write(
+                    turn_key(session_id, turn_id), turn, found.revision if found else None
+                )
+            except Conflict:
+                continue
+            log.info("turn.cancelled", session=session_id, turn=turn_id, by=by)
+        await bus.publish([step_out(close_step(turn))])
+        return turn
+    raise RetryLater(0.05, f"turn {session_id}/{turn_id} kept changing while cancelling it")
+
+
+async def _cancel_child(rt: Runtime, turn: TurnRecord, ckey: str, call: PlannedCall) -> None:
+    """A cancelled turn cancels the child turn its delegation started (and so on down)."""
+    args = DelegateArgs.model_validate(call.args)
+    sid, rid = child_session(ckey), child_request(ckey)
+    tid = turn_id_for(sid, rid)
+    absent = TurnRecord(
+        session_id=sid, turn_id=tid, agent=args.agent, request_id=rid, text=args.task
+    )
+    by = f"its parent turn {turn.session_id}/{turn.turn_id} ({turn.cancelled_by})"
+    await cancel_turn(rt.state, rt.bus, sid, tid, by, if_absent=absent)
+    log.info("delegation.cancelled", child_session=sid, call=ckey)
 
 
 async def fail_turn(

@@ -16,6 +16,8 @@ from typing import Any
 import structlog
 from pydantic import BaseModel
 
+from consumers.closing import cancel_turn
+from consumers.errors import RetryLater
 from consumers.followers import note
 from schemas import (
     ApprovalRecord,
@@ -42,7 +44,6 @@ from streams.state import (
     call_state_key,
     question_key,
     session_key,
-    turn_key,
 )
 
 log = structlog.get_logger("jetloop.control")
@@ -164,39 +165,22 @@ class Control:
         await self.bus.publish([step_out(step)])
 
     async def cancel(self, session_id: str, turn_id: str | None, by: str) -> TurnRecord:
-        """Cancel a turn (default: the session's running turn)."""
-        for _ in range(CAS_TRIES):
-            if turn_id is None:
-                sv = await self.state.session(session_id)
-                if sv is None or sv.value.active is None:
-                    raise ControlError(409, "no running turn", f"session {session_id} is idle")
-                tid = sv.value.active
-            else:
-                tid = turn_id
-            found = await self.state.turn(session_id, tid)
-            if found is None:
-                raise ControlError(404, "no such turn", f"{session_id}/{tid}")
-            turn = found.value
-            if turn.status.terminal and turn.status != TurnStatus.CANCELLED:
-                raise ControlError(409, f"the turn already {turn.status.value}", tid)
-            if turn.status != TurnStatus.CANCELLED:
-                turn = turn.model_copy(
-                    update={
-                        "status": TurnStatus.CANCELLED,
-                        "cancelled_by": by,
-                        "error": f"cancelled by {by}",
-                        "attempt": None,
-                    }
-                )
-                try:
-                    await self.state.write(turn_key(session_id, tid), turn, found.revision)
-                except Conflict:
-                    continue
-                log.info("turn.cancelled", session=session_id, turn=tid, by=by)
-            step = StepMessage(kind=StepKind.CLOSE_TURN, session_id=session_id, turn_id=tid)
-            await self.bus.publish([step_out(step)])
-            return turn
-        raise ControlError(409, "turn kept changing", session_id)
+        """Cancel a turn (default: the session's running turn), and the child turns its
+        delegations started."""
+        if turn_id is None:
+            sv = await self.state.session(session_id)
+            if sv is None or sv.value.active is None:
+                raise ControlError(409, "no running turn", f"session {session_id} is idle")
+            turn_id = sv.value.active
+        try:
+            turn = await cancel_turn(self.state, self.bus, session_id, turn_id, by)
+        except RetryLater:
+            raise ControlError(409, "turn kept changing", session_id) from None
+        if turn is None:
+            raise ControlError(404, "no such turn", f"{session_id}/{turn_id}")
+        if turn.status != TurnStatus.CANCELLED:
+            raise ControlError(409, f"the turn already {turn.status.value}", turn_id)
+        return turn
 
     async def reconcile(
         self,

@@ -81,3 +81,40 @@ async def test_a_fire_delivered_twice_runs_once(client: Client, workers: WorkerF
     snap = await until(settled)
     assert snap.turns_done == 1 and not snap.queued
     await client.remove_trigger("tester", "once")
+
+
+async def test_cancelling_a_parent_cancels_its_child(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A turn cancelled while its delegated child waits (here, for an approval) cancels the
+    child turn too: the child's held call is closed cancelled and never made."""
+    workers.start()
+    child = script([call("guarded", name="held")], answer="never")
+    h = await client.send("tester", "cp", script([call("delegate", agent="tester", task=child)]))
+    kid = child_session(call_key("cp", h.turn_id, 0, 0))
+
+    async def child_waits() -> bool:
+        snap = await client.snapshot(kid)
+        return snap is not None and bool(snap.approvals)
+
+    await until(child_waits)
+    await client.cancel("cp", h.turn_id, by="test")
+    snap = await client.snapshot(kid)
+    assert snap is not None and snap.turn is not None
+
+    async def child_cancelled() -> bool:
+        turn = await client.turn(kid, snap.turn.turn_id)  # type: ignore[union-attr]
+        return turn is not None and turn.status == "cancelled"
+
+    await until(child_cancelled)
+    child_turn = await client.turn(kid, snap.turn.turn_id)
+    assert child_turn is not None and "its parent turn cp/" in (child_turn.cancelled_by or "")
+    held = await client.call(kid, child_turn.turn_id, 0, 0)
+
+    async def closed() -> bool:
+        rec = await client.call(kid, child_turn.turn_id, 0, 0)
+        return rec is not None and rec.state == "cancelled"
+
+    await until(closed)
+    assert held is not None
+    assert await vendor.effect_count("guarded") == 0

@@ -140,13 +140,7 @@ class StateStore:
             raise SealBroken(key, str(exc)) from exc
 
     async def _get(self, model: type[R], key: str, verify: bool = True) -> Versioned[R] | None:
-        try:
-            entry = await self.kv.get(key)
-        except KeyNotFoundError:
-            return None
-        if entry.value is None:
-            return None
-        return Versioned(self._decode(model, key, entry.value, verify), entry.revision or 0)
+        return self._typed(model, key, await self._raw(key), verify)
 
     async def _raw(self, key: str) -> tuple[bytes, int] | None:
         try:
@@ -178,9 +172,9 @@ class StateStore:
         return out
 
     def _typed(
-        self, model: type[R], key: str, raw: tuple[bytes, int] | None
+        self, model: type[R], key: str, raw: tuple[bytes, int] | None, verify: bool = True
     ) -> Versioned[R] | None:
-        return None if raw is None else Versioned(self._decode(model, key, raw[0], True), raw[1])
+        return None if raw is None else Versioned(self._decode(model, key, raw[0], verify), raw[1])
 
     async def step_view(
         self, session_id: str, turn_id: str, call_key: str

@@ -24,6 +24,7 @@ from schemas import (
     EventType,
     HistoryEntry,
     HistoryRole,
+    SessionRecord,
     StepKind,
     StepMessage,
     Summary,
@@ -32,7 +33,7 @@ from schemas import (
     TurnStatus,
 )
 from streams.bus import event_out, history_out, step_out
-from streams.state import Conflict, compaction_key, session_key, turn_key
+from streams.state import Conflict, Versioned, compaction_key, session_key, turn_key
 
 log = structlog.get_logger("jetloop.compact")
 
@@ -54,14 +55,20 @@ def estimate(agent: Agent, messages: list[Message]) -> int:
     return int(fn(messages)) if callable(fn) else rough_tokens(messages)
 
 
-async def compaction_needed(rt: Runtime, agent: Agent, turn: TurnRecord) -> bool:
+async def compaction_needed(
+    rt: Runtime,
+    agent: Agent,
+    turn: TurnRecord,
+    messages: list[Message],
+    session: Versioned[SessionRecord] | None,
+) -> bool:
+    """Whether ``messages`` (the conversation, read with ``session``) pass the budget and
+    there is history before this turn that no summary covers yet."""
     budget = agent.limits.context_budget_tokens
     assert budget is not None
-    messages = await conversation(rt, turn.session_id)
     if estimate(agent, messages) <= budget:
         return False
     history = await rt.history.read(turn.session_id)
-    session = await rt.state.session(turn.session_id)
     covered = session.value.summary.covers if session and session.value.summary else 0
     # Only history before this turn is summarised; nothing new to cover → go on as is.
     return turn_start(history, turn.turn_id) > covered

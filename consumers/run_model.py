@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from agents import Agent, ModelRequest, ModelResponse, ToolSpec
+from agents import Agent, Message, ModelRequest, ModelResponse, ToolSpec
 from agents.adapters import MalformedToolCall, ProviderRejected, ProviderRetryable
 from consumers.compact import compact_first, compaction_needed
 from consumers.conversation import conversation
@@ -88,8 +88,10 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         turn.first_attempt_at is not None
         and now - turn.first_attempt_at > limits.model_attempt_window_seconds
     )
+    messages: list[Message] | None = None  # read once: for the budget, then for the model
     if not exhausted and n < limits.max_model_steps and limits.context_budget_tokens:
-        if await compaction_needed(rt, agent, turn):
+        messages = await conversation(rt, sid, session=session)
+        if await compaction_needed(rt, agent, turn, messages, session):
             await compact_first(rt, turn)
             return
 
@@ -124,7 +126,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     request = ModelRequest(
         agent=agent.name,
         instructions=agent.instructions,
-        messages=await conversation(rt, sid, session=session),
+        messages=messages if messages is not None else await conversation(rt, sid, session=session),
         tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in agent.tools],
         attempt=attempt.no,
     )

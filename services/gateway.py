@@ -373,7 +373,8 @@ ROUTES: tuple[Route, ...] = (
 async def _nats(app: web.Application) -> AsyncIterator[None]:
     urls = app[NATS_URLS]
     nc = await connect(list(urls), name="jetloop-gateway")
-    app[CLIENT] = Client(nc, retry_for=app[CONFIG].nats_retry_seconds)
+    config = app[CONFIG]
+    app[CLIENT] = Client(nc, retry_for=config.nats_retry_seconds, sealer=config.sealer)
     try:
         yield
     finally:

@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from streams.seal import Sealer
+
 Scope = Literal["read", "write", "approve"]
 SCOPES: tuple[Scope, ...] = ("read", "write", "approve")
 
@@ -65,7 +67,7 @@ class HookTrigger(BaseModel):
 
 
 class GatewayConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     # Keyed by the token itself; hidden from repr so a logged config leaks nothing.
     tokens: dict[str, TokenGrant] = Field(default_factory=dict, repr=False)
@@ -78,6 +80,9 @@ class GatewayConfig(BaseModel):
     sse_keepalive_seconds: float = Field(15.0, gt=0)
     nats_retry_seconds: float = Field(5.0, gt=0)
     hook_tolerance_seconds: float = Field(300.0, gt=0)
+    # Seals the turn and call records the gateway writes (cancel, reconcile) like a
+    # worker's: an unsealed one would fail its turn as not trusted.
+    sealer: Sealer | None = Field(None, repr=False, exclude=True)
 
     @field_validator("tokens", mode="before")
     @classmethod
@@ -91,13 +96,16 @@ class GatewayConfig(BaseModel):
 
     @classmethod
     def from_settings(cls, settings: object) -> GatewayConfig:
-        """Read ``gateway_<field>`` attributes (and ``readmodel_db``) of a settings object;
-        fields it does not have keep their defaults."""
+        """Read ``gateway_<field>`` attributes (and ``readmodel_db``, and the sealer) of a
+        settings object; fields it does not have keep their defaults."""
         values: dict[str, Any] = {}
         for name in cls.model_fields:
             attr = name if name == "readmodel_db" else f"gateway_{name}"
             if getattr(settings, attr, None) is not None:
                 values[name] = getattr(settings, attr)
+        sealer = getattr(settings, "sealer", None)
+        if callable(sealer):
+            values["sealer"] = sealer()
         store = getattr(settings, "store_dir", None)
         if "readmodel_db" not in values and store is not None:
             values["readmodel_db"] = Path(store) / "readmodel.sqlite"

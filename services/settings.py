@@ -1,19 +1,27 @@
 """Settings from the environment (``JETLOOP_*``) and an optional ``jetloop.env`` file.
 
 A wrong setting fails at start with its name (``SettingsError``), never later.
+
+The seal key is found the same way by every process that writes state (worker, CLI,
+gateway): ``JETLOOP_SEAL_KEY`` if set, else ``<store dir>/seal.key`` if it exists — the
+key ``jetloop up`` makes (``make_seal_key``) — else none, and records are not sealed.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.gateway_config import HookTrigger, Scope, TokenGrant
 from streams.seal import Sealer, key_bytes
 from streams.topology import TopologyConfig
+
+SEAL_KEY_FILE = "seal.key"
 
 
 class SettingsError(ValueError):
@@ -67,7 +75,11 @@ class Settings(BaseSettings):
     log_format: Literal["json", "console"] = Field("json", description="log lines format")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     seal_key: SecretStr | None = Field(
-        None, description="HMAC key sealing checkpoints (hex or text); unset: not sealed"
+        None,
+        # Validated when unset too: that is when the store directory's key is read.
+        validate_default=True,
+        description="HMAC key sealing checkpoints (hex or text); "
+        "unset: <store dir>/seal.key if it exists, else not sealed",
     )
     seal_old_keys: str = Field(
         "", description="comma-separated keys that still verify (rotation), never seal"
@@ -94,6 +106,14 @@ class Settings(BaseSettings):
                 raise ValueError(f"{u.strip()!r} is not a nats:// URL")
         return v
 
+    @field_validator("seal_key", mode="after")
+    @classmethod
+    def _stored_key(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        if v is not None and v.get_secret_value().strip():
+            return v
+        store = info.data.get("store_dir")  # absent when the store directory is invalid
+        return read_seal_key(store) if store is not None else None
+
     @property
     def nats_urls(self) -> list[str]:
         return [u.strip() for u in self.nats_url.split(",") if u.strip()]
@@ -107,6 +127,41 @@ class Settings(BaseSettings):
 
     def topology(self) -> TopologyConfig:
         return TopologyConfig(replicas=self.replicas, lease_seconds=self.lease_seconds)
+
+
+def read_seal_key(store_dir: Path) -> SecretStr | None:
+    """The key kept in the store directory, or None when there is none."""
+    path = store_dir / SEAL_KEY_FILE
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ValueError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    if not text:
+        raise ValueError(f"{path} is empty: delete it (`jetloop up` makes a new one) or fill it")
+    return SecretStr(text)
+
+
+def make_seal_key(store_dir: Path) -> str:
+    """The embedded default's checkpoint key: made once, kept in the store directory (0600).
+
+    Written whole under another name and then linked in place, so a process reading the
+    key beside ``jetloop up`` never sees an empty file."""
+    path = store_dir / SEAL_KEY_FILE
+    if not path.exists():
+        store_dir.mkdir(parents=True, exist_ok=True)
+        draft = store_dir / f".{SEAL_KEY_FILE}.{os.getpid()}"
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(draft, path)
+        except FileExistsError:
+            pass  # another process made it a moment ago: that one is the key
+        finally:
+            draft.unlink()
+    return path.read_text().strip()
 
 
 def load_settings(**overrides: object) -> Settings:

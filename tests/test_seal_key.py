@@ -1,0 +1,183 @@
+"""The seal key `jetloop up` keeps in its store directory is found by every process that
+writes state beside it: the CLI, the gateway, another worker. None of them gets the key
+through the environment here; they read ``<store dir>/seal.key``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from services.client import Client
+from services.embedded import free_port
+from services.settings import SettingsError, load_settings, make_seal_key
+from streams.seal import Sealer, key_bytes
+from tests.conftest import WorkerFactory, until
+from tests.test_up import wait_ready
+
+# What would hand a process the key some other way than the store directory.
+KEY_VARS = ("JETLOOP_SEAL_KEY", "JETLOOP_SEAL_OLD_KEYS", "JETLOOP_STORE_DIR")
+
+
+def env_without_key(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in KEY_VARS}
+    return {**env, **extra}
+
+
+class Up:
+    """`jetloop up` in a working directory, as a person runs it: the store is `.jetloop`."""
+
+    def __init__(self, cwd: Path, gateway_port: int = 0) -> None:
+        self.cwd = cwd
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.gateway_port = gateway_port
+        self.log = cwd / "up.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "up", "--port", str(self.port)],
+                cwd=self.cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env_without_key(
+                    JETLOOP_VENDOR_DB=str(self.cwd / "vendor.sqlite"),
+                    JETLOOP_GATEWAY_PORT=str(self.gateway_port),
+                ),
+                start_new_session=True,
+            )
+
+    async def client(self) -> Client:
+        """A client that verifies every record it reads under the key up keeps."""
+        assert self.proc is not None
+        await asyncio.to_thread(wait_ready, self.proc, self.log)
+        key = (self.cwd / ".jetloop" / "seal.key").read_text()
+        return await Client.connect(self.url, sealer=Sealer([key_bytes(key)]))
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[Up]:
+    u = Up(tmp_path, gateway_port=free_port())
+    u.start()
+    yield u
+    u.stop()
+
+
+@pytest.fixture
+async def up_client(up: Up) -> AsyncIterator[Client]:
+    c = await up.client()
+    yield c
+    await c.close()
+
+
+async def waiting_turn(c: Client, session: str) -> str:
+    """Send a turn that waits on a timer; return its id once it waits."""
+    h = await c.send("demo", session, "wait 30 seconds")
+
+    async def waits() -> bool:
+        snap = await c.snapshot(session)
+        return snap is not None and snap.status == "waiting" and bool(snap.timers)
+
+    await until(waits)
+    return h.turn_id
+
+
+async def cancelled_then_next_completes(c: Client, session: str, turn_id: str) -> None:
+    """The cancelled turn ends cancelled (its record verifies), and the session moves on."""
+    t = await c.turn(session, turn_id)
+    assert t is not None and t.status.value == "cancelled", t
+    h = await c.send("demo", session, "create ticket after the cancel")
+    res = await c.wait(h, timeout=30)
+    assert res.text is not None and "T-1" in res.text, res
+
+
+async def test_cli_cancel_beside_up_is_sealed(up: Up, up_client: Client) -> None:
+    """`jetloop cancel` in up's working directory, with no key in its environment, seals
+    the cancelled turn with up's key: the turn ends cancelled, the next one runs."""
+    turn_id = await waiting_turn(up_client, "cli")
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "services.cli", "cancel", "cli", "--nats", up.url],
+        cwd=up.cwd,
+        env=env_without_key(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"turn {turn_id}: cancelled" in out.stdout
+    await cancelled_then_next_completes(up_client, "cli", turn_id)
+
+
+async def test_gateway_cancel_in_up_is_sealed(up: Up, up_client: Client) -> None:
+    """The gateway's REST cancel seals the turn record with the store's key."""
+    turn_id = await waiting_turn(up_client, "rest")
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"http://127.0.0.1:{up.gateway_port}/v1/sessions/rest/cancel", json={"by": "test"}
+        ) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        got = await resp.json()
+    assert got["turn_id"] == turn_id and got["status"] == "cancelled", got
+    await cancelled_then_next_completes(up_client, "rest", turn_id)
+
+
+def test_settings_find_the_store_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No JETLOOP_SEAL_KEY: the key in the store directory (.jetloop, or JETLOOP_STORE_DIR)
+    seals; JETLOOP_SEAL_KEY, when set, wins; a key file that cannot be read fails at start
+    with the setting's name."""
+    for var in KEY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert load_settings().sealer() is None
+    key = make_seal_key(Path(".jetloop"))
+    assert (tmp_path / ".jetloop" / "seal.key").stat().st_mode & 0o777 == 0o600
+    assert make_seal_key(Path(".jetloop")) == key  # made once
+    sealer = load_settings().sealer()
+    assert sealer is not None and sealer.keys == [key_bytes(key)]
+    monkeypatch.setenv("JETLOOP_SEAL_KEY", "")  # empty is unset, not an empty key
+    sealer = load_settings().sealer()
+    assert sealer is not None and sealer.keys == [key_bytes(key)]
+    monkeypatch.setenv("JETLOOP_STORE_DIR", str(tmp_path / "other"))
+    assert load_settings().sealer() is None
+    other = make_seal_key(tmp_path / "other")
+    sealer = load_settings().sealer()
+    assert sealer is not None and sealer.keys == [key_bytes(other)]
+    monkeypatch.setenv("JETLOOP_SEAL_KEY", "ab" * 32)
+    sealer = load_settings().sealer()
+    assert sealer is not None and sealer.keys == [bytes.fromhex("ab" * 32)]
+    monkeypatch.delenv("JETLOOP_SEAL_KEY")
+    (tmp_path / "other" / "seal.key").write_text("")
+    with pytest.raises(SettingsError, match=r"JETLOOP_SEAL_KEY: .*other/seal.key is empty"):
+        load_settings()
+
+
+async def test_worker_without_a_key_warns_once(tmp_path: Path, workers: WorkerFactory) -> None:
+    """A worker that finds no key says so once (`worker.unsealed`); one that finds the
+    store's key does not."""
+    # The workers' environment has the tests' key: an empty one is unset.
+    bare = workers.start(env={"JETLOOP_SEAL_KEY": "", "JETLOOP_STORE_DIR": str(tmp_path / "no")})
+    make_seal_key(tmp_path / "keyed")
+    keyed = workers.start(
+        env={"JETLOOP_SEAL_KEY": "", "JETLOOP_STORE_DIR": str(tmp_path / "keyed")}
+    )
+    await bare.wait_for("worker.started")
+    await keyed.wait_for("worker.started")
+    assert len(bare.find("worker.unsealed")) == 1
+    assert keyed.find("worker.unsealed") == []

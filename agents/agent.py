@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -91,6 +93,9 @@ def load_app(spec: str) -> App:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--app {spec!r}: expected module:attr")
+    # As uvicorn does: a module in the working directory is importable without PYTHONPATH.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     module = importlib.import_module(module_name)
     try:
         obj = getattr(module, attr)

@@ -99,6 +99,10 @@ async def gate(env: CallEnv) -> Gate | CallEnv:
             metrics.APPROVALS_ASKED.inc()
         log.info("call.awaiting_approval", approval_id=aid)
         return Gate.WAIT
+    if env.rec.state == CallState.AWAITING_APPROVAL:
+        # Counted where the held call resumes, whoever decided: a CLI or another short-lived
+        # process that decides is gone before anything scrapes its counters.
+        metrics.APPROVALS_DECIDED.inc()
     if approval.status == Decision.REJECTED:
         why = f"denied by {approval.decided_by or 'a person'}"
         if approval.reason:

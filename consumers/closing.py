@@ -40,7 +40,9 @@ log = structlog.get_logger("jetloop.closing")
 
 
 def close_step(turn: TurnRecord) -> StepMessage:
-    return StepMessage(kind=StepKind.CLOSE_TURN, session_id=turn.session_id, turn_id=turn.turn_id)
+    return StepMessage(
+        kind=StepKind.CLOSE_TURN, agent=turn.agent, session_id=turn.session_id, turn_id=turn.turn_id
+    )
 
 
 def _closed(rec: CallRecord, turn: TurnRecord) -> CallOutcome:

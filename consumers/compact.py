@@ -77,6 +77,7 @@ async def compaction_needed(
 def _step(turn: TurnRecord, kind: StepKind, wake: str | None = None) -> StepMessage:
     return StepMessage(
         kind=kind,
+        agent=turn.agent,
         session_id=turn.session_id,
         turn_id=turn.turn_id,
         model_step=turn.model_step,

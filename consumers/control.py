@@ -35,7 +35,6 @@ from schemas import (
     TurnStatus,
     validate_name,
 )
-from services import metrics
 from streams.bus import Bus, event_out, step_out
 from streams.state import (
     Conflict,
@@ -95,7 +94,6 @@ class Control:
                     )
                 except Conflict:
                     continue
-                metrics.APPROVALS_DECIDED.inc()
                 log.info("approval.decided", approval_id=approval_id, status=ap.status.value, by=by)
             await self._wake(
                 ap.session_id,
@@ -161,7 +159,18 @@ class Control:
 
     async def _wake(self, sid: str, tid: str, n: int, i: int, kind: StepKind, event: Event) -> None:
         await self.bus.publish([event_out(event)])
-        step = StepMessage(kind=kind, session_id=sid, turn_id=tid, model_step=n, call_index=i)
+        # The step goes to the workers of the session's agent: the subject names it.
+        session = await self.state.session(sid)
+        if session is None:
+            raise ControlError(404, "no such session", sid)
+        step = StepMessage(
+            kind=kind,
+            agent=session.value.agent,
+            session_id=sid,
+            turn_id=tid,
+            model_step=n,
+            call_index=i,
+        )
         await self.bus.publish([step_out(step)])
 
     async def cancel(self, session_id: str, turn_id: str | None, by: str) -> TurnRecord:

@@ -43,6 +43,7 @@ async def _ask_child(env: CallEnv, args: DelegateArgs) -> None:
     sid = child_session(env.ckey)
     rid = child_request(env.ckey)
     parent = ParentCall(
+        agent=env.turn.agent,
         session_id=env.turn.session_id,
         turn_id=env.turn.turn_id,
         model_step=env.n,

@@ -57,7 +57,11 @@ def turn_start(turn: TurnRecord) -> Followers:
         data={"request_id": turn.request_id, "agent": turn.agent},
     )
     first = StepMessage(
-        kind=StepKind.RUN_MODEL, session_id=turn.session_id, turn_id=turn.turn_id, model_step=0
+        kind=StepKind.RUN_MODEL,
+        agent=turn.agent,
+        session_id=turn.session_id,
+        turn_id=turn.turn_id,
+        model_step=0,
     )
     return Followers([history_out(turn.session_id, user), event_out(started)], [step_out(first)])
 
@@ -97,6 +101,7 @@ def answer(turn: TurnRecord) -> Followers:
                 kind=StepKind.CALL_SINGLE_ATTEMPT_TOOL
                 if c.effect == "non_idempotent_write"
                 else StepKind.CALL_TOOL,
+                agent=turn.agent,
                 session_id=turn.session_id,
                 turn_id=turn.turn_id,
                 model_step=n,
@@ -112,7 +117,12 @@ def answer(turn: TurnRecord) -> Followers:
 
 def turn_done_step(turn: TurnRecord) -> Outgoing:
     return step_out(
-        StepMessage(kind=StepKind.TURN_DONE, session_id=turn.session_id, turn_id=turn.turn_id)
+        StepMessage(
+            kind=StepKind.TURN_DONE,
+            agent=turn.agent,
+            session_id=turn.session_id,
+            turn_id=turn.turn_id,
+        )
     )
 
 
@@ -162,6 +172,7 @@ def finished(turn: TurnRecord) -> Followers:
             step_out(
                 StepMessage(
                     kind=StepKind.AWAIT_DELEGATION,
+                    agent=p.agent,
                     session_id=p.session_id,
                     turn_id=p.turn_id,
                     model_step=p.model_step,
@@ -192,6 +203,7 @@ def call_done(turn: TurnRecord, model_step: int, index: int, rec: CallRecord) ->
     )
     join = StepMessage(
         kind=StepKind.JOIN,
+        agent=turn.agent,
         session_id=turn.session_id,
         turn_id=turn.turn_id,
         model_step=model_step,
@@ -249,6 +261,7 @@ def joined(turn: TurnRecord, results: list[CallRecord]) -> Followers:
         records.append(history_out(turn.session_id, entry))
     step = StepMessage(
         kind=StepKind.RUN_MODEL,
+        agent=turn.agent,
         session_id=turn.session_id,
         turn_id=turn.turn_id,
         model_step=turn.model_step,

@@ -12,6 +12,7 @@ from consumers.runtime import Delivery
 from consumers.session import on_turn_done, on_turn_request
 from schemas import CALL_KINDS, StepKind, StepMessage, decode
 from streams.seal import SealBroken
+from streams.topology import step_subject_parts
 
 
 async def route_turn(d: Delivery) -> None:
@@ -20,11 +21,10 @@ async def route_turn(d: Delivery) -> None:
 
 async def route_step(d: Delivery) -> None:
     step = decode(StepMessage, d.msg.data)
-    expected = d.msg.subject.split(".")
-    if len(expected) != 5 or expected[3] != step.kind.value or expected[4] != step.session_id:
+    if step_subject_parts(d.msg.subject) != [step.agent, step.kind.value, step.session_id]:
         raise DeadLetter(
             f"step subject {d.msg.subject!r} does not match its body "
-            f"({step.kind.value} of session {step.session_id})"
+            f"({step.kind.value} of session {step.session_id}, agent {step.agent})"
         )
     try:
         await _route(d, step)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from nats.js import JetStreamContext
 from pydantic import BaseModel, Field
 
 from schemas import (
@@ -25,7 +26,9 @@ from schemas import (
 )
 from streams.blobs import BlobStore
 from streams.history import HistoryReader
+from streams.registry import Registry
 from streams.state import StateStore
+from streams.topology import TURNS_STREAM, session_turns_filter
 
 
 class CallView(BaseModel):
@@ -57,8 +60,12 @@ class QueuedView(BaseModel):
 class SessionSnapshot(BaseModel):
     session_id: str
     agent: str
-    status: str  # idle | running | waiting
+    # idle | running | waiting (approval, answer, timer, task, child) | waiting_for_worker
+    # (work is there, and no live worker serves the agent: see ``streams.registry``)
+    status: str
     turns_done: int
+    # Requests published and not yet accepted by a worker of the agent (still in JL_TURNS).
+    unaccepted: int = 0
     turn: TurnRecord | None = None
     calls: list[CallView] = Field(default_factory=list)
     queued: list[QueuedView] = Field(default_factory=list)
@@ -80,6 +87,33 @@ WAITING = {
     CallState.TASK_RUNNING,
     CallState.AWAITING_CHILD,
 }
+
+
+async def unaccepted_requests(js: JetStreamContext, session_id: str) -> dict[str, int]:
+    """Requests of a session still waiting in ``JL_TURNS``, counted per agent."""
+    info = await js.stream_info(TURNS_STREAM, subjects_filter=session_turns_filter(session_id))
+    out: dict[str, int] = {}
+    for subject, n in (info.state.subjects or {}).items():
+        out[subject.split(".")[2]] = out.get(subject.split(".")[2], 0) + n
+    return out
+
+
+async def with_workers(
+    snap: SessionSnapshot | None, js: JetStreamContext, registry: Registry, session_id: str
+) -> SessionSnapshot | None:
+    """Add what only the streams and the registry know: requests no worker has taken yet,
+    and whether the session's work waits for a worker of its agent. A session whose first
+    request is still unaccepted has no record yet; it gets a snapshot of its own."""
+    pending = await unaccepted_requests(js, session_id)
+    if snap is None:
+        if not pending:
+            return None
+        agent = next(iter(pending))
+        snap = SessionSnapshot(session_id=session_id, agent=agent, status="idle", turns_done=0)
+    snap.unaccepted = sum(pending.values())
+    if (snap.status != "idle" or snap.unaccepted) and await registry.status(snap.agent) != "live":
+        snap.status = "waiting_for_worker"
+    return snap
 
 
 async def snapshot(

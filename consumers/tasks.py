@@ -18,6 +18,7 @@ from consumers.errors import RetryLater
 from consumers.followers import Followers
 from schemas import CallOutcome, CallState, Event, EventType, StepKind, StepMessage
 from streams.bus import Outgoing, event_out, step_out
+from streams.topology import step_subject_parts
 
 log = structlog.get_logger("jetloop.tasks")
 
@@ -25,6 +26,7 @@ log = structlog.get_logger("jetloop.tasks")
 def poll_step(env: CallEnv) -> StepMessage:
     return StepMessage(
         kind=StepKind.POLL_TOOL_TASK,
+        agent=env.turn.agent,
         session_id=env.turn.session_id,
         turn_id=env.turn.turn_id,
         model_step=env.n,
@@ -64,7 +66,7 @@ async def poll(env: CallEnv) -> None:
     """One poll. Pending → try again after the tool's interval (a delayed nak)."""
     tool = env.tool
     assert tool.poll is not None
-    if env.d.msg.subject.split(".")[3] != StepKind.POLL_TOOL_TASK.value:
+    if step_subject_parts(env.d.msg.subject)[1] != StepKind.POLL_TOOL_TASK.value:
         # The start step redelivered after the handle was recorded: the poll step carries on.
         await Followers(
             [_started_event(env, env.rec.task_handle)], [step_out(poll_step(env))]

@@ -95,6 +95,7 @@ async def _arm(env: CallEnv, due: float) -> None:
     """Publish the timer's schedule; its key makes a repeat a no-op while it waits."""
     wake = StepMessage(
         kind=StepKind.AWAIT_TIMER,
+        agent=env.turn.agent,
         session_id=env.turn.session_id,
         turn_id=env.turn.turn_id,
         model_step=env.n,
@@ -104,7 +105,7 @@ async def _arm(env: CallEnv, due: float) -> None:
     hdrs["Nats-Msg-Id"] = f"{wake.step_key()}.schedule"
     hdrs["Nats-Schedule"] = f"@at {_at(due)}"
     hdrs["Nats-Schedule-Target"] = step_subject(
-        POOL_OF_KIND[StepKind.AWAIT_TIMER], StepKind.AWAIT_TIMER.value, wake.session_id
+        POOL_OF_KIND[StepKind.AWAIT_TIMER], wake.agent, StepKind.AWAIT_TIMER.value, wake.session_id
     )
     await env.rt.js.publish(
         timer_subject(env.turn.session_id, env.ckey), encode(wake), headers=hdrs

@@ -52,6 +52,9 @@ class StepMessage(BaseModel):
 
     v: int = SCHEMA_VERSION
     kind: StepKind
+    # The agent of the session: steps are routed to the workers that serve it (the subject
+    # carries it), so a worker never receives a step of an agent it does not have.
+    agent: str
     session_id: str
     turn_id: str
     model_step: int = 0

@@ -86,6 +86,7 @@ class PlannedCall(BaseModel):
 class ParentCall(BaseModel):
     """The call that delegated a child turn: where the child's answer goes."""
 
+    agent: str
     session_id: str
     turn_id: str
     model_step: int

@@ -299,13 +299,7 @@ class Rig:
     async def quiet(self, timeout: float = 60.0) -> None:
         """Wait until every consumer has delivered and had acked everything (the steps
         after a turn's end, such as turn_done, have run)."""
-        consumers = [(topology.TURNS_STREAM, topology.TURNS_CONSUMER)] + [
-            (topology.STEPS_STREAM, topology.step_consumer(p)) for p in topology.POOLS
-        ]
-        consumers += [
-            (bench_floor.TURNS, bench_floor.TURNS_CONSUMER),
-            (bench_floor.STEPS, bench_floor.STEPS_CONSUMER),
-        ]
+        consumers = [*ENGINE_CONSUMERS, *FLOOR_CONSUMERS]
         deadline = time.monotonic() + timeout
         while True:
             busy = 0
@@ -376,9 +370,8 @@ def _spawn_floor(url: str, ops: OpCounts) -> subprocess.Popen[bytes]:
     )
 
 
-ENGINE_CONSUMERS = [(topology.TURNS_STREAM, topology.TURNS_CONSUMER)] + [
-    (topology.STEPS_STREAM, topology.step_consumer(p)) for p in topology.POOLS
-]
+# The bench app's agents (services.bench_app): each has its own durables.
+ENGINE_CONSUMERS = [*topology.agent_consumers("bench"), *topology.agent_consumers("parked")]
 FLOOR_CONSUMERS = [
     (bench_floor.TURNS, bench_floor.TURNS_CONSUMER),
     (bench_floor.STEPS, bench_floor.STEPS_CONSUMER),

@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError
 
 from agents.agent import Trigger
 from consumers.control import Control
-from consumers.snapshot import SessionSnapshot, snapshot
+from consumers.snapshot import SessionSnapshot, snapshot, with_workers
 from schemas import (
     ApprovalRecord,
     CallRecord,
@@ -44,6 +44,7 @@ from streams.blobs import BlobStore
 from streams.bus import Bus
 from streams.connection import connect, retrying
 from streams.history import HistoryReader
+from streams.registry import AgentStatus, Registry
 from streams.seal import Sealer
 from streams.state import StateStore
 
@@ -62,6 +63,17 @@ async def publish_trigger(js: Any, agent: str, trigger: Trigger) -> None:
             "Jl-Trigger": trigger.name,
         },
     )
+
+
+class UnknownAgent(ValueError):
+    """No worker has ever served this agent: a request for it would wait for nobody."""
+
+    def __init__(self, agent: str) -> None:
+        super().__init__(
+            f"no worker serves agent {agent!r} and none ever has: start one that does "
+            "(jetloop worker --app module:attr), or check the name"
+        )
+        self.agent = agent
 
 
 class TurnFailed(Exception):
@@ -102,17 +114,37 @@ class Client:
         self.retry_for = retry_for
         self._state_store: StateStore | None = None
         self._blob_store: BlobStore | None = None
+        self._registry: Registry | None = None
 
     @classmethod
-    async def connect(cls, urls: str | Sequence[str], sealer: Sealer | None = None) -> Client:
-        """Connect; ``sealer`` defaults to the one the settings (JETLOOP_SEAL_KEY) give."""
+    async def connect(
+        cls,
+        urls: str | Sequence[str],
+        sealer: Sealer | None = None,
+        *,
+        give_up_after: float | None = None,
+        on_closed: Callable[[], Awaitable[None]] | None = None,
+    ) -> Client:
+        """Connect; ``sealer`` defaults to the one the settings (JETLOOP_SEAL_KEY) give.
+
+        By default the client rides out outages as a worker does. ``give_up_after``
+        (seconds) is for a caller a person waits on, such as the CLI: the first connect
+        raises (``nats.errors.NoServersError`` or ``TimeoutError``) after about that long,
+        a lost connection is given up as soon (it closes, and ``on_closed`` runs), requests
+        are retried only that long, and outages are not logged as warnings.
+        """
         if isinstance(urls, str):
             urls = [u.strip() for u in urls.split(",") if u.strip()]
         if sealer is None:
             from services.settings import load_settings
 
             sealer = load_settings().sealer()
-        return cls(await connect(urls, name="jetloop-client"), own=True, sealer=sealer)
+        nc = await connect(
+            urls, name="jetloop-client", give_up_after=give_up_after, closed_cb=on_closed
+        )
+        if give_up_after is None:
+            return cls(nc, own=True, sealer=sealer)
+        return cls(nc, own=True, sealer=sealer, retry_for=give_up_after)
 
     async def __aenter__(self) -> Client:
         return self
@@ -133,12 +165,31 @@ class Client:
             self._state_store = StateStore(kv, self.sealer)
         return self._state_store
 
+    async def registry(self) -> Registry:
+        if self._registry is None:
+            self._registry = await retrying(
+                lambda: Registry.open(self.js), self.retry_for, "bind registry"
+            )
+        return self._registry
+
+    async def agent_status(self, agent: str) -> AgentStatus:
+        """``unknown`` (never served), ``offline`` (no live worker now) or ``live``."""
+        reg = await self.registry()
+        return await retrying(lambda: reg.status(agent), self.retry_for, "agent status")
+
     async def send(
         self, agent: str, session_id: str, text: str, request_id: str | None = None
     ) -> TurnHandle:
-        """Publish a user message; the request id (``Nats-Msg-Id``) makes a resend harmless."""
+        """Publish a user message; the request id (``Nats-Msg-Id``) makes a resend harmless.
+
+        Raises ``UnknownAgent`` when no worker has ever served ``agent`` (a request for an
+        agent whose workers are only down is accepted: it waits for them).
+        """
         validate_name("agent", agent)
         validate_name("session id", session_id)
+        reg = await self.registry()
+        if not await retrying(lambda: reg.known(agent), self.retry_for, "agent lookup"):
+            raise UnknownAgent(agent)
         rid = request_id or uuid.uuid4().hex
         ack = await retrying(
             lambda: self.js.publish(
@@ -205,9 +256,12 @@ class Client:
         """get_agent_snapshot: status, history page, current turn, calls, waits, queue."""
         state, blobs = await self._state(), await self._blobs()
 
+        registry = await self.registry()
+
         async def read() -> SessionSnapshot | None:
             history = await HistoryReader.for_stream(self.nc)
-            return await snapshot(state, history, blobs, session_id, history_offset, history_limit)
+            snap = await snapshot(state, history, blobs, session_id, history_offset, history_limit)
+            return await with_workers(snap, self.js, registry, session_id)
 
         return await retrying(
             read,

@@ -23,9 +23,10 @@ from nats.aio.subscription import Subscription
 from pydantic import BaseModel, ValidationError
 
 from consumers.control import Control, ControlError, dump
-from consumers.snapshot import snapshot
+from consumers.snapshot import snapshot, with_workers
 from streams.blobs import BlobStore
 from streams.history import HistoryReader
+from streams.registry import Registry
 from streams.state import StateStore
 
 log = structlog.get_logger("jetloop.control")
@@ -89,6 +90,7 @@ class ControlService:
         self.control = control
         self.history = history
         self.blobs = blobs
+        self._registry: Registry | None = None
         self._sub: Subscription | None = None
         self._routes: dict[str, Callable[[bytes], Awaitable[Any]]] = {
             "approve": lambda b: self._decide(b, True),
@@ -170,6 +172,9 @@ class ControlService:
             r.history_limit,
             resolve_results=False,
         )
+        if self._registry is None:
+            self._registry = await Registry.open(self.nc.jetstream())
+        snap = await with_workers(snap, self.nc.jetstream(), self._registry, r.session_id)
         if snap is None:
             raise ControlError(404, "no such session", r.session_id)
         return dump(snap)

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ValidationError
 
 from consumers.control import ControlError
+from services.client import UnknownAgent
 from services.gateway_config import GatewayConfig, Scope, TokenGrant
 from streams.connection import TRANSIENT
 
@@ -119,6 +120,8 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
         return from_http(request, exc)
     except ControlError as exc:
         return Problem(exc.status, exc.title, exc.detail or None).response()
+    except UnknownAgent as exc:
+        return Problem(404, "no such agent", str(exc)).response()
     except NATS_DOWN as exc:
         log.warning("gateway.nats_unavailable", error=repr(exc), path=request.path)
         return Problem(

@@ -8,12 +8,11 @@ them on ``/metrics``; a worker alone serves them on ``JETLOOP_METRICS_PORT`` whe
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import structlog
 from nats.js import JetStreamContext
 from prometheus_client import Counter, Gauge, Histogram
-
-from streams import topology
 
 log = structlog.get_logger("jetloop.metrics")
 
@@ -40,11 +39,13 @@ CONSUMER_REDELIVERED = Gauge(
 )
 
 
-async def watch_lag(js: JetStreamContext, stop: asyncio.Event, every: float = 10.0) -> None:
-    """Read the consumers' lag now and then (one request per consumer)."""
-    consumers = [(topology.TURNS_STREAM, topology.TURNS_CONSUMER)] + [
-        (topology.STEPS_STREAM, topology.step_consumer(p)) for p in topology.POOLS
-    ]
+async def watch_lag(
+    js: JetStreamContext,
+    stop: asyncio.Event,
+    consumers: Sequence[tuple[str, str]],
+    every: float = 10.0,
+) -> None:
+    """Read the lag of ``consumers`` (stream, durable) now and then (one request each)."""
     while not stop.is_set():
         for stream, name in consumers:
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Sequence
 
 import structlog
@@ -33,6 +34,7 @@ from streams.blobs import BlobStore
 from streams.bus import Bus
 from streams.connection import connect
 from streams.history import HistoryReader
+from streams.registry import Registry
 from streams.state import StateStore
 
 log = structlog.get_logger("jetloop.worker")
@@ -64,6 +66,7 @@ class Worker(Service):
         self.faults = faults or Faults.from_env()
         self._nc: Client | None = None
         self._inflight: set[asyncio.Task[None]] = set()
+        self._since = time.time()
 
     def _concurrency(self, pool: str) -> int:
         s = self.settings
@@ -75,12 +78,17 @@ class Worker(Service):
 
     async def run(self) -> None:
         s = self.settings
+        if s.sealer() is None:
+            log.warning(
+                "worker.unsealed",
+                hint="records are written unsealed: set JETLOOP_SEAL_KEY, or run where "
+                f"{s.store_dir / 'seal.key'} is (the key `jetloop up` keeps)",
+            )
         nc = await connect(s.nats_urls, name=f"jetloop-worker-{self.worker_id}")
         self._nc = nc
         js = nc.jetstream()
         try:
-            if self.apply_topology:
-                await self._apply_topology(js)
+            registry = await self._prepare(js)
             rt = Runtime(
                 nc=nc,
                 js=js,
@@ -110,28 +118,32 @@ class Worker(Service):
                 )
                 await control.start()
             loops = []
-            if topology.SESSION_POOL in self.pools:
-                loops.append(
-                    self._pull(
-                        rt,
-                        js,
-                        topology.TURNS_STREAM,
-                        topology.TURNS_CONSUMER,
-                        route_turn,
-                        s.session_concurrency,
+            # One budget per pool, shared by the agents this worker serves.
+            turn_slots = Slots(s.session_concurrency)
+            pool_slots = {pool: Slots(self._concurrency(pool)) for pool in self.pools}
+            for name in sorted(self.app.agents):
+                if topology.SESSION_POOL in self.pools:
+                    loops.append(
+                        self._pull(
+                            rt,
+                            js,
+                            topology.TURNS_STREAM,
+                            topology.turn_consumer(name),
+                            route_turn,
+                            turn_slots,
+                        )
                     )
-                )
-            for pool in self.pools:
-                loops.append(
-                    self._pull(
-                        rt,
-                        js,
-                        topology.STEPS_STREAM,
-                        topology.step_consumer(pool),
-                        route_step,
-                        self._concurrency(pool),
+                for pool in self.pools:
+                    loops.append(
+                        self._pull(
+                            rt,
+                            js,
+                            topology.STEPS_STREAM,
+                            topology.step_consumer(pool, name),
+                            route_step,
+                            pool_slots[pool],
+                        )
                     )
-                )
             log.info(
                 "worker.started",
                 worker=self.worker_id,
@@ -144,7 +156,9 @@ class Worker(Service):
             async with asyncio.TaskGroup() as tg:
                 for loop in loops:
                     tg.create_task(loop)
-                tg.create_task(watch_lag(js, self._stopping))
+                tg.create_task(watch_lag(js, self._stopping, self._consumers()))
+                tg.create_task(self._advertise(registry))
+            await registry.withdraw(self.worker_id)
             if control is not None:
                 await control.stop()
             await self._drain()
@@ -152,13 +166,39 @@ class Worker(Service):
             await nc.drain() if nc.is_connected else await nc.close()
             log.info("worker.stopped", worker=self.worker_id)
 
-    async def _apply_topology(self, js: JetStreamContext) -> None:
-        """Servers may still be forming a cluster (no peers, no leader yet): keep trying."""
+    def _consumers(self) -> list[tuple[str, str]]:
+        return [
+            sc
+            for agent in sorted(self.app.agents)
+            for sc in topology.agent_consumers(agent, self.pools)
+        ]
+
+    async def _advertise(self, registry: Registry) -> None:
+        """Presence for clients and people (``streams.registry``), until stopped."""
+        while not self._stopping.is_set():
+            await _first(asyncio.sleep(topology.PRESENCE_TTL / 3), self._stopping.wait())
+            try:
+                await registry.advertise(self.worker_id, self.app.agents, self.pools, self._since)
+            except Exception as exc:  # an outage: the next beat tries again
+                log.warning("worker.advertise_failed", error=str(exc))
+
+    async def _prepare(self, js: JetStreamContext) -> Registry:
+        """The topology (unless told not to), this worker's per-agent consumers and its first
+        presence. Servers may still be forming a cluster or electing a leader (no peers, no
+        answer yet): keep trying."""
+        cfg = self.settings.topology()
         delay = 0.2
         while True:
             try:
-                await topology.apply(js, self.settings.topology())
-                return
+                if self.apply_topology:
+                    await topology.apply(js, cfg)
+                for name in sorted(self.app.agents):
+                    # Only this worker's agents: another app's turns never reach it.
+                    await topology.apply_agent(js, cfg, name, self.pools)
+                registry = await Registry.open(js)
+                # Before "started": a client that saw this worker start finds its agents.
+                await registry.advertise(self.worker_id, self.app.agents, self.pools, self._since)
+                return registry
             except Exception as exc:
                 if self._stopping.is_set():
                     raise
@@ -173,16 +213,15 @@ class Worker(Service):
         stream: str,
         consumer: str,
         handler: Handler,
-        concurrency: int,
+        slots: Slots,
     ) -> None:
         sub = await js.pull_subscribe_bind(durable=consumer, stream=stream)
-        mine: set[asyncio.Task[None]] = set()
-        slot_free = asyncio.Event()
+        mine = slots.running
         while not self._stopping.is_set():
-            free = concurrency - len(mine)
+            free = slots.limit - len(mine)
             if free <= 0:
-                slot_free.clear()
-                await _first(slot_free.wait(), self._stopping.wait())
+                slots.freed.clear()
+                await _first(slots.freed.wait(), self._stopping.wait())
                 continue
             try:
                 msgs = await sub.fetch(free, timeout=1.0)
@@ -204,7 +243,7 @@ class Worker(Service):
                 def done(t: asyncio.Task[None], mine: set[asyncio.Task[None]] = mine) -> None:
                     mine.discard(t)
                     self._inflight.discard(t)
-                    slot_free.set()
+                    slots.freed.set()
 
                 task.add_done_callback(done)
         await sub.unsubscribe()
@@ -218,6 +257,15 @@ class Worker(Service):
             t.cancel()
         if pending:
             await asyncio.wait(pending)
+
+
+class Slots:
+    """How many steps of one pool a worker runs at once, across the agents it serves."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.running: set[asyncio.Task[None]] = set()
+        self.freed = asyncio.Event()
 
 
 async def _first(*aws: object) -> None:

@@ -47,6 +47,7 @@ POOL_OF_KIND = {
 }
 
 H_KIND = "Jl-Kind"
+H_AGENT = "Jl-Agent"
 H_SESSION = "Jl-Session"
 H_TURN = "Jl-Turn"
 H_STEP = "Jl-Step"
@@ -77,9 +78,12 @@ def headers(kind: str, session_id: str, turn_id: str | None, key: str) -> dict[s
 def step_out(step: StepMessage) -> Outgoing:
     key = step.step_key()
     return Outgoing(
-        subject=step_subject(POOL_OF_KIND[step.kind], step.kind.value, step.session_id),
+        subject=step_subject(POOL_OF_KIND[step.kind], step.agent, step.kind.value, step.session_id),
         body=encode(step),
-        headers=headers(step.kind.value, step.session_id, step.turn_id, key),
+        headers={
+            **headers(step.kind.value, step.session_id, step.turn_id, key),
+            H_AGENT: step.agent,
+        },
     )
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-import nats
 import structlog
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
@@ -17,35 +17,67 @@ from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 log = structlog.get_logger("jetloop.nats")
 
 
-async def connect(urls: Sequence[str], name: str) -> Client:
-    """Every server URL, unlimited reconnects, short waits, pings well under 120 s."""
+async def connect(
+    urls: Sequence[str],
+    name: str,
+    *,
+    give_up_after: float | None = None,
+    closed_cb: Callable[[], Awaitable[None]] | None = None,
+) -> Client:
+    """Every server URL, unlimited reconnects, short waits, pings well under 120 s.
+
+    ``give_up_after`` (seconds) is for a client a person waits on (the CLI), not a worker:
+    the first connect and a reconnect after an outage each give up after about that long
+    (the connection then closes and ``closed_cb`` runs), and outages are logged at debug
+    level, since that caller reports them itself. nats-py retries a failed first connect for
+    ever unless the attempts per server are bounded, hence the bound and the timeout.
+    """
+    bounded = give_up_after is not None
+    # What an outage looks like in the log: a worker warns, a bounded client only notes it.
+    note = log.debug if bounded else log.warning
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats.error", error=str(exc))
+        note("nats.error", error=str(exc))
 
     closing: list[Client] = []
 
     async def on_disconnect() -> None:
         if closing and (closing[0].is_closed or closing[0].is_draining):
             return  # our own close, not an outage
-        log.warning("nats.disconnected")
+        note("nats.disconnected")
 
     async def on_reconnect() -> None:
         log.info("nats.reconnected")
 
-    nc = await nats.connect(
-        servers=list(urls),
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        ping_interval=5,
-        max_outstanding_pings=3,
-        connect_timeout=5,
-        allow_reconnect=True,
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
-    )
+    wait, attempts, connect_timeout = 0.5, -1, 5.0
+    if give_up_after is not None:
+        wait = min(0.5, give_up_after / 4)
+        attempts = max(1, math.ceil(give_up_after / wait))
+        connect_timeout = min(5.0, give_up_after)
+    nc = Client()
+    try:
+        await asyncio.wait_for(
+            nc.connect(
+                servers=list(urls),
+                name=name,
+                max_reconnect_attempts=attempts,
+                # nats-py annotates these as int; they are seconds, used as floats
+                reconnect_time_wait=wait,  # type: ignore[arg-type]
+                ping_interval=5,
+                max_outstanding_pings=3,
+                connect_timeout=connect_timeout,  # type: ignore[arg-type]
+                allow_reconnect=True,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                closed_cb=closed_cb,
+            ),
+            give_up_after,
+        )
+    except BaseException:
+        if bounded:
+            await nc.close()  # stop its reconnect attempts
+        raise
     closing.append(nc)
     return nc
 

@@ -21,13 +21,21 @@ EVENTS_STREAM = "JL_EVENTS"
 DEAD_STREAM = "JL_DEAD"
 STATE_BUCKET = "jl_state"
 BLOB_BUCKET = "jl_blobs"
+# Which agents workers serve: ``agent.<name>`` is written once by the first worker that
+# serves an agent and kept (a client can tell "no such agent" from "no worker right now");
+# ``worker.<id>`` is each live worker's presence, refreshed well inside the bucket's TTL.
+AGENTS_BUCKET = "jl_agents"
+WORKERS_BUCKET = "jl_workers"
+PRESENCE_TTL = 15.0
 
 SESSION_POOL = "session"
 MODEL_POOL = "model"
 TOOL_POOL = "tool"
 POOLS = (SESSION_POOL, MODEL_POOL, TOOL_POOL)
 
-TURNS_CONSUMER = "jl_turns"
+# Before turns and steps were routed by agent, one consumer per pool served every agent;
+# ``apply`` removes them (on a work-queue stream they would overlap the per-agent ones).
+LEGACY_CONSUMERS = ((TURNS_STREAM, "jl_turns"), *((STEPS_STREAM, f"jl_{p}") for p in POOLS))
 
 
 def turn_subject(agent: str, session_id: str) -> str:
@@ -42,8 +50,8 @@ def session_turns_filter(session_id: str) -> str:
     return f"jl.turn.*.{session_id}"
 
 
-def step_subject(pool: str, kind: str, session_id: str) -> str:
-    return f"jl.step.{pool}.{kind}.{session_id}"
+def step_subject(pool: str, agent: str, kind: str, session_id: str) -> str:
+    return f"jl.step.{pool}.{agent}.{kind}.{session_id}"
 
 
 def timer_subject(session_id: str, call_key: str) -> str:
@@ -51,8 +59,25 @@ def timer_subject(session_id: str, call_key: str) -> str:
     return f"jl.sched.{session_id}.{call_key.replace('.', '_')}"
 
 
-def step_consumer(pool: str) -> str:
-    return f"jl_{pool}"
+def step_subject_parts(subject: str) -> list[str]:
+    """``[agent, kind, session]`` of a step subject (fewer or more when it is malformed)."""
+    return subject.split(".")[3:]
+
+
+def turn_consumer(agent: str) -> str:
+    """The durable that hands one agent's turn requests to the workers serving it."""
+    return f"jl_turns_{agent}"
+
+
+def step_consumer(pool: str, agent: str) -> str:
+    """The durable of one pool of one agent: only workers that serve the agent pull it."""
+    return f"jl_{pool}_{agent}"
+
+
+def agent_consumers(agent: str, pools: tuple[str, ...] = POOLS) -> list[tuple[str, str]]:
+    """(stream, consumer) of every durable a worker serving ``agent`` in ``pools`` pulls."""
+    out = [(TURNS_STREAM, turn_consumer(agent))] if SESSION_POOL in pools else []
+    return out + [(STEPS_STREAM, step_consumer(p, agent)) for p in pools]
 
 
 def event_subject(session_id: str, event_type: str) -> str:
@@ -163,7 +188,10 @@ def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
     ]
 
 
-def consumer_configs(cfg: TopologyConfig) -> list[tuple[str, api.ConsumerConfig]]:
+def consumer_configs(
+    cfg: TopologyConfig, agent: str, pools: tuple[str, ...] = POOLS
+) -> list[tuple[str, api.ConsumerConfig]]:
+    """The durables of one agent: its turn requests, and one per pool for its steps."""
     common = {
         "ack_policy": api.AckPolicy.EXPLICIT,
         "ack_wait": cfg.lease_seconds,
@@ -172,30 +200,46 @@ def consumer_configs(cfg: TopologyConfig) -> list[tuple[str, api.ConsumerConfig]
         "max_ack_pending": cfg.max_ack_pending,
         "deliver_policy": api.DeliverPolicy.ALL,
     }
-    out: list[tuple[str, api.ConsumerConfig]] = [
-        (
-            TURNS_STREAM,
-            api.ConsumerConfig(
-                durable_name=TURNS_CONSUMER,
-                name=TURNS_CONSUMER,
-                filter_subject="jl.turn.>",
-                **common,  # type: ignore[arg-type]
-            ),
+    out: list[tuple[str, api.ConsumerConfig]] = []
+    if SESSION_POOL in pools:
+        out.append(
+            (
+                TURNS_STREAM,
+                api.ConsumerConfig(
+                    durable_name=turn_consumer(agent),
+                    name=turn_consumer(agent),
+                    description=f"jetloop turn requests of agent {agent}",
+                    filter_subject=f"jl.turn.{agent}.>",
+                    **common,  # type: ignore[arg-type]
+                ),
+            )
         )
-    ]
-    for pool in POOLS:
+    for pool in pools:
         out.append(
             (
                 STEPS_STREAM,
                 api.ConsumerConfig(
-                    durable_name=step_consumer(pool),
-                    name=step_consumer(pool),
-                    filter_subject=f"jl.step.{pool}.>",
+                    durable_name=step_consumer(pool, agent),
+                    name=step_consumer(pool, agent),
+                    description=f"jetloop {pool} steps of agent {agent}",
+                    filter_subject=f"jl.step.{pool}.{agent}.>",
                     **common,  # type: ignore[arg-type]
                 ),
             )
         )
     return out
+
+
+async def apply_agent(
+    js: JetStreamContext, cfg: TopologyConfig, agent: str, pools: tuple[str, ...] = POOLS
+) -> None:
+    """Create (or update) the durables of one agent; every worker that serves it does this.
+
+    A turn request or step published while no worker serves the agent waits in its stream
+    and is delivered (``DeliverPolicy.ALL``) once the first one does.
+    """
+    for stream, cc in consumer_configs(cfg, agent, pools):
+        await js.add_consumer(stream, cc)
 
 
 async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = False) -> None:
@@ -214,8 +258,12 @@ async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = 
         if not set_replicas and info.config.num_replicas:
             sc.num_replicas = info.config.num_replicas
         await _placed(js.update_stream, sc)
-    for stream, cc in consumer_configs(cfg):
-        await js.add_consumer(stream, cc)
+    for stream, name in LEGACY_CONSUMERS:
+        try:
+            await js.delete_consumer(stream, name)
+        except NotFoundError:
+            pass
+    await _registry(js, cfg)
     try:
         await js.object_store(BLOB_BUCKET)
     except NotFoundError:
@@ -228,6 +276,27 @@ async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = 
                 replicas=cfg.replicas,
             ),
         )
+
+
+async def _registry(js: JetStreamContext, cfg: TopologyConfig) -> None:
+    """The two small buckets that say which agents are served (see AGENTS_BUCKET)."""
+    for bucket, ttl, what in (
+        (AGENTS_BUCKET, None, "jetloop agents any worker has served"),
+        (WORKERS_BUCKET, PRESENCE_TTL, "jetloop live workers and the agents they serve"),
+    ):
+        try:
+            await js.key_value(bucket)
+        except NotFoundError:
+            await js.create_key_value(
+                api.KeyValueConfig(
+                    bucket=bucket,
+                    description=what,
+                    history=1,
+                    ttl=ttl,
+                    storage=api.StorageType.FILE,
+                    replicas=cfg.replicas,
+                )
+            )
 
 
 async def _placed(

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from demo.agent import app as demo_app
 from demo.vendor import Vendor
 from services.client import Client
 from services.embedded import EmbeddedServer
@@ -18,6 +19,8 @@ from services.harness import WorkerProcess
 from services.settings import Settings
 from streams import topology
 from streams.connection import connect
+from streams.registry import Registry
+from tests.apps import app as test_app
 
 # Checkpoints are sealed in every test, as `jetloop up` seals them; the test process
 # (clients that cancel or reconcile) and the workers it starts share the key.
@@ -43,10 +46,18 @@ async def nats_ready(server: EmbeddedServer) -> EmbeddedServer:
     await server.wait_jetstream()
     nc = await connect([server.url], "test-topology")
     try:
-        await topology.apply(nc.jetstream(), Settings(lease_seconds=LEASE).topology())
+        await prepare(nc, Settings(lease_seconds=LEASE).topology())
     finally:
         await nc.close()
     return server
+
+
+async def prepare(nc: Any, cfg: topology.TopologyConfig) -> None:
+    """The topology, and the test apps' agents declared as a deploy does before its workers
+    run: a send to them is accepted (and waits for a worker) instead of refused as unknown."""
+    await topology.apply(nc.jetstream(), cfg)
+    registry = await Registry.open(nc.jetstream())
+    await registry.declare([*test_app.agents, *demo_app.agents], "tests")
 
 
 @pytest.fixture

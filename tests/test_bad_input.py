@@ -11,7 +11,8 @@ from tests.conftest import WorkerFactory, call, script
 
 
 async def test_malformed_messages_are_dead_lettered(client: Client, workers: WorkerFactory) -> None:
-    """Undecodable, invalid and unroutable messages land in JL_DEAD, whole, with a reason."""
+    """Undecodable, invalid and unroutable messages land in JL_DEAD, whole, with a reason;
+    a request for an agent no worker serves is not lost: it waits, and the snapshot says so."""
     w = workers.start()
     js = client.js
     await js.publish("jl.turn.tester.bad1", b"\xc1 not msgpack", headers={"Nats-Msg-Id": "b1"})
@@ -20,7 +21,7 @@ async def test_malformed_messages_are_dead_lettered(client: Client, workers: Wor
     )
     await js.publish("jl.turn.tester.bad3", msgpack.packb({"text": "no id"}))
     await js.publish(
-        "jl.step.tool.call_tool.bad4",
+        "jl.step.tool.tester.call_tool.bad4",
         msgpack.packb({"kind": "call_tool"}),
         headers={"Nats-Msg-Id": "b4"},
     )
@@ -32,15 +33,17 @@ async def test_malformed_messages_are_dead_lettered(client: Client, workers: Wor
     dead = {subject: (reason, body) for subject, reason, body in await client.dead_letters()}
     assert set(dead) == {
         "jl.turn.tester.bad1",
-        "jl.turn.nobody.bad2",
         "jl.turn.tester.bad3",
-        "jl.step.tool.call_tool.bad4",
+        "jl.step.tool.tester.call_tool.bad4",
     }
     assert "not msgpack" in dead["jl.turn.tester.bad1"][0]
     assert dead["jl.turn.tester.bad1"][1] == b"\xc1 not msgpack"
-    assert "unknown agent 'nobody'" in dead["jl.turn.nobody.bad2"][0]
     assert "Nats-Msg-Id" in dead["jl.turn.tester.bad3"][0]
-    assert "StepMessage invalid" in dead["jl.step.tool.call_tool.bad4"][0]
+    assert "StepMessage invalid" in dead["jl.step.tool.tester.call_tool.bad4"][0]
+    # No worker serves "nobody": its request is kept, unaccepted, and shown as waiting.
+    snap = await client.snapshot("bad2")
+    assert snap is not None and snap.agent == "nobody"
+    assert (snap.status, snap.unaccepted) == ("waiting_for_worker", 1)
 
 
 async def test_ten_megabyte_tool_result(client: Client, workers: WorkerFactory) -> None:

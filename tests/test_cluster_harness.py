@@ -44,8 +44,8 @@ async def test_publish_and_kv_survive_stream_leader_kill(cluster: LocalCluster) 
         )
         assert kv_after != victim
 
-        subject = topology.step_subject(topology.TOOL_POOL, "call_tool", "s1")
-        assert subject == "jl.step.tool.call_tool.s1"
+        subject = topology.step_subject(topology.TOOL_POOL, "demo", "call_tool", "s1")
+        assert subject == "jl.step.tool.demo.call_tool.s1"
         ack = await js.publish(subject, b"step", headers={"Nats-Msg-Id": "s1-step-1"})
         assert ack.stream == topology.STEPS_STREAM
         assert not ack.duplicate

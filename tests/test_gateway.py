@@ -7,6 +7,7 @@ import base64
 import hashlib
 import hmac
 import json
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
@@ -168,6 +169,17 @@ async def test_send_with_idempotency_key_snapshot_and_list(
 
 
 # --- approvals, questions, cancel, reconcile -------------------------------------------------
+
+
+async def test_unknown_agent_is_404_at_once(api: Api) -> None:
+    """A message for an agent no worker has ever served is refused with a 404 problem at
+    once (with ?wait=true too), instead of a 202 for a turn that nobody will run."""
+    url = "/v1/agents/nosuchagent/sessions/s1/messages"
+    for query in ("", "?wait=true&timeout=30"):
+        t0 = time.monotonic()
+        got = await problem(await api.post(url + query, json={"text": "hi"}, headers=WRITE), 404)
+        assert time.monotonic() - t0 < 5
+        assert got["title"] == "no such agent" and "nosuchagent" in got["detail"]
 
 
 async def test_approve_answer_cancel_reconcile(api: Api, workers: WorkerFactory) -> None:

@@ -30,7 +30,7 @@ from services.harness import WorkerProcess
 from services.settings import Settings
 from streams import topology
 from streams.connection import connect
-from tests.conftest import LEASE, WorkerFactory, body, call, script, until
+from tests.conftest import LEASE, WorkerFactory, body, call, prepare, script, until
 
 MODES = ("worker_kill", "server_restart", "takeover")
 
@@ -104,7 +104,7 @@ async def rig(
         nc = await connect(urls, "test-topology")
         try:
             cfg = Settings(lease_seconds=LEASE, replicas=replicas).topology()
-            await topology.apply(nc.jetstream(), cfg)
+            await prepare(nc, cfg)
         finally:
             await nc.close()
         client = await Client.connect(urls)

@@ -93,20 +93,31 @@ class OverheadResult:
 
 
 async def engine_overhead(
-    r: Rig, sequential: int = 200, concurrent: int = 500, in_flight: int = 50, chunks: int = 4
+    r: Rig,
+    sequential: int = 200,
+    concurrent: int = 500,
+    in_flight: int = 50,
+    chunks: int = 4,
+    warm: int = 40,
+    op_turns: int = 20,
 ) -> OverheadResult:
     """Latency of both turn shapes, engine against floor, sequential and ``in_flight`` at
     once. The engine worker and the floor worker both run throughout and their batches
-    alternate in ``chunks``, so a change in the machine's background load hits both."""
+    alternate in ``chunks``, so a change in the machine's background load hits both.
+    ``op_turns`` turns of each shape count operations and messages."""
     await r.start_workers(1)
-    await run_batch(r.engine_turn, 5, 40, 10, tag("warm"))
-    engine_ops = {k: await count_ops(r, r.engine_turn, f, 20, True) for k, f in TURN_KINDS.items()}
+    await run_batch(r.engine_turn, 5, warm, 10, tag("warm"))
+    engine_ops = {
+        k: await count_ops(r, r.engine_turn, f, op_turns, True) for k, f in TURN_KINDS.items()
+    }
     floor_ops = await start_sized_floor(r, engine_ops["7-step"])
     engine_mix = {
-        k: await message_mix(r, r.engine_turn, f, 20, ENGINE_MARKS) for k, f in TURN_KINDS.items()
+        k: await message_mix(r, r.engine_turn, f, op_turns, ENGINE_MARKS)
+        for k, f in TURN_KINDS.items()
     }
     floor_mix = {
-        k: await message_mix(r, r.floor_turn, f, 20, FLOOR_MARKS) for k, f in TURN_KINDS.items()
+        k: await message_mix(r, r.floor_turn, f, op_turns, FLOOR_MARKS)
+        for k, f in TURN_KINDS.items()
     }
     rows = []
     for load, total, width in (
@@ -143,16 +154,21 @@ class ThroughputRow:
 
 
 async def throughput(
-    r: Rig, turns: int = 1000, in_flight: int = 200, workers: Sequence[int] = (1, 2)
+    r: Rig,
+    turns: int = 1000,
+    in_flight: int = 200,
+    workers: Sequence[int] = (1, 2),
+    warm: int = 100,
+    op_turns: int = 20,
 ) -> list[ThroughputRow]:
     """Steps per second of 7-step turns, ``in_flight`` sessions at once."""
     rows = []
     ops: OpCounts | None = None
     for n in workers:
         await r.start_workers(n)
-        await run_batch(r.engine_turn, 5, 100, 50, tag("warm"))
+        await run_batch(r.engine_turn, 5, warm, 50, tag("warm"))
         if ops is None:
-            ops = await count_ops(r, r.engine_turn, 5, 20, True)
+            ops = await count_ops(r, r.engine_turn, 5, op_turns, True)
         await r.quiet()
         b = await run_batch(r.engine_turn, 5, turns, in_flight, tag("t"))
         rows.append(
@@ -169,7 +185,7 @@ async def throughput(
         r.stop_workers()
     assert ops is not None, "no worker count given"
     await start_sized_floor(r, ops)
-    await run_batch(r.floor_turn, 5, 100, 50, tag("warm"))
+    await run_batch(r.floor_turn, 5, warm, 50, tag("warm"))
     await r.quiet()
     b = await run_batch(r.floor_turn, 5, turns, in_flight, tag("t"))
     rows.append(
@@ -201,7 +217,7 @@ class HistoryRow:
 
 
 async def history_growth(
-    r: Rig, small: int = 10, large: int = 1000, samples: int = 10
+    r: Rig, small: int = 10, large: int = 1000, samples: int = 10, warm: int = 40
 ) -> list[HistoryRow]:
     """Durable bytes per step and turn latency at a short and a long history.
 
@@ -212,7 +228,7 @@ async def history_growth(
     ``state.bytes`` over every jetloop stream and bucket, the turn's trailing steps included.
     """
     await r.start_workers(1)
-    await run_batch(r.engine_turn, 5, 40, 10, tag("warm"))
+    await run_batch(r.engine_turn, 5, warm, 10, tag("warm"))
     rows: list[HistoryRow] = []
     short = [f"{tag('hs')}{i}" for i in range(samples)]
     for sid in short:
@@ -636,9 +652,46 @@ class Sizes:
     profile_concurrent: int = 600
     peer_sequential: int = 200
     peer_concurrent: int = 500
+    # warm-up turns, turns that count operations, and how the overhead batches alternate
+    warm: int = 40
+    throughput_warm: int = 100
+    op_turns: int = 20
+    chunks: int = 4
+    throughput_workers: tuple[int, ...] = (1, 2)
 
 
-QUICK = Sizes(60, 200, 300, 100, 200, 3, 200, 60, 120, 40, 100)
+# A smoke run: every benchmark on small numbers, well under a minute on 2 idle cores.
+QUICK = Sizes(
+    sequential=30,
+    concurrent=100,
+    throughput_turns=150,
+    throughput_in_flight=50,
+    history_large=100,
+    history_samples=3,
+    waiting_sessions=200,
+    profile_sequential=60,
+    profile_concurrent=120,
+    peer_sequential=40,
+    peer_concurrent=100,
+    warm=10,
+    throughput_warm=20,
+    op_turns=5,
+    chunks=2,
+    throughput_workers=(1,),
+)
+
+
+class BenchFailed(RuntimeError):
+    """A benchmark could not run to its end; ``name`` says which."""
+
+    def __init__(self, name: str, cause: BaseException) -> None:
+        lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+        why = lines[0] if lines else type(cause).__name__
+        if len(lines) > 1:
+            # A worker's log tail: its last line says what went wrong.
+            why = f"{why.rstrip(':;')} … {lines[-1]}"
+        super().__init__(f"the {name} benchmark failed: {why}")
+        self.name = name
 
 
 async def run_benchmarks(
@@ -657,38 +710,61 @@ async def run_benchmarks(
     began = time.monotonic()
     rep = BenchReport(machine=machine())
     for name in which:
-        wd = work_dir / name if work_dir is not None else None
-        async with rig(wd) as r:
-            if name == "overhead":
-                rep.overhead = await engine_overhead(r, sizes.sequential, sizes.concurrent)
-            elif name == "throughput":
-                rep.throughput = await throughput(
-                    r, sizes.throughput_turns, sizes.throughput_in_flight
-                )
-            elif name == "history":
-                rep.history = await history_growth(
-                    r, large=sizes.history_large, samples=sizes.history_samples
-                )
-            elif name == "waiting":
-                rep.waiting = await waiting_at_scale(r, sizes.waiting_sessions)
-            elif name == "peer":
-                rep.peer = await peer_side_by_side(r, sizes.peer_sequential, sizes.peer_concurrent)
-            else:
-                # Kept after the run (the report names it): the text tree and pstats.
-                out = (
-                    work_dir / "profile"
-                    if work_dir is not None
-                    else Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="jetloop-profile-"))
-                )
-                rep.profile = await profile_engine(
-                    r, out, sizes.profile_sequential, sizes.profile_concurrent
-                )
+        try:
+            await _run_one(rep, name, sizes, work_dir)
+        except Exception as exc:  # every failure of a run is reported the same way
+            raise BenchFailed(name, exc) from exc
     rep.targets = judge(rep)
     rep.wall_seconds = time.monotonic() - began
     if out_json is not None:
         text = json.dumps(rep.to_json(), indent=2, default=str) + "\n"
         await asyncio.to_thread(Path(out_json).write_text, text)
     return rep
+
+
+async def _run_one(rep: BenchReport, name: str, sizes: Sizes, work_dir: Path | None) -> None:
+    """One benchmark on a rig of its own; its result goes into ``rep``."""
+    wd = work_dir / name if work_dir is not None else None
+    async with rig(wd) as r:
+        if name == "overhead":
+            rep.overhead = await engine_overhead(
+                r,
+                sizes.sequential,
+                sizes.concurrent,
+                chunks=sizes.chunks,
+                warm=sizes.warm,
+                op_turns=sizes.op_turns,
+            )
+        elif name == "throughput":
+            rep.throughput = await throughput(
+                r,
+                sizes.throughput_turns,
+                sizes.throughput_in_flight,
+                workers=sizes.throughput_workers,
+                warm=sizes.throughput_warm,
+                op_turns=sizes.op_turns,
+            )
+        elif name == "history":
+            rep.history = await history_growth(
+                r,
+                large=sizes.history_large,
+                samples=sizes.history_samples,
+                warm=sizes.warm,
+            )
+        elif name == "waiting":
+            rep.waiting = await waiting_at_scale(r, sizes.waiting_sessions)
+        elif name == "peer":
+            rep.peer = await peer_side_by_side(r, sizes.peer_sequential, sizes.peer_concurrent)
+        else:
+            # Kept after the run (the report names it): the text tree and pstats.
+            out = (
+                work_dir / "profile"
+                if work_dir is not None
+                else Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="jetloop-profile-"))
+            )
+            rep.profile = await profile_engine(
+                r, out, sizes.profile_sequential, sizes.profile_concurrent
+            )
 
 
 def main(
@@ -698,7 +774,8 @@ def main(
     work_dir: Path | None = None,
     waiting_sessions: int | None = None,
 ) -> int:
-    """What ``jetloop bench`` runs: prints the tables; 0 if every measured target is met."""
+    """What ``jetloop bench`` runs: prints the tables; 0 if every measured target is met,
+    1 if one is not, 2 if a benchmark could not run (each said in one line on stderr)."""
     from dataclasses import replace
 
     from services.logs import configure
@@ -712,5 +789,25 @@ def main(
     except ValueError as exc:
         print(f"jetloop bench: {exc}", file=sys.stderr)
         return 2
+    except BenchFailed as exc:
+        logs = f"logs in {work_dir}" if work_dir else "--keep DIR keeps the logs"
+        print(f"jetloop bench: {exc} ({logs})", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jetloop bench: interrupted", file=sys.stderr)
+        return 130
     print(format_report(rep))
-    return 0 if all(t.met for t in rep.targets) else 1
+    missed = [t for t in rep.targets if not t.met]
+    if missed:
+        what = "; ".join(f"{t.name}: {t.measured}, wanted {t.target}" for t in missed)
+        if quick:
+            # A smoke run checks that every benchmark runs; its small samples judge nothing.
+            print(
+                f"jetloop bench --quick: ran; not judged, but {len(missed)} target(s) "
+                f"would be missed: {what}",
+                file=sys.stderr,
+            )
+            return 0
+        print(f"jetloop bench: {len(missed)} target(s) not met: {what}", file=sys.stderr)
+        return 1
+    return 0

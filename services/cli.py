@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from schemas import EventType
 from services.logs import configure
 from services.settings import Settings, SettingsError, load_settings
+
+if TYPE_CHECKING:
+    from services.client import Client
 
 
 def _settings(**overrides: Any) -> Settings:
@@ -42,16 +45,33 @@ def main() -> None:
 @click.option("--nats", "nats_url", help="use these NATS server(s) instead of starting one")
 @click.option("--app", help="agents to serve, module:attr (default: the demo agent)")
 @click.option("--store-dir", type=click.Path(), help="store directory (default .jetloop)")
-@click.option("--port", "embedded_port", type=int, help="port of the embedded server")
+@click.option(
+    "--nats-port", "--port", "embedded_port", type=int, help="port of the embedded server"
+)
+@click.option("--gateway-port", type=int, help="port of the gateway (HTTP API)")
 def up(
-    nats_url: str | None, app: str | None, store_dir: str | None, embedded_port: int | None
+    nats_url: str | None,
+    app: str | None,
+    store_dir: str | None,
+    embedded_port: int | None,
+    gateway_port: int | None,
 ) -> None:
-    """Start nats-server (embedded), the topology and a worker with the demo agent."""
-    from services.up import run_up
+    """Start nats-server (embedded), the topology, a worker with the demo agent, the gateway
+    and the projector; restart any of them that fails."""
+    from services.up import UpError, run_up
 
-    s = _settings(nats_url=nats_url, app=app, store_dir=store_dir, embedded_port=embedded_port)
+    s = _settings(
+        nats_url=nats_url,
+        app=app,
+        store_dir=store_dir,
+        embedded_port=embedded_port,
+        gateway_port=gateway_port,
+    )
     configure("console", s.log_level)
-    _run(run_up(s, external=nats_url is not None))
+    try:
+        _run(run_up(s, external=nats_url is not None))
+    except UpError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.command()
@@ -109,46 +129,55 @@ def send(
     text: str,
 ) -> None:
     """Send a message to a session, print its events and the answer."""
-    from services.client import Client, TurnFailed
+    from schemas import turn_id_for, validate_name
+    from services.client import TurnFailed
 
-    s = _settings(nats_url=nats_url)
-
-    async def go() -> None:
-        async with await Client.connect(s.nats_urls) as jl:
-            try:
-                h = await jl.send(agent, session_id, text, request_id=request_id)
-            except ValueError as exc:
-                raise click.ClickException(str(exc)) from None
-            click.echo(
-                f"turn {h.turn_id} (request {h.request_id})"
-                + (" — duplicate request, showing the recorded turn" if h.duplicate else "")
+    async def body(jl: Client) -> None:
+        try:
+            validate_name("session id", session_id)
+            # JL_TURNS is a work queue: once a request ran, its message is gone and the
+            # server forgets its id at a restart (or after the dedupe window), so the
+            # PubAck alone may not say "duplicate". The turn record does: read it first.
+            earlier = (
+                await jl.turn(session_id, turn_id_for(session_id, request_id))
+                if request_id
+                else None
             )
-            if not wait:
-                return
+            h = await jl.send(agent, session_id, text, request_id=request_id)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+        note = ""
+        if earlier is not None:
+            note = f" — duplicate request (the turn is {earlier.status.value}), showing it"
+        elif h.duplicate:
+            note = " — duplicate request (the first is still queued), showing its turn"
+        click.echo(f"turn {h.turn_id} (request {h.request_id}){note}")
+        if not wait:
+            return
 
-            async def follow() -> None:
-                async for ev in jl.events(session_id, from_start=True):
-                    if ev.turn_id != h.turn_id:
-                        continue
-                    click.echo(_describe(ev))
-                    if ev.type in (
-                        EventType.TURN_COMPLETED,
-                        EventType.TURN_FAILED,
-                        EventType.TURN_CANCELLED,
-                    ):
-                        return
+        async def follow() -> None:
+            async for ev in jl.events(session_id, from_start=True):
+                if ev.turn_id != h.turn_id:
+                    continue
+                click.echo(_describe(ev))
+                if ev.type in (
+                    EventType.TURN_COMPLETED,
+                    EventType.TURN_FAILED,
+                    EventType.TURN_CANCELLED,
+                ):
+                    return
 
-            try:
-                await asyncio.wait_for(follow(), timeout)
-                res = await jl.wait(h, timeout=timeout)
-            except TurnFailed as exc:
-                raise click.ClickException(str(exc)) from None
-            except TimeoutError:
-                raise click.ClickException(f"no answer within {timeout}s") from None
-            click.echo("")
-            click.echo(res.text or "")
+        try:
+            await asyncio.wait_for(follow(), timeout)
+            res = await jl.wait(h, timeout=timeout)
+        except TurnFailed as exc:
+            raise click.ClickException(str(exc)) from None
+        except TimeoutError:
+            raise click.ClickException(f"no answer within {timeout}s") from None
+        click.echo("")
+        click.echo(res.text or "")
 
-    _run(go())
+    _client_cmd(nats_url, body, timeout)
 
 
 @main.command()
@@ -158,38 +187,124 @@ def send(
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per event")
 def events(session_id: str, nats_url: str | None, follow: bool, as_json: bool) -> None:
     """Tail a session's event log from its start."""
-    from services.client import Client
 
+    async def body(jl: Client) -> None:
+        if not await _session_exists(jl, session_id):
+            raise click.ClickException(f"no session {session_id}")
+        it = jl.events(session_id).__aiter__()
+        while True:
+            try:
+                ev = await asyncio.wait_for(it.__anext__(), None if follow else 2.0)
+            except (TimeoutError, StopAsyncIteration):
+                return
+            click.echo(ev.model_dump_json() if as_json else _describe(ev))
+
+    _client_cmd(nats_url, body)
+
+
+async def _session_exists(jl: Client, session_id: str) -> bool:
+    """A session exists once it has a state record (``session.<id>``) or an event."""
+    from nats.js.errors import KeyNotFoundError, NotFoundError
+
+    from schemas import validate_name
+    from streams import topology as topo
+    from streams.state import session_key
+
+    try:
+        validate_name("session id", session_id)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    kv = await jl.js.key_value(topo.STATE_BUCKET)
+    try:
+        await kv.get(session_key(session_id))
+        return True
+    except KeyNotFoundError:
+        pass
+    try:
+        await jl.js.get_msg(
+            topo.EVENTS_STREAM, seq=1, subject=topo.event_subject(session_id, ">"), next=True
+        )
+    except NotFoundError:
+        return False
+    return True
+
+
+# How long a client command waits for NATS before it says so in one line: the first
+# connect, and a reconnect after the server went away (at most --timeout where it has one).
+PATIENCE = 5.0
+
+Body = Callable[["Client"], Coroutine[Any, Any, None]]
+
+
+def _client_cmd(nats_url: str | None, body: Body, timeout: float | None = None) -> None:
+    """Run ``body(client)`` with a connected client. NATS that cannot be reached or is lost
+    (after ``PATIENCE`` seconds, or ``timeout`` if shorter), a NATS error and a refused
+    control request each end the command with one line and exit status 1."""
     s = _settings(nats_url=nats_url)
-
-    async def go() -> None:
-        async with await Client.connect(s.nats_urls) as jl:
-            it = jl.events(session_id).__aiter__()
-            while True:
-                try:
-                    ev = await asyncio.wait_for(it.__anext__(), None if follow else 2.0)
-                except (TimeoutError, StopAsyncIteration):
-                    return
-                click.echo(ev.model_dump_json() if as_json else _describe(ev))
-
-    _run(go())
+    _run(_with_client(s.nats_urls, body, timeout))
 
 
-def _client_cmd(nats_url: str | None, body: Any) -> None:
-    """Run ``body(client)`` with a connected client; control errors become clean exits."""
+async def _with_client(urls: list[str], body: Body, timeout: float | None) -> None:
+    from nats.errors import ConnectionClosedError, NoServersError
+    from nats.errors import Error as NatsError
+
     from consumers.control import ControlError
     from services.client import Client
+    from services.inspector import Missing
 
-    s = _settings(nats_url=nats_url)
+    where = ", ".join(urls)
+    lost = asyncio.Event()
 
-    async def go() -> None:
-        async with await Client.connect(s.nats_urls) as jl:
-            try:
-                await body(jl)
-            except ControlError as exc:
-                raise click.ClickException(str(exc)) from None
+    async def on_closed() -> None:
+        lost.set()
 
-    _run(go())
+    patience = min(PATIENCE, timeout) if timeout else PATIENCE
+    try:
+        jl = await Client.connect(urls, give_up_after=patience, on_closed=on_closed)
+    except (NoServersError, TimeoutError, OSError):
+        raise click.ClickException(
+            f"cannot reach NATS at {where} (is 'jetloop up' running?)"
+        ) from None
+    except NatsError as exc:
+        raise click.ClickException(f"NATS at {where} refused the connection: {exc}") from None
+    async with jl:
+        work = asyncio.create_task(body(jl))
+        gone = asyncio.create_task(lost.wait())
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            work.cancel()  # the connection is gone (or we were interrupted)
+            await asyncio.wait((work,))
+        try:
+            work.result()
+        except (asyncio.CancelledError, ConnectionClosedError):
+            raise click.ClickException(
+                f"lost the connection to NATS at {where} (is 'jetloop up' running?)"
+            ) from None
+        except ControlError as exc:
+            raise click.ClickException(str(exc)) from None
+        except Missing as exc:
+            raise click.ClickException(str(exc)) from None
+        except (NatsError, TimeoutError) as exc:
+            raise click.ClickException(f"NATS at {where}: {_nats_error(exc)}") from None
+
+
+def _nats_error(exc: BaseException) -> str:
+    """A NATS error in a few words, with what to do where that is known."""
+    from nats.errors import NoRespondersError
+    from nats.js.errors import NotFoundError, ServiceUnavailableError
+
+    if isinstance(exc, NotFoundError):
+        return (
+            f"{exc.description or 'not found'} (is the topology applied? "
+            "`jetloop up` or `jetloop topology` applies it)"
+        )
+    if isinstance(exc, NoRespondersError | ServiceUnavailableError):
+        return "JetStream did not answer (is JetStream enabled on that server?)"
+    if isinstance(exc, TimeoutError):
+        return "no answer in time (the server is busy or electing a leader: try again)"
+    return str(exc) or type(exc).__name__
 
 
 def _echo_model(model: Any) -> None:
@@ -322,129 +437,72 @@ def reconcile(
 
 @main.command()
 @click.option("--nats", "nats_url")
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--kv", "kv_key", help="decode one jl_state key (e.g. turn.s1.t…)")
-@click.option("--stream", "stream", help="with --seq: decode one stored message")
-@click.option("--seq", type=int)
+@click.option("--json", "as_json", is_flag=True, help="JSON, for machines")
+@click.option(
+    "--keys",
+    "keys_prefix",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[PREFIX]",
+    help="list the jl_state keys (those starting with PREFIX)",
+)
+@click.option("--kv", "kv_key", metavar="KEY", help="decode one jl_state key (e.g. session.s1)")
+@click.option(
+    "--history", "history_key", metavar="KEY", help="every revision of one jl_state key, decoded"
+)
+@click.option("--dead", is_flag=True, help="the last dead letters, with their Jl-Dead-Reason")
+@click.option("--stream", help="a stream's last messages with headers (one, with --seq)")
+@click.option("--seq", type=int, help="with --stream: decode the message at this sequence")
+@click.option(
+    "--last", default=10, show_default=True, help="how many messages --stream and --dead show"
+)
 def inspect(
-    nats_url: str | None, as_json: bool, kv_key: str | None, stream: str | None, seq: int | None
+    nats_url: str | None,
+    as_json: bool,
+    keys_prefix: str | None,
+    kv_key: str | None,
+    history_key: str | None,
+    dead: bool,
+    stream: str | None,
+    seq: int | None,
+    last: int,
 ) -> None:
-    """Streams, consumers (pending, redelivered), KV and blob sizes; or decode one record."""
-    import msgpack
+    """Streams and every consumer (pending, redelivered); or jl_state keys, a key's value
+    or history, dead letters, a stream's messages (what the README's `nats` commands show)."""
+    from services import inspector
 
-    from streams import topology as topo
+    given = {
+        "--keys": keys_prefix is not None,
+        "--kv": kv_key is not None,
+        "--history": history_key is not None,
+        "--dead": dead,
+        "--stream": stream is not None,
+    }
+    chosen = [name for name, on in given.items() if on]
+    if len(chosen) > 1:
+        raise click.UsageError(f"choose one of {', '.join(chosen)}")
+    if seq is not None and stream is None:
+        raise click.UsageError("--seq needs --stream")
 
-    s = _settings(nats_url=nats_url)
+    async def body(jl: Client) -> None:
+        js = jl.js
+        if keys_prefix is not None:
+            await inspector.keys(js, keys_prefix, as_json)
+        elif kv_key is not None:
+            await inspector.value(js, kv_key)
+        elif history_key is not None:
+            await inspector.history(js, history_key, as_json)
+        elif dead:
+            await inspector.dead_letters(js, last, as_json)
+        elif stream is not None and seq is not None:
+            await inspector.message(js, stream, seq)
+        elif stream is not None:
+            await inspector.messages(js, stream, last, as_json)
+        else:
+            await inspector.overview(js, as_json)
 
-    def readable(data: bytes) -> Any:
-        try:
-            return msgpack.unpackb(data, raw=False)
-        except Exception:
-            return data.decode(errors="replace")
-
-    async def go() -> None:
-        from streams.connection import connect
-
-        nc = await connect(s.nats_urls, "jetloop-inspect")
-        js = nc.jetstream()
-        try:
-            if kv_key:
-                kv = await js.key_value(topo.STATE_BUCKET)
-                entry = await kv.get(kv_key)
-                click.echo(
-                    json.dumps(
-                        {
-                            "key": kv_key,
-                            "revision": entry.revision,
-                            "value": readable(entry.value or b""),
-                        },
-                        indent=2,
-                        default=str,
-                    )
-                )
-                return
-            if stream and seq:
-                m = await js.get_msg(stream, seq)
-                click.echo(
-                    json.dumps(
-                        {
-                            "subject": m.subject,
-                            "seq": m.seq,
-                            "headers": m.headers,
-                            "body": readable(m.data or b""),
-                        },
-                        indent=2,
-                        default=str,
-                    )
-                )
-                return
-            report: dict[str, Any] = {"streams": [], "consumers": []}
-            names = [
-                topo.TURNS_STREAM,
-                topo.STEPS_STREAM,
-                topo.EVENTS_STREAM,
-                topo.DEAD_STREAM,
-                f"KV_{topo.STATE_BUCKET}",
-                f"OBJ_{topo.BLOB_BUCKET}",
-            ]
-            for name in names:
-                try:
-                    info = await js.stream_info(name)
-                except Exception as exc:
-                    report["streams"].append({"name": name, "error": str(exc)})
-                    continue
-                report["streams"].append(
-                    {
-                        "name": name,
-                        "messages": info.state.messages,
-                        "bytes": info.state.bytes,
-                        "replicas": info.config.num_replicas,
-                    }
-                )
-            consumers = [(topo.TURNS_STREAM, topo.TURNS_CONSUMER)] + [
-                (topo.STEPS_STREAM, topo.step_consumer(p)) for p in topo.POOLS
-            ]
-            for stream_name, cname in consumers:
-                try:
-                    ci = await js.consumer_info(stream_name, cname)
-                except Exception as exc:
-                    report["consumers"].append({"name": cname, "error": str(exc)})
-                    continue
-                report["consumers"].append(
-                    {
-                        "name": cname,
-                        "stream": stream_name,
-                        "pending": ci.num_pending,
-                        "ack_pending": ci.num_ack_pending,
-                        "redelivered": ci.num_redelivered,
-                        "ack_wait": ci.config.ack_wait,
-                    }
-                )
-            if as_json:
-                click.echo(json.dumps(report, indent=2))
-                return
-            click.echo(f"{'stream':<16} {'messages':>10} {'bytes':>14} replicas")
-            for st in report["streams"]:
-                if "error" in st:
-                    click.echo(f"{st['name']:<16} {st['error']}")
-                else:
-                    click.echo(
-                        f"{st['name']:<16} {st['messages']:>10} {st['bytes']:>14} R{st['replicas']}"
-                    )
-            click.echo("")
-            click.echo(f"{'consumer':<12} {'pending':>8} {'ack pending':>12} {'redelivered':>12}")
-            for c in report["consumers"]:
-                if "error" in c:
-                    click.echo(f"{c['name']:<12} {c['error']}")
-                else:
-                    click.echo(
-                        f"{c['name']:<12} {c['pending']:>8} {c['ack_pending']:>12} "
-                        f"{c['redelivered']:>12}"
-                    )
-        finally:
-            await nc.close()
-
-    _run(go())
+    _client_cmd(nats_url, body)
 
 
 @main.command()
@@ -456,74 +514,69 @@ def chat(agent: str, session_id: str | None, nats_url: str | None) -> None:
     questions answered inline. Ctrl-D leaves (and says how to come back)."""
     import uuid
 
-    from services.client import Client, TurnFailed
+    from services.client import TurnFailed
     from streams import topology as topo
 
-    s = _settings(nats_url=nats_url)
     sid = session_id or f"chat-{uuid.uuid4().hex[:8]}"
 
     async def ask(prompt: str) -> str:
         return await asyncio.to_thread(input, prompt)
 
-    async def go() -> None:
-        async with await Client.connect(s.nats_urls) as jl:
-            click.echo(f"session {sid} with agent {agent} — Ctrl-D to leave")
-            while True:
-                try:
-                    text = await ask("you> ")
-                except EOFError:
-                    click.echo(
-                        f"\nbye. Come back with: jetloop chat --agent {agent} --resume {sid}"
-                    )
-                    return
-                if not text.strip():
-                    continue
+    async def body(jl: Client) -> None:
+        click.echo(f"session {sid} with agent {agent} — Ctrl-D to leave")
+        while True:
+            try:
+                text = await ask("you> ")
+            except EOFError:
+                click.echo(f"\nbye. Come back with: jetloop chat --agent {agent} --resume {sid}")
+                return
+            if not text.strip():
+                continue
+            try:
                 h = await jl.send(agent, sid, text)
-                live = await jl.nc.subscribe(topo.live_subject(sid, h.turn_id), cb=_print_delta)
-                try:
-                    async for ev in jl.events(sid):
-                        if ev.turn_id != h.turn_id:
-                            continue
-                        if ev.type == EventType.APPROVAL_REQUESTED:
-                            d = ev.data
-                            yes = (
-                                (
-                                    await ask(
-                                        f"  approve {d['tool']}({json.dumps(d['args'])})? [y/n] "
-                                    )
-                                )
-                                .strip()
-                                .lower()
-                                .startswith("y")
+            except ValueError as exc:
+                raise click.ClickException(str(exc)) from None
+            live = await jl.nc.subscribe(topo.live_subject(sid, h.turn_id), cb=_print_delta)
+            try:
+                async for ev in jl.events(sid):
+                    if ev.turn_id != h.turn_id:
+                        continue
+                    if ev.type == EventType.APPROVAL_REQUESTED:
+                        d = ev.data
+                        yes = (
+                            (await ask(f"  approve {d['tool']}({json.dumps(d['args'])})? [y/n] "))
+                            .strip()
+                            .lower()
+                            .startswith("y")
+                        )
+                        if yes:
+                            await jl.approve(sid, d["approval_id"], by="chat")
+                        else:
+                            await jl.reject(
+                                sid, d["approval_id"], by="chat", reason="declined in chat"
                             )
-                            if yes:
-                                await jl.approve(sid, d["approval_id"], by="chat")
-                            else:
-                                await jl.reject(
-                                    sid, d["approval_id"], by="chat", reason="declined in chat"
-                                )
-                        elif ev.type == EventType.QUESTION_ASKED:
-                            answer = await ask(f"  {ev.data['question']} > ")
-                            await jl.answer(sid, ev.data["question_id"], answer, by="chat")
-                        elif ev.type in (EventType.TIMER_SET, EventType.TASK_STARTED):
-                            click.echo(_describe(ev) + " … waiting")
-                        elif ev.type not in (EventType.TURN_ACCEPTED, EventType.TURN_STARTED):
-                            click.echo(_describe(ev))
-                        if ev.type in (
-                            EventType.TURN_COMPLETED,
-                            EventType.TURN_FAILED,
-                            EventType.TURN_CANCELLED,
-                        ):
-                            break
-                    try:
-                        res = await jl.wait(h, timeout=30)
-                        click.echo(f"agent> {res.text}")
-                    except TurnFailed as exc:
-                        click.echo(f"agent> (the turn {exc.turn.status.value}: {exc.turn.error})")
-                finally:
-                    await live.unsubscribe()
+                    elif ev.type == EventType.QUESTION_ASKED:
+                        answer = await ask(f"  {ev.data['question']} > ")
+                        await jl.answer(sid, ev.data["question_id"], answer, by="chat")
+                    elif ev.type in (EventType.TIMER_SET, EventType.TASK_STARTED):
+                        click.echo(_describe(ev) + " … waiting")
+                    elif ev.type not in (EventType.TURN_ACCEPTED, EventType.TURN_STARTED):
+                        click.echo(_describe(ev))
+                    if ev.type in (
+                        EventType.TURN_COMPLETED,
+                        EventType.TURN_FAILED,
+                        EventType.TURN_CANCELLED,
+                    ):
+                        break
+                try:
+                    res = await jl.wait(h, timeout=30)
+                    click.echo(f"agent> {res.text}")
+                except TurnFailed as exc:
+                    click.echo(f"agent> (the turn {exc.turn.status.value}: {exc.turn.error})")
+            finally:
+                await live.unsubscribe()
 
-    _run(go())
+    _client_cmd(nats_url, body)
 
 
 async def _print_delta(msg: Any) -> None:
@@ -533,22 +586,31 @@ async def _print_delta(msg: Any) -> None:
 @main.command()
 @click.option("--nats", "nats_url")
 @click.option("--replicas", type=int, help="set the replica count of every stream (R3: 3)")
-def topology(nats_url: str | None, replicas: int | None) -> None:
+@click.option(
+    "--app",
+    help="also declare this app's agents (module:attr), so messages to them are accepted "
+    "and wait before its first worker runs",
+)
+def topology(nats_url: str | None, replicas: int | None, app: str | None) -> None:
     """Apply the topology (streams, consumers, buckets) to existing servers."""
+    from agents import load_app
     from streams import topology as topo
-    from streams.connection import connect
 
     s = _settings(nats_url=nats_url, replicas=replicas)
+    try:
+        agents = sorted(load_app(app).agents) if app else []
+    except (ValueError, ImportError) as exc:
+        raise click.ClickException(f"--app: {exc}") from None
 
-    async def go() -> None:
-        nc = await connect(s.nats_urls, "jetloop-topology")
-        try:
-            await topo.apply(nc.jetstream(), s.topology(), set_replicas=replicas is not None)
-        finally:
-            await nc.close()
-        click.echo("topology applied")
+    async def body(jl: Client) -> None:
+        await topo.apply(jl.js, s.topology(), set_replicas=replicas is not None)
+        if agents:
+            await (await jl.registry()).declare(agents, "jetloop topology")
+        click.echo(
+            "topology applied" + (f"; agents declared: {', '.join(agents)}" if agents else "")
+        )
 
-    _run(go())
+    _client_cmd(nats_url, body)
 
 
 def _describe(ev: Any) -> str:
@@ -675,7 +737,9 @@ def trials(
     nargs=-1,
     type=click.Choice(["overhead", "throughput", "history", "waiting", "profile", "peer"]),
 )
-@click.option("--quick", is_flag=True, help="small sizes, for a smoke run")
+@click.option(
+    "--quick", is_flag=True, help="small samples: a smoke run (about 30 s on 2 idle cores)"
+)
 @click.option("--waiting-sessions", type=int)
 @click.option("--json", "out_json", type=click.Path(dir_okay=False))
 @click.option("--keep", type=click.Path(file_okay=False))

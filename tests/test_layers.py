@@ -1,0 +1,54 @@
+"""Layers point down only: a lower package never imports a higher one.
+
+    schemas  ←  streams  ←  consumers  ←  services  ←  tooling
+                 agents  ↗                  ↑
+                                           demo (an app, like a user's)
+
+Read from the source (every ``import`` and ``from … import``, at any depth, including the
+ones inside functions), so a late import cannot hide an upward dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ALLOWED: dict[str, set[str]] = {
+    "schemas": {"schemas"},
+    "streams": {"schemas", "streams"},
+    "agents": {"schemas", "agents"},
+    "consumers": {"schemas", "streams", "agents", "consumers"},
+    "services": {"schemas", "streams", "agents", "consumers", "services"},
+    "demo": {"schemas", "agents", "services", "demo"},
+    "tooling": {"schemas", "streams", "agents", "consumers", "services", "demo", "tooling"},
+}
+OURS = set(ALLOWED) | {"jetloop", "tests"}
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found & OURS
+
+
+def test_no_package_imports_a_higher_one() -> None:
+    """Each package imports only itself and the packages below it."""
+    wrong = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for name in sorted(imports_of(path) - allowed):
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert wrong == []
+
+
+def test_every_package_is_layered() -> None:
+    """A new top-level package must take its place in ALLOWED (and so in the picture)."""
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert packages - {"tests"} == set(ALLOWED)

@@ -14,6 +14,7 @@ from enum import Enum
 
 import structlog
 
+from consumers import metrics
 from consumers.calls import CallEnv, settle, write
 from schemas import (
     ApprovalRecord,
@@ -24,7 +25,6 @@ from schemas import (
     EventType,
     approval_id_for,
 )
-from services import metrics
 from streams.bus import event_out
 from streams.state import Conflict, approval_key
 

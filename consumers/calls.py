@@ -15,10 +15,10 @@ import structlog
 from pydantic import BaseModel
 
 from agents import Agent, Tool
+from consumers import metrics
 from consumers.followers import call_done
 from consumers.runtime import Delivery, Runtime
 from schemas import CallOutcome, CallRecord, CallState, PlannedCall, SessionRecord, TurnRecord
-from services import metrics
 from streams.state import call_state_key
 
 log = structlog.get_logger("jetloop.calls")

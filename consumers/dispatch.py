@@ -16,10 +16,10 @@ from collections.abc import Awaitable, Callable
 import structlog
 from nats.aio.msg import Msg
 
+from consumers import metrics
 from consumers.errors import DeadLetter, RetryLater, TakenOver
 from consumers.runtime import Delivery, Runtime
 from schemas import DecodeError
-from services import metrics
 from streams.bus import H_KIND, H_SESSION, H_STEP, H_TURN
 from streams.topology import dead_subject
 

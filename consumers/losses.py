@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from consumers import metrics
 from consumers.closing import fail_turn
 from consumers.errors import RetryLater
 from consumers.runtime import Runtime
 from schemas import Attempt, Event, EventType, TurnRecord
-from services import metrics
 from streams.bus import event_out
 from streams.state import Conflict, turn_key
 

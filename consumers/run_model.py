@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from agents import Agent, Message, ModelRequest, ModelResponse, ToolSpec
 from agents.adapters import MalformedToolCall, ProviderRejected, ProviderRetryable
+from consumers import metrics
 from consumers.compact import compact_first, compaction_needed
 from consumers.conversation import conversation
 from consumers.errors import DeadLetter, RetryLater
@@ -30,7 +31,6 @@ from schemas import (
     TurnStatus,
     idempotency_key,
 )
-from services import metrics
 from streams.bus import event_out
 from streams.state import turn_key
 from streams.topology import live_subject

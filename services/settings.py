@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.gateway_config import HookTrigger, Scope, TokenGrant
+from services.gateway.config import HookTrigger, Scope, TokenGrant
 from streams.seal import Sealer, key_bytes
 from streams.topology import TopologyConfig
 

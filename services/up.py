@@ -30,9 +30,9 @@ from pydantic import SecretStr
 
 from agents import load_app
 from services.embedded import EmbeddedServer, PortInUse, SupervisedServer, port_in_use
-from services.gateway import Gateway
-from services.gateway_config import GatewayConfig
-from services.projector import Projector
+from services.gateway.app import Gateway
+from services.gateway.config import GatewayConfig
+from services.readmodel.projector import Projector
 from services.settings import Settings, make_seal_key
 from services.supervisor import Component, GaveUp, Supervisor, describe
 from services.worker import Worker

@@ -24,10 +24,10 @@ from agents import App
 from consumers import Faults, Runtime, dispatch, route_step, route_turn
 from consumers.control import Control
 from consumers.dispatch import Handler
+from consumers.metrics import watch_lag
 from services.client import publish_trigger
 from services.control import ControlService
 from services.lifecycle import Service
-from services.metrics import watch_lag
 from services.settings import Settings
 from streams import topology
 from streams.blobs import BlobStore

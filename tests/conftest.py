@@ -15,12 +15,12 @@ from demo.agent import app as demo_app
 from demo.vendor import Vendor
 from services.client import Client
 from services.embedded import EmbeddedServer
-from services.harness import WorkerProcess
 from services.settings import Settings
 from streams import topology
 from streams.connection import connect
 from streams.registry import Registry
 from tests.apps import app as test_app
+from tooling.trials.harness import WorkerProcess
 
 # Checkpoints are sealed in every test, as `jetloop up` seals them; the test process
 # (clients that cancel or reconcile) and the workers it starts share the key.

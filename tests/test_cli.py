@@ -269,7 +269,7 @@ async def test_sessions_lists_from_the_read_model(
     nats_ready: EmbeddedServer, workers: WorkerFactory, tmp_path: Path
 ) -> None:
     """`jetloop sessions` finds a session the projector has written to the read model."""
-    from services.projector import Projector
+    from services.readmodel.projector import Projector
 
     workers.start()
     db = tmp_path / "rm.sqlite"

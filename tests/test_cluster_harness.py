@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cluster import LocalCluster
 from streams import topology
 from streams.connection import connect
+from tooling.trials.cluster import LocalCluster
 
 
 @pytest.fixture

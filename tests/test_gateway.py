@@ -23,11 +23,11 @@ from standardwebhooks.webhooks import Webhook
 
 from services.client import Client
 from services.embedded import EmbeddedServer
-from services.gateway import ROUTES, Gateway, make_app
-from services.gateway_config import GatewayConfig
-from services.gateway_openapi import openapi_document
-from services.projector import Projector
-from services.readmodel import ReadModel
+from services.gateway.app import ROUTES, Gateway, make_app
+from services.gateway.config import GatewayConfig
+from services.gateway.openapi import openapi_document
+from services.readmodel.model import ReadModel
+from services.readmodel.projector import Projector
 from tests.conftest import WorkerFactory, body, call, script, until
 
 Api = TestClient[web.Request, web.Application]

@@ -26,11 +26,11 @@ import pytest
 from demo.vendor import Vendor
 from services.client import Client, TurnFailed
 from services.embedded import EmbeddedServer
-from services.harness import WorkerProcess
 from services.settings import Settings
 from streams import topology
 from streams.connection import connect
 from tests.conftest import LEASE, WorkerFactory, body, call, prepare, script, until
+from tooling.trials.harness import WorkerProcess
 
 MODES = ("worker_kill", "server_restart", "takeover")
 
@@ -43,7 +43,7 @@ class Rig:
     workers: WorkerFactory
     release: Path
     server: EmbeddedServer | None = None
-    cluster: Any = None  # services.cluster.LocalCluster
+    cluster: Any = None  # tooling.trials.cluster.LocalCluster
 
     def worker(self, hold: str | None = None) -> WorkerProcess:
         return self.workers.start(hold=hold, release_file=self.release if hold else None)
@@ -83,7 +83,7 @@ async def rig(
     cluster: Any = None
     server: EmbeddedServer | None = None
     if mode == "takeover":
-        from services.cluster import LocalCluster
+        from tooling.trials.cluster import LocalCluster
 
         cluster = LocalCluster(tmp_path / "cluster", "jl-test")
         cluster.start()

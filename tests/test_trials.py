@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.trials import format_reports, percentile, run_trials
+from tooling.trials.run import format_reports, percentile, run_trials
 
 ROUNDS = int(os.environ.get("JETLOOP_TRIALS", "2"))
 SEED = int(os.environ.get("JETLOOP_KILL_SEED", str(random.randrange(1 << 30))))

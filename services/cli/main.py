@@ -249,8 +249,8 @@ async def _with_client(urls: list[str], body: Body, timeout: float | None) -> No
     from nats.errors import Error as NatsError
 
     from consumers.control import ControlError
+    from services.cli.inspector import Missing
     from services.client import Client
-    from services.inspector import Missing
 
     where = ", ".join(urls)
     lost = asyncio.Event()
@@ -470,7 +470,7 @@ def inspect(
 ) -> None:
     """Streams and every consumer (pending, redelivered); or jl_state keys, a key's value
     or history, dead letters, a stream's messages (what the README's `nats` commands show)."""
-    from services import inspector
+    from services.cli import inspector
 
     given = {
         "--keys": keys_prefix is not None,
@@ -677,7 +677,7 @@ def sessions(
     """List and search sessions (from the projector's read model)."""
     from pathlib import Path
 
-    from services.readmodel import ReadModel, ReadModelMissing
+    from services.readmodel.model import ReadModel, ReadModelMissing
 
     s = _settings()
     path = Path(db) if db else (s.readmodel_db or s.store_dir / "readmodel.sqlite")
@@ -726,7 +726,7 @@ def trials(
     """Kill trials: random SIGKILLs of workers, servers or leaders, judged from state."""
     from pathlib import Path
 
-    from services.trials import main as run
+    from tooling.trials.run import main as run
 
     sys.exit(run(modes, rounds, seed, out_json, Path(keep) if keep else None))
 
@@ -754,7 +754,7 @@ def bench(
     JetStream floor, or (``peer``, needs ``pip install 'jetloop[peer]'``) DBOS Transact."""
     from pathlib import Path
 
-    from services.bench import main as run
+    from tooling.bench.run import main as run
 
     sys.exit(
         run(
@@ -768,8 +768,8 @@ def bench(
 
 
 def _add_service_commands() -> None:
-    from services.gateway import gateway_command
-    from services.projector import projector_command
+    from services.gateway.app import gateway_command
+    from services.readmodel.projector import projector_command
 
     main.add_command(gateway_command)
     main.add_command(projector_command)

@@ -1,6 +1,6 @@
 """The HTTP gateway: jetloop's API over aiohttp, for programs that do not speak NATS.
 
-Routes (the OpenAPI 3.1 document is ``services.gateway_openapi``, served at
+Routes (the OpenAPI 3.1 document is ``services.gateway.openapi``, served at
 ``/v1/openapi.json``; a test holds it to this table):
 
     POST /v1/agents/{agent}/sessions/{session}/messages   write    send; Idempotency-Key
@@ -52,11 +52,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
 from consumers.control import dump
-from services import gateway_hooks as hooks
-from services import gateway_sse as sse
 from services.client import Client, TurnFailed
-from services.gateway_config import GatewayConfig, Scope
-from services.gateway_http import (
+from services.gateway import hooks, sse
+from services.gateway.config import GatewayConfig, Scope
+from services.gateway.http import (
     CONFIG,
     METRICS,
     SCOPES,
@@ -74,7 +73,7 @@ from services.gateway_http import (
     read_body,
     read_query,
 )
-from services.gateway_openapi import (
+from services.gateway.openapi import (
     REQUEST_ID,
     AnswerIn,
     CancelIn,
@@ -92,7 +91,7 @@ from services.gateway_openapi import (
 )
 from services.lifecycle import Service
 from services.logs import configure
-from services.readmodel import ReadModel, ReadModelMissing
+from services.readmodel.model import ReadModel, ReadModelMissing
 from services.settings import SettingsError, load_settings
 from streams import topology
 from streams.connection import connect

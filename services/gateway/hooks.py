@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway_config import HookTrigger
+from services.gateway.config import HookTrigger
 
 PLACEHOLDER = re.compile(r"\{([A-Za-z0-9_.-]+)\}")
 NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_-]+")

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from consumers.control import ControlError
 from services.client import UnknownAgent
-from services.gateway_config import GatewayConfig, Scope, TokenGrant
+from services.gateway.config import GatewayConfig, Scope, TokenGrant
 from streams.connection import TRANSIENT
 
 log = structlog.get_logger("jetloop.gateway")

@@ -1,6 +1,6 @@
 """The read model: ``JL_EVENTS`` projected into SQLite, for listing and searching sessions.
 
-The projector (``services.projector``) is its only writer; the gateway reads it
+The projector (``services.readmodel.projector``) is its only writer; the gateway reads it
 (``GET /v1/sessions``). Every row is derived from the events alone — times from ``Event.at``,
 order from the stream sequence, never from the clock — so dropping the tables and replaying
 the stream from the start (a rebuild) gives the same rows as a projector that ran all along.

@@ -1,4 +1,4 @@
-"""The projector: follows ``JL_EVENTS`` into the SQLite read model (``services.readmodel``).
+"""The projector: follows ``JL_EVENTS`` into the SQLite read model (``services.readmodel.model``).
 
 One durable pull consumer of its own (``jl_projector`` by default, filter ``jl.event.>``,
 ack-all). Each fetched batch is applied in one SQLite transaction that also stores the
@@ -21,7 +21,7 @@ once the model has caught up with the stream (tests, one-off rebuilds).
 Lifecycle (STYLE rule 5): ``run()`` until ``stop()``; ``async with``; a batch in hand is
 finished (committed or rolled back) before the connection closes.
 
-Run it alone: ``python -m services.projector --nats nats://127.0.0.1:4222 --db
+Run it alone: ``python -m services.readmodel.projector --nats nats://127.0.0.1:4222 --db
 .jetloop/readmodel.sqlite [--rebuild] [--burst]``.
 """
 
@@ -44,7 +44,7 @@ from nats.js.errors import NotFoundError
 from consumers.faults import Faults
 from services.lifecycle import Service
 from services.logs import configure
-from services.readmodel import Incoming, ReadModel
+from services.readmodel.model import Incoming, ReadModel
 from services.settings import SettingsError, load_settings
 from services.supervisor import Component, GaveUp, Part, Supervisor
 from streams import topology

@@ -1,4 +1,4 @@
-"""The benchmark app (``services.bench_app:app``): a zero-latency scripted model, no-op tools.
+"""The benchmark app (``tooling.bench.app:app``): a zero-latency scripted model, no-op tools.
 
 Agent ``bench``: its model answers at once, without I/O. A user message ``fan <n>`` makes
 model step 0 ask for ``n`` parallel calls of the no-op tool ``noop`` and model step 1 answer

@@ -17,7 +17,7 @@ sealing, the scripted model and the tools, logs, heartbeats. The per-step counts
     turn_done     session             –                                        1
 
 (a one-model-step turn is the turn request, run_model 0 answering at once, and turn_done).
-``services.bench`` checks these counts against the engine's, measured from stream sequences.
+``tooling.bench.run`` checks these counts against the engine's, measured from stream sequences.
 
 The floor worker runs in its own process (``python -c`` on ``floor_worker_main``), like an
 engine worker, so both pay the same hops. It keeps the join count and the revisions it wrote

@@ -1,6 +1,6 @@
 """A peer side by side: jetloop's 7-step turn against the same turn on DBOS Transact.
 
-The turn is the one of ``services.bench_app``'s ``fan 5``: a model step that answers at once
+The turn is the one of ``tooling.bench.app``'s ``fan 5``: a model step that answers at once
 asking for five calls, five no-op tool steps run in parallel, a model step that answers. On
 DBOS Transact (the ``dbos`` package, an optional extra) it is an async workflow of async
 steps with a SQLite system database, where every step's result is checkpointed before the
@@ -11,11 +11,11 @@ awaited, so the order of the calls fixes each step's id and a replay finds its c
 
 DBOS is a library: its workflows run in the process that starts them, it keeps global state
 and threads of its own, so it runs in a subprocess of its own (``python -m
-services.bench_peer``) on a SQLite file in a fresh temporary directory. A DBOS turn's latency
+tooling.bench.peer``) on a SQLite file in a fresh temporary directory. A DBOS turn's latency
 is from starting the workflow (``DBOS.start_workflow_async``, which returns once the workflow
 is durably recorded) to its result (``handle.get_result()``), in that process; a jetloop
 turn's is from publishing the turn request to its ``turn.completed`` event, as everywhere in
-``services.bench``. Both sides are driven by ``bench_rig.run_batch``.
+``tooling.bench.run``. Both sides are driven by ``bench_rig.run_batch``.
 
 ``peer_side_by_side`` runs both on the same loads (sequential, and many turns with
 ``in_flight`` at once), alternating jetloop and DBOS batches in ``chunks`` so that a change
@@ -24,7 +24,7 @@ steps per turn: 2 model, 5 tool) of each and their ratios. ``format_peer`` rende
 
 Command line (one DBOS process, a warm-up, then both loads; prints one JSON object)::
 
-    python -m services.bench_peer --turns 200 --concurrent 500 --in-flight 50 --json
+    python -m tooling.bench.peer --turns 200 --concurrent 500 --in-flight 50 --json
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
-from services.bench_rig import STEPS_OF, TURN_KINDS, Latency, Rig, run_batch, tag
+from tooling.bench.rig import STEPS_OF, TURN_KINDS, Latency, Rig, run_batch, tag
 
 FAN = TURN_KINDS["7-step"]
 STEPS = STEPS_OF[FAN]  # 2 model steps + 5 tool steps
@@ -143,7 +143,7 @@ class DbosPeer:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "services.bench_peer",
+            "tooling.bench.peer",
             "--serve",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
@@ -450,9 +450,9 @@ async def _serve(out: IO[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m services.bench_peer``: the DBOS side, one shot or (``--serve``) driven
+    """``python -m tooling.bench.peer``: the DBOS side, one shot or (``--serve``) driven
     by ``peer_side_by_side``."""
-    p = argparse.ArgumentParser(prog="python -m services.bench_peer", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tooling.bench.peer", description=__doc__)
     p.add_argument("--turns", type=int, default=200, help="sequential turns")
     p.add_argument("--concurrent", type=int, default=500, help="turns of the concurrent load")
     p.add_argument("--in-flight", type=int, default=50, help="turns at once in that load")

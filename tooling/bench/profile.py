@@ -2,7 +2,7 @@
 
 ``profile_engine`` starts one worker as ``python -m pyinstrument … -m services.cli worker``
 (stopped with SIGTERM, so it drains and pyinstrument writes its session), drives 7-step turns
-of ``services.bench_app`` through it, renders a text tree and pstats, and sums self time by
+of ``tooling.bench.app`` through it, renders a text tree and pstats, and sums self time by
 where it was spent: the event loop idle, asyncio, the nats-py client, pydantic, logging,
 sealing, jetloop's own code. Nothing here changes the engine.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.bench_rig import APP, WORKER_START_SECONDS, Rig, run_batch, tag
+from tooling.bench.rig import APP, WORKER_START_SECONDS, Rig, run_batch, tag
 
 JETLOOP_DIRS = ("/schemas/", "/streams/", "/consumers/", "/agents/", "/services/", "/demo/")
 CATEGORIES = (

@@ -2,8 +2,8 @@
 
 ``Rig`` starts nats-server (with its monitoring port, for per-connection message counts),
 applies the engine's and the floor's topology, starts engine workers
-(``services.harness.WorkerProcess`` on ``services.bench_app``) or the floor worker
-(``services.bench_floor``) on demand, and drives turns: a turn's end is taken from a core
+(``tooling.trials.harness.WorkerProcess`` on ``tooling.bench.app``) or the floor worker
+(``tooling.bench.floor``) on demand, and drives turns: a turn's end is taken from a core
 NATS subscription on its ``turn.completed`` event (a JetStream publish also reaches core
 subscribers), so waiting costs the driver one message, not a consumer per turn.
 ``count_ops`` measures what a turn costs from stream sequences, consumer deliveries and the
@@ -35,14 +35,14 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from schemas import TurnRequest, encode, turn_id_for
-from services import bench_floor
 from services.embedded import EmbeddedServer, free_port
-from services.harness import WorkerProcess
-from services.trials import percentile
 from streams import topology
 from streams.bus import H_TURN
+from tooling.bench import floor as bench_floor
+from tooling.trials.harness import WorkerProcess
+from tooling.trials.run import percentile
 
-APP = "services.bench_app:app"
+APP = "tooling.bench.app:app"
 SEAL_KEY = "b3" * 32
 ENGINE_STREAMS = (
     topology.TURNS_STREAM,
@@ -363,14 +363,14 @@ def _get_json(url: str) -> dict[str, Any]:
 
 
 def _spawn_floor(url: str, ops: OpCounts) -> subprocess.Popen[bytes]:
-    code = "from services.bench_floor import floor_worker_main; floor_worker_main()"
+    code = "from tooling.bench.floor import floor_worker_main; floor_worker_main()"
     args = [url, str(ops.kv_bytes), str(ops.msg_bytes), str(FLOOR_CONCURRENCY)]
     return subprocess.Popen(
         [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, start_new_session=True
     )
 
 
-# The bench app's agents (services.bench_app): each has its own durables.
+# The bench app's agents (tooling.bench.app): each has its own durables.
 ENGINE_CONSUMERS = [*topology.agent_consumers("bench"), *topology.agent_consumers("parked")]
 FLOOR_CONSUMERS = [
     (bench_floor.TURNS, bench_floor.TURNS_CONSUMER),

@@ -2,20 +2,20 @@
 
 - ``engine_overhead``: turn latency p50/p99 of a one-model-step turn and of the 7-step turn
   (a model step, five parallel no-op tool steps, a model step) with the zero-latency app
-  ``services.bench_app``, sequential and with 50 turns in flight, against the raw JetStream
-  floor of ``services.bench_floor`` (the same CAS writes, publishes and acks, nothing else).
+  ``tooling.bench.app``, sequential and with 50 turns in flight, against the raw JetStream
+  floor of ``tooling.bench.floor`` (the same CAS writes, publishes and acks, nothing else).
 - ``throughput``: steps per second (model and tool steps) of 7-step turns on many concurrent
   sessions, with one and with two worker processes, against the floor.
 - ``history_growth``: durable bytes per step (growth of every jetloop stream's and bucket's
   ``state.bytes``) and turn latency when the session's history holds ~10 and ~1,000 messages.
 - ``waiting_at_scale``: N sessions parked on approvals and timers: worker and server RSS,
   store size on disk, and the time to release them all.
-- ``profile`` (``services.bench_profile``): the 7-step turn under pyinstrument.
-- ``peer`` (``services.bench_peer``): the 7-step turn on DBOS Transact with SQLite, side by
+- ``profile`` (``tooling.bench.profile``): the 7-step turn under pyinstrument.
+- ``peer`` (``tooling.bench.peer``): the 7-step turn on DBOS Transact with SQLite, side by
   side with the engine, sequential and 50 in flight (needs the ``peer`` extra).
 
 Every benchmark runs on its own nats-server on a temporary store with real worker processes
-(``services.bench_rig``); nothing here changes the engine. ``run_benchmarks`` runs a chosen
+(``tooling.bench.rig``); nothing here changes the engine. ``run_benchmarks`` runs a chosen
 set and judges the issue's targets; ``main`` is what ``jetloop bench`` calls.
 """
 
@@ -36,9 +36,12 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from schemas import Event, approval_id_for, call_key, decode, turn_id_for
-from services.bench_peer import PeerResult, format_peer, peer_side_by_side
-from services.bench_profile import ProfileResult, profile_engine
-from services.bench_rig import (
+from services.client import Client
+from streams.bus import H_SESSION
+from streams.seal import Sealer, key_bytes
+from tooling.bench.peer import PeerResult, format_peer, peer_side_by_side
+from tooling.bench.profile import ProfileResult, profile_engine
+from tooling.bench.rig import (
     ENGINE_MARKS,
     FLOOR_MARKS,
     SEAL_KEY,
@@ -54,10 +57,7 @@ from services.bench_rig import (
     start_sized_floor,
     tag,
 )
-from services.client import Client
-from services.trials import machine, percentile
-from streams.bus import H_SESSION
-from streams.seal import Sealer, key_bytes
+from tooling.trials.run import machine, percentile
 
 # --- engine overhead -----------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ recovery p99 within the lease plus 2 s.
 
 This module only wires processes together (STYLE rule 1): the engine is driven through the
 public client, the harness (``WorkerProcess``; ``EmbeddedServer`` and ``LocalCluster``
-through ``services.trials_servers``) and the test app ``tests.apps:app`` the workers load.
+through ``tooling.trials.servers``) and the test app ``tests.apps:app`` the workers load.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ from schemas import (
 )
 from services.client import Client
 from services.embedded import server_binary
-from services.harness import WorkerProcess
 from services.logs import configure
-from services.trials_servers import Cluster, Servers, SingleServer
 from streams import topology
 from streams.connection import connect
 from streams.seal import Sealer, key_bytes
+from tooling.trials.harness import WorkerProcess
+from tooling.trials.servers import Cluster, Servers, SingleServer
 
 MODES = ("worker_kill", "server_restart", "takeover", "mixed")
 MIXED_FAILURES = ("worker_kill", "node_restart", "takeover", "worker_kill+takeover")

@@ -4,7 +4,7 @@
 server restart; ``Cluster`` (``LocalCluster``, R3) takes a worker kill, a node restart, a
 takeover (SIGKILL of the node leading ``JL_STEPS``) or a worker kill and a takeover at once,
 and heals after each round: the killed node restarted on its store, every replica caught up.
-Used by ``services.trials``.
+Used by ``tooling.trials.run``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Protocol
 
 from nats.errors import Error as NatsError
 
-from services.cluster import LocalCluster
 from services.embedded import EmbeddedServer
-from services.harness import WorkerProcess
 from streams import topology
 from streams.connection import connect
+from tooling.trials.cluster import LocalCluster
+from tooling.trials.harness import WorkerProcess
 
 
 class Servers(Protocol):

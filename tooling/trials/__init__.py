@@ -1,0 +1,7 @@
+"""Kill trials and the fault harness that tests, trials and benchmarks share.
+
+- ``harness``  a worker as a real process: start, SIGKILL, SIGSTOP, wait on its log lines
+- ``cluster``  a local 3-node JetStream cluster on loopback: leaders, SIGKILL, restart
+- ``servers``  the servers a trial kills and restarts (one, or a cluster)
+- ``run``      ``jetloop trials``: random kills, every turn judged from state
+"""

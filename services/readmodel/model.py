@@ -1,5 +1,9 @@
 """The read model: ``JL_EVENTS`` projected into SQLite, for listing and searching sessions.
 
+One module on purpose (~700 lines): the tables, the exactly-once apply and the queries that
+read them change together — a column added in one place and not the others is the bug a
+split would invite.
+
 The projector (``services.readmodel.projector``) is its only writer; the gateway reads it
 (``GET /v1/sessions``). Every row is derived from the events alone — times from ``Event.at``,
 order from the stream sequence, never from the clock — so dropping the tables and replaying

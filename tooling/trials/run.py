@@ -1,4 +1,7 @@
-"""Kill trials (issue 7): real processes killed at random moments, judged from state.
+"""Kill trials: real processes killed at random moments, judged from state.
+
+One module on purpose (~650 lines): a round's driver, its judge and its report share the
+turn records they build, and read as one story of a trial.
 
 Each round starts a fresh *victim* worker beside a *survivor* that runs throughout, keeps a
 few sessions busy with turns that mix reads, idempotent writes, single-attempt writes (with

@@ -1,0 +1,191 @@
+"""Commands that run things: ``up``, ``worker``, ``topology``, and the tooling's ``trials`` and
+``bench``; ``gateway`` and ``projector`` come from their own packages."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import TYPE_CHECKING
+
+import click
+
+from services.logs import configure
+
+if TYPE_CHECKING:
+    from services.client import Client
+
+from services.cli.main import _client_cmd, _run, _settings, main
+
+
+@main.command()
+@click.option("--nats", "nats_url", help="use these NATS server(s) instead of starting one")
+@click.option("--app", help="agents to serve, module:attr (default: the demo agent)")
+@click.option("--store-dir", type=click.Path(), help="store directory (default .jetloop)")
+@click.option(
+    "--nats-port", "--port", "embedded_port", type=int, help="port of the embedded server"
+)
+@click.option("--gateway-port", type=int, help="port of the gateway (HTTP API)")
+def up(
+    nats_url: str | None,
+    app: str | None,
+    store_dir: str | None,
+    embedded_port: int | None,
+    gateway_port: int | None,
+) -> None:
+    """Start nats-server (embedded), the topology, a worker with the demo agent, the gateway
+    and the projector; restart any of them that fails."""
+    from services.up import UpError, run_up
+
+    s = _settings(
+        nats_url=nats_url,
+        app=app,
+        store_dir=store_dir,
+        embedded_port=embedded_port,
+        gateway_port=gateway_port,
+    )
+    configure("console", s.log_level)
+    try:
+        _run(run_up(s, external=nats_url is not None))
+    except UpError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.option("--app", help="agents to serve, module:attr")
+@click.option("--nats", "nats_url", help="NATS server URL(s), comma-separated")
+@click.option(
+    "--pools",
+    default="session,model,tool",
+    show_default=True,
+    help="which step pools this worker serves",
+)
+@click.option("--id", "worker_id", help="worker name in claims and logs")
+def worker(app: str | None, nats_url: str | None, pools: str, worker_id: str | None) -> None:
+    """Run a worker against existing NATS servers."""
+    from agents import load_app
+    from services.worker import Worker, default_worker_id
+
+    s = _settings(app=app, nats_url=nats_url, worker_id=worker_id)
+    wid = s.worker_id or default_worker_id()
+    configure(s.log_format, s.log_level, worker=wid)
+    try:
+        loaded = load_app(s.app)
+    except (ValueError, ImportError) as exc:
+        raise click.ClickException(f"setting JETLOOP_APP / --app: {exc}") from None
+
+    async def go() -> None:
+        import signal
+
+        w = Worker(
+            s, loaded, pools=[p.strip() for p in pools.split(",") if p.strip()], worker_id=wid
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, w.stop_soon)
+        await w.run()
+
+    _run(go())
+
+
+@main.command()
+@click.option("--nats", "nats_url")
+@click.option("--replicas", type=int, help="set the replica count of every stream (R3: 3)")
+@click.option(
+    "--app",
+    help="also declare this app's agents (module:attr), so messages to them are accepted "
+    "and wait before its first worker runs",
+)
+def topology(nats_url: str | None, replicas: int | None, app: str | None) -> None:
+    """Apply the topology (streams, consumers, buckets) to existing servers."""
+    from agents import load_app
+    from streams import topology as topo
+
+    s = _settings(nats_url=nats_url, replicas=replicas)
+    try:
+        agents = sorted(load_app(app).agents) if app else []
+    except (ValueError, ImportError) as exc:
+        raise click.ClickException(f"--app: {exc}") from None
+
+    async def body(jl: Client) -> None:
+        await topo.apply(jl.js, s.topology(), set_replicas=replicas is not None)
+        if agents:
+            await (await jl.registry()).declare(agents, "jetloop topology")
+        click.echo(
+            "topology applied" + (f"; agents declared: {', '.join(agents)}" if agents else "")
+        )
+
+    _client_cmd(nats_url, body)
+
+
+@main.command()
+@click.option(
+    "--mode",
+    "modes",
+    multiple=True,
+    default=("worker_kill",),
+    type=click.Choice(["worker_kill", "server_restart", "takeover", "mixed"]),
+)
+@click.option("--rounds", type=int, help="default JETLOOP_TRIALS (10)")
+@click.option("--seed", type=int, help="default JETLOOP_KILL_SEED (random)")
+@click.option("--json", "out_json", type=click.Path(dir_okay=False))
+@click.option("--keep", type=click.Path(file_okay=False), help="keep logs and stores here")
+def trials(
+    modes: tuple[str, ...],
+    rounds: int | None,
+    seed: int | None,
+    out_json: str | None,
+    keep: str | None,
+) -> None:
+    """Kill trials: random SIGKILLs of workers, servers or leaders, judged from state."""
+    from pathlib import Path
+
+    from tooling.trials.run import main as run
+
+    sys.exit(run(modes, rounds, seed, out_json, Path(keep) if keep else None))
+
+
+@main.command()
+@click.argument(
+    "which",
+    nargs=-1,
+    type=click.Choice(["overhead", "throughput", "history", "waiting", "profile", "peer"]),
+)
+@click.option(
+    "--quick", is_flag=True, help="small samples: a smoke run (about 30 s on 2 idle cores)"
+)
+@click.option("--waiting-sessions", type=int)
+@click.option("--json", "out_json", type=click.Path(dir_okay=False))
+@click.option("--keep", type=click.Path(file_okay=False))
+def bench(
+    which: tuple[str, ...],
+    quick: bool,
+    waiting_sessions: int | None,
+    out_json: str | None,
+    keep: str | None,
+) -> None:
+    """Benchmarks, each as a ratio against a baseline measured in the same run: the raw
+    JetStream floor, or (``peer``, needs ``pip install 'jetloop[peer]'``) DBOS Transact."""
+    from pathlib import Path
+
+    from tooling.bench.run import main as run
+
+    sys.exit(
+        run(
+            which or ("overhead", "throughput", "history"),
+            quick,
+            out_json,
+            Path(keep) if keep else None,
+            waiting_sessions,
+        )
+    )
+
+
+def _add_service_commands() -> None:
+    from services.gateway.app import gateway_command
+    from services.readmodel.projector import projector_command
+
+    main.add_command(gateway_command)
+    main.add_command(projector_command)
+
+
+_add_service_commands()

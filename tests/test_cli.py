@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from demo.vendor import Vendor
-from services.cli import PATIENCE
+from services.cli.main import PATIENCE
 from services.client import Client
 from services.embedded import EmbeddedServer, free_port
 from streams import topology

@@ -45,7 +45,16 @@ def close_step(turn: TurnRecord) -> StepMessage:
     )
 
 
-def _closed(rec: CallRecord, turn: TurnRecord) -> CallOutcome:
+def _closed(rec: CallRecord, turn: TurnRecord, unreadable: str | None = None) -> CallOutcome:
+    if unreadable is not None:
+        # Nothing the record said can be believed: a write may or may not have been made.
+        why = (
+            f"the turn was cancelled by {turn.cancelled_by}"
+            if turn.status == TurnStatus.CANCELLED
+            else f"the turn failed: {turn.error}"
+        )
+        state = CallState.FAILED if rec.effect == "read" else CallState.OUTCOME_UNKNOWN
+        return CallOutcome(state=state, error=f"unreadable record: {unreadable}; {why}")
     if turn.status == TurnStatus.CANCELLED:
         return CallOutcome(
             state=CallState.CANCELLED, error=f"the turn was cancelled by {turn.cancelled_by}"
@@ -70,10 +79,13 @@ async def on_close_turn(d: Delivery, step: StepMessage) -> None:
     if turn.phase == TurnPhase.CALLS:
         for c in turn.calls:
             ckey = call_key(sid, tid, turn.model_step, c.index)
+            unreadable: str | None = None
             try:
                 rec_v = await rt.state.call(ckey)
-            except SealBroken:
-                rec_v = await rt.state.call(ckey, verify=False)
+            except SealBroken as exc:
+                # Not trusted (edited, forged, garbage): closed from the plan, over whatever
+                # is there, so the turn ends and the record says why.
+                unreadable, rec_v = exc.reason, None
             if rec_v is not None and rec_v.value.done:
                 continue
             rec = (
@@ -81,6 +93,9 @@ async def on_close_turn(d: Delivery, step: StepMessage) -> None:
                 if rec_v
                 else CallRecord(key=ckey, tool=c.tool, effect=c.effect, state=CallState.RUNNING)
             )
+            revision = rec_v.revision if rec_v else None
+            if unreadable is not None:
+                revision = await rt.state.revision(call_state_key(ckey))
             tool = agent.tool(c.tool) if agent else None
             if turn.status == TurnStatus.CANCELLED and rec.state == CallState.AWAITING_CHILD:
                 await _cancel_child(rt, turn, ckey, c)
@@ -92,7 +107,7 @@ async def on_close_turn(d: Delivery, step: StepMessage) -> None:
             ):
                 await tool.cancel(rec.task_handle, ToolCtx(d, c, rec.attempts))
                 log.info("task.cancelled", call=ckey)
-            outcome = _closed(rec, turn)
+            outcome = _closed(rec, turn, unreadable)
             done = rec.model_copy(
                 update={
                     "state": outcome.state,
@@ -102,7 +117,7 @@ async def on_close_turn(d: Delivery, step: StepMessage) -> None:
                 }
             )
             try:
-                await rt.state.write(call_state_key(ckey), done, rec_v.revision if rec_v else None)
+                await rt.state.write(call_state_key(ckey), done, revision)
             except Conflict:
                 raise RetryLater(0.05, "a call changed while closing the turn") from None
             events.append(

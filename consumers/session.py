@@ -8,6 +8,8 @@ duplicate request is dropped however late it comes. ``turn_done`` moves the sess
 
 from __future__ import annotations
 
+import json
+
 import structlog
 from nats.js.errors import NotFoundError
 
@@ -17,7 +19,6 @@ from consumers.runtime import Delivery
 from schemas import (
     Event,
     EventType,
-    ParentCall,
     SessionRecord,
     StepMessage,
     TurnRecord,
@@ -27,6 +28,7 @@ from schemas import (
     turn_id_for,
     validate_name,
 )
+from schemas.codec import DecodeError, decode_map
 from streams.bus import event_out
 from streams.state import Conflict, session_key, turn_key
 from streams.topology import TURNS_STREAM, session_turns_filter
@@ -72,14 +74,13 @@ async def on_turn_request(d: Delivery) -> None:
 
     turn = await rt.state.turn(sid, tid)
     if turn is None:
-        parent = req.metadata.get("parent")
         record = TurnRecord(
             session_id=sid,
             turn_id=tid,
             agent=agent_name,
             request_id=request_id,
             text=req.text,
-            parent=ParentCall.model_validate(parent) if parent else None,
+            parent=req.parent,
         )
         try:
             await rt.state.write(turn_key(sid, tid), record, None)
@@ -139,12 +140,15 @@ def _request_id(d: Delivery) -> str:
 
 
 def _decode_request(data: bytes) -> TurnRequest:
-    """msgpack, as jetloop publishes; JSON too, so `nats pub` can send a message."""
+    """msgpack, as jetloop publishes; JSON too, so `nats pub` can send a message. Either
+    way the whole request is checked here (its schema version, ``metadata.parent``), so
+    nothing later in the handler can fail on what it carries: a bad one is dead-lettered."""
     if data[:1] == b"{":
         try:
-            return TurnRequest.model_validate_json(data)
+            raw = json.loads(data)
         except ValueError as exc:
-            raise DeadLetter(f"TurnRequest invalid: {exc}") from None
+            raise DecodeError(f"body is not JSON: {exc}") from None
+        return decode_map(TurnRequest, raw)
     return decode(TurnRequest, data)
 
 

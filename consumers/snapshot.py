@@ -18,6 +18,7 @@ from schemas import (
     ApprovalRecord,
     CallState,
     Decision,
+    DecodeError,
     HistoryEntry,
     QuestionRecord,
     SessionRecord,
@@ -27,6 +28,7 @@ from schemas import (
 from streams.blobs import BlobStore
 from streams.history import HistoryReader
 from streams.registry import Registry
+from streams.seal import SealBroken
 from streams.state import StateStore
 from streams.topology import TURNS_STREAM, session_turns_filter
 
@@ -80,6 +82,9 @@ class SessionSnapshot(BaseModel):
     history_offset: int = 0
 
 
+# The state shown for a call whose record does not verify or decode.
+UNREADABLE = "unreadable"
+
 WAITING = {
     CallState.AWAITING_APPROVAL,
     CallState.AWAITING_ANSWER,
@@ -116,6 +121,38 @@ async def with_workers(
     return snap
 
 
+async def _turn(state: StateStore, session_id: str, turn_id: str) -> TurnRecord | None:
+    """A turn as it stands, trusted or not (its run refuses an untrusted one; a reader
+    still shows it); None when it is not there or cannot be read at all."""
+    try:
+        tv = await state.turn(session_id, turn_id)
+    except SealBroken:
+        try:
+            tv = await state.turn(session_id, turn_id, verify=False)
+        except DecodeError:
+            return None
+    return tv.value if tv else None
+
+
+def _unreadable(turn: TurnRecord, key: str, step: int, index: int, exc: Exception) -> CallView:
+    """A call whose record does not verify or decode: shown, with why, instead of failing
+    the whole snapshot. Its turn fails when a step meets it (``closing.reject_untrusted``)."""
+    planned = next((c for c in turn.calls if c.index == index), None)
+    why = exc.reason if isinstance(exc, SealBroken) else str(exc)
+    return CallView(
+        call_key=key.removeprefix("call."),
+        call_id=f"{turn.turn_id}-{step}-{index}",
+        model_step=step,
+        index=index,
+        tool=planned.tool if planned and step == turn.model_step else "",
+        effect=planned.effect if planned and step == turn.model_step else "",
+        state=UNREADABLE,
+        attempts=0,
+        idempotency_key=idempotency_key(turn.session_id, turn.turn_id, step, index),
+        error=f"unreadable record: {why}",
+    )
+
+
 async def snapshot(
     state: StateStore,
     history: HistoryReader,
@@ -132,8 +169,7 @@ async def snapshot(
     tid = session.active or session.last_turn
     turn = None
     if tid is not None:
-        tv = await state.turn(session_id, tid)
-        turn = tv.value if tv else None
+        turn = await _turn(state, session_id, tid)
 
     calls: list[CallView] = []
     if turn is not None:
@@ -144,11 +180,15 @@ async def snapshot(
             return int(parts[-2]), int(parts[-1])
 
         for key in sorted(keys, key=order):
-            rv = await state.call(key.removeprefix("call."))
+            step, index = order(key)
+            try:
+                rv = await state.call(key.removeprefix("call."))
+            except (SealBroken, DecodeError) as exc:
+                calls.append(_unreadable(turn, key, step, index, exc))
+                continue
             if rv is None:
                 continue
             rec = rv.value
-            step, index = order(key)
             result: Any = None
             if rec.outcome is not None:
                 result = rec.outcome.result
@@ -193,14 +233,14 @@ async def snapshot(
 
     queued = []
     for q in session.queue:
-        qv2 = await state.turn(session_id, q)
+        qv2 = await _turn(state, session_id, q)
         if qv2 is not None:
-            queued.append(
-                QueuedView(turn_id=q, request_id=qv2.value.request_id, text=qv2.value.text)
-            )
+            queued.append(QueuedView(turn_id=q, request_id=qv2.request_id, text=qv2.text))
 
     entries = await history.read(session_id)
-    open_calls = [c for c in calls if CallState(c.state) not in DONE_STATES]
+    open_calls = [
+        c for c in calls if c.state != UNREADABLE and CallState(c.state) not in DONE_STATES
+    ]
     if session.active is None or (turn is not None and turn.status.terminal and not session.queue):
         status = "idle"
     elif open_calls and all(CallState(c.state) in WAITING for c in open_calls):

@@ -13,7 +13,9 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class DecodeError(ValueError):
-    """A body that is not msgpack, or does not validate against its model."""
+    """A body that is not msgpack, is of a schema version this code does not know, or does
+    not validate against its model. No retry cures it: a message that raises it is
+    dead-lettered with the reason."""
 
 
 def encode(model: BaseModel) -> bytes:
@@ -34,9 +36,21 @@ def decode_map(model: type[M], raw: object) -> M:
     """Validate an already unpacked body (a reader that unpacked it to check it first)."""
     if not isinstance(raw, dict):
         raise DecodeError(f"body is not a map but {type(raw).__name__}")
+    check_version(model, raw.get("v"))
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise DecodeError(f"{model.__name__} invalid at {where}: {first['msg']}") from exc
+
+
+def check_version(model: type[BaseModel], v: object) -> None:
+    """A body of a version this code does not know (a newer writer's) is not read as ours:
+    its fields may mean something else. No ``v`` is the current version; a ``v`` that is
+    not a number is left to the model to refuse."""
+    if isinstance(v, int) and not isinstance(v, bool) and not 1 <= v <= SCHEMA_VERSION:
+        raise DecodeError(
+            f"{model.__name__} has schema version {v}; this jetloop reads versions 1 to "
+            f"{SCHEMA_VERSION}"
+        )

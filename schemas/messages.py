@@ -5,17 +5,42 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from schemas.codec import SCHEMA_VERSION
+from schemas.records import ParentCall
 
 
 class TurnRequest(BaseModel):
-    """A user message for a session; its ``Nats-Msg-Id`` is the client's request id."""
+    """A user message for a session; its ``Nats-Msg-Id`` is the client's request id.
+
+    ``metadata.parent`` (set by a delegating call) must be a ``ParentCall``: it is checked
+    when the request is decoded, so a bad one is dead-lettered, never retried.
+    """
 
     v: int = SCHEMA_VERSION
     text: str
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("metadata")
+    @classmethod
+    def _parent_is_a_call(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        parent = metadata.get("parent")
+        if parent:
+            try:
+                ParentCall.model_validate(parent)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                at = f" at {where}" if where else ""
+                raise ValueError(f"parent is not a parent call{at}: {first['msg']}") from None
+        return metadata
+
+    @property
+    def parent(self) -> ParentCall | None:
+        """The delegating call whose child turn this request starts, if any."""
+        parent = self.metadata.get("parent")
+        return ParentCall.model_validate(parent) if parent else None
 
 
 class StepKind(StrEnum):

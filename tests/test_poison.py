@@ -1,0 +1,130 @@
+"""Poison messages (issue 13, finding 2): whatever a message carries, it is handled once or
+dead-lettered with its reason; it never blocks its session, and the snapshot still reads."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+
+from schemas import turn_id_for
+from services.client import Client, TurnFailed
+from streams.state import turn_key
+from tests.conftest import WorkerFactory, call, script, until
+from tests.test_resume import pending_approval
+
+
+async def dead_reasons(client: Client) -> dict[str, str]:
+    return {subject: reason for subject, reason, _ in await client.dead_letters()}
+
+
+async def test_bad_parent_is_dead_lettered_once(client: Client, workers: WorkerFactory) -> None:
+    """A request whose ``metadata.parent`` is not a parent call (msgpack or JSON) is refused
+    when it is decoded: dead-lettered on its first delivery, naming the field, and the
+    session's next message runs at once instead of waiting behind it for ever."""
+    w = workers.start()
+    bad = {"text": "hi", "metadata": {"parent": {"x": 1}}}
+    await client.js.publish(
+        "jl.turn.tester.pp", msgpack.packb(bad), headers={"Nats-Msg-Id": "pp-1"}
+    )
+    await client.js.publish(
+        "jl.turn.tester.pp", json.dumps(bad).encode(), headers={"Nats-Msg-Id": "pp-2"}
+    )
+    h = await client.send("tester", "pp", script([call("write", name="after")]))
+    await client.wait(h, timeout=20)
+    assert w.alive()
+
+    letters = await client.dead_letters()
+    assert [s for s, _, _ in letters] == ["jl.turn.tester.pp", "jl.turn.tester.pp"]
+    for _, reason, _ in letters:
+        assert "TurnRequest invalid at metadata" in reason and "parent" in reason, reason
+    assert w.find("step.error") == []  # refused at decode: never a retry
+
+
+async def test_unknown_schema_version_is_dead_lettered(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """A turn request or a step of a schema version this jetloop does not know (a newer
+    writer's) is not run as version 1: it is dead-lettered with the version in the reason."""
+    w = workers.start()
+    await client.js.publish(
+        "jl.turn.tester.vv",
+        msgpack.packb({"v": 999, "text": "from the future"}),
+        headers={"Nats-Msg-Id": "vv-1"},
+    )
+    step = {"v": 999, "kind": "turn_done", "agent": "tester", "session_id": "vv", "turn_id": "t1"}
+    await client.js.publish(
+        "jl.step.session.tester.turn_done.vv", msgpack.packb(step), headers={"Nats-Msg-Id": "vv-s"}
+    )
+    h = await client.send("tester", "vv", script([call("write", name="after")]))
+    await client.wait(h, timeout=20)
+    assert w.alive()
+
+    dead = await until(lambda: _two(client))
+    assert "TurnRequest has schema version 999" in dead["jl.turn.tester.vv"]
+    assert "StepMessage has schema version 999" in dead["jl.step.session.tester.turn_done.vv"]
+    snap = await client.snapshot("vv")
+    assert snap is not None and snap.turns_done == 1  # only the good request ran
+
+
+async def _two(client: Client) -> dict[str, str] | None:
+    dead = await dead_reasons(client)
+    return dead if len(dead) == 2 else None
+
+
+async def test_garbage_call_record_fails_the_turn_and_the_session_moves_on(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """Garbage bytes put over a call's record: the snapshot shows the call as unreadable
+    (it does not fail); the step that meets it fails the turn, its close step settles the
+    call over the garbage (nothing is dead-lettered), and the session's next turn runs."""
+    w = workers.start()
+    h = await client.send("tester", "gc", script([call("guarded", name="g")]))
+    approval = await pending_approval(client, "gc")
+    kv = await client.js.key_value("jl_state")
+    key = f"call.gc.{h.turn_id}.0.0"
+    await kv.put(key, b"\xc1 garbage")
+
+    snap = await client.snapshot("gc")
+    assert snap is not None
+    [view] = snap.calls
+    assert view.state == "unreadable" and view.tool == "guarded"
+    assert view.error is not None and view.error.startswith("unreadable record: it is not msgpack")
+
+    await client.approve("gc", approval, by="alice")
+    with pytest.raises(TurnFailed, match="checkpoint not trusted"):
+        await client.wait(h, timeout=20)
+    nxt = await client.send("tester", "gc", script([call("write", name="after")]))
+    await client.wait(nxt, timeout=20)
+    assert w.alive()
+    assert await client.dead_letters() == []
+
+    closed = await client.call("gc", h.turn_id, 0, 0)  # sealed again, readable
+    assert closed is not None and closed.state == "outcome_unknown"
+    assert closed.outcome is not None and closed.outcome.error is not None
+    assert closed.outcome.error.startswith("unreadable record: it is not msgpack")
+    snap = await client.snapshot("gc")
+    assert snap is not None and snap.turns_done == 2
+
+
+async def test_unexpected_error_is_retried_a_bounded_number_of_times(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """An error that is neither an outage nor a bad body (here: the request's turn record is
+    garbage, so reading it raises) is retried with backoff a bounded number of deliveries,
+    then dead-lettered with the error; the session's next request then runs."""
+    w = workers.start()
+    kv = await client.js.key_value("jl_state")
+    await kv.put(turn_key("ue", turn_id_for("ue", "ue-1")), b"\xc1 garbage")
+    await client.js.publish(
+        "jl.turn.tester.ue", msgpack.packb({"text": "hi"}), headers={"Nats-Msg-Id": "ue-1"}
+    )
+    h = await client.send("tester", "ue", script([call("write", name="after")]))
+    await client.wait(h, timeout=30)
+    assert w.alive()
+
+    dead = await dead_reasons(client)
+    assert "SealBroken" in dead["jl.turn.tester.ue"]
+    assert "failed 5 deliveries in a row" in dead["jl.turn.tester.ue"]
+    assert len(w.find("step.error")) == 5

@@ -35,6 +35,29 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
+def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run a command that must end by itself (a refusal): its output."""
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=30)
+
+
+def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as f:
+        return subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def read(log: Path) -> str:
+    return log.read_text()
+
+
+def alive(proc: subprocess.Popen[bytes], log: Path) -> None:
+    assert proc.poll() is None, log.read_text()
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(10)
+
+
 # --- finding 5: anonymous scopes off loopback ---------------------------------------------
 
 
@@ -43,12 +66,9 @@ def test_up_without_tokens_refuses_a_public_address(
 ) -> None:
     """`jetloop up` with no tokens on 0.0.0.0 would give every scope to anyone who reaches
     the port: it exits at once with one line naming the settings (before the fix it served)."""
-    out = subprocess.run(
+    out = run(
         cli("up", "--nats", nats_ready.url, "--gateway-port", str(free_port())),
-        env=clean_env(tmp_path, JETLOOP_GATEWAY_HOST="0.0.0.0"),
-        capture_output=True,
-        text=True,
-        timeout=30,
+        clean_env(tmp_path, JETLOOP_GATEWAY_HOST="0.0.0.0"),
     )
     assert out.returncode != 0, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
@@ -66,15 +86,12 @@ async def test_gateway_anonymous_remote_only_when_allowed(
     port = free_port()
     env = clean_env(tmp_path, JETLOOP_GATEWAY_ANONYMOUS_SCOPES='["read"]')
     args = cli("gateway", "--nats", nats_ready.url, "--host", "0.0.0.0", "--port", str(port))
-    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=30)
+    out = run(args, env)
     assert out.returncode != 0 and "--allow-anonymous-remote" in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
     log = tmp_path / "gateway.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [*args, "--allow-anonymous-remote"], env=env, stdout=f, stderr=subprocess.STDOUT
-        )
+    proc = start([*args, "--allow-anonymous-remote"], env, log)
     try:
         async with aiohttp.ClientSession() as http:
 
@@ -83,15 +100,14 @@ async def test_gateway_anonymous_remote_only_when_allowed(
                     async with http.get(f"http://127.0.0.1:{port}/v1/sessions/nobody") as r:
                         return r.status
                 except aiohttp.ClientConnectionError:
-                    assert proc.poll() is None, log.read_text()
+                    alive(proc, log)
                     return None
 
             # Anonymous, read scope: the session is looked up (404), not refused (401).
             assert await until(snapshot, 30) == 404
-        assert "gateway.anonymous_remote" in log.read_text()
+        assert "gateway.anonymous_remote" in read(log)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop(proc)
 
 
 # --- finding 6: slow and many clients -----------------------------------------------------
@@ -110,23 +126,16 @@ async def slow_gateway(nats_ready: EmbeddedServer, tmp_path: Path) -> AsyncItera
         JETLOOP_GATEWAY_MAX_CONNECTIONS=str(MAX_CONNECTIONS),
     )
     log = tmp_path / "gateway.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cli("gateway", "--nats", nats_ready.url, "--port", str(port)),
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-        )
+    proc = start(cli("gateway", "--nats", nats_ready.url, "--port", str(port)), env, log)
     try:
         assert await until(lambda: healthy(port, proc, log), 30)
         yield port
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop(proc)
 
 
 async def healthy(port: int, proc: subprocess.Popen[bytes], log: Path) -> bool:
-    assert proc.poll() is None, log.read_text()
+    alive(proc, log)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
     except OSError:

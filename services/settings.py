@@ -9,13 +9,16 @@ key ``jetloop up`` makes (``make_seal_key``) — else none, and records are not 
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsError as PydanticSettingsError
 
 from services.gateway.config import HookTrigger, Scope, TokenGrant
 from streams.seal import Sealer, key_bytes
@@ -68,6 +71,18 @@ class Settings(BaseSettings):
         '{"<trigger>": {"agent", "session", "secret", "scheme"}}',
     )
     gateway_max_body_bytes: int = Field(1024 * 1024, ge=1024, description="request size limit")
+    gateway_allow_anonymous_remote: bool = Field(
+        False, description="serve anonymous scopes on an address other than loopback"
+    )
+    gateway_header_timeout_seconds: float = Field(
+        10.0, gt=0, description="time to send a request's headers (and to stay idle between)"
+    )
+    gateway_body_timeout_seconds: float = Field(
+        30.0, gt=0, description="time to send a request's body"
+    )
+    gateway_max_connections: int = Field(
+        1000, ge=1, description="open connections at once (event streams count)"
+    )
     readmodel_db: Path | None = Field(
         None, description="the projector's SQLite read model (default <store dir>/readmodel.sqlite)"
     )
@@ -164,12 +179,51 @@ def make_seal_key(store_dir: Path) -> str:
     return path.read_text().strip()
 
 
+# Settings whose values are secrets: an error names them and never shows what was given.
+SECRET_SETTINGS = frozenset({"seal_key", "seal_old_keys", "model_api_key"})
+# Fields, at any depth, that hold a secret (a webhook's).
+SECRET_FIELDS = frozenset({"secret"})
+# Settings keyed by a secret: the key of JETLOOP_GATEWAY_TOKENS is the token itself.
+KEYED_BY_SECRET = frozenset({"tokens", "gateway_tokens"})
+
+
+def fingerprint(secret: str) -> str:
+    """What names a secret in a message: the start of its SHA-256, never its text."""
+    return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()[:8]
+
+
+def describe_errors(exc: ValidationError, prefix: str = "JETLOOP_") -> str:
+    """One line naming each wrong setting and, when it is no secret, the value given.
+
+    The name is the variable's (``JETLOOP_GATEWAY_HOOKS``) and then the path inside its JSON;
+    a token in the path shows as its fingerprint, and what was given is shown only when it
+    is a plain value that is neither a secret nor holds one."""
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        head, rest = (loc[0], loc[1:]) if loc else ("", [])
+        name = prefix + head.upper()
+        if head in KEYED_BY_SECRET and rest:
+            name += f" (the token {fingerprint(rest[0])})"
+            rest = rest[1:]
+        if rest:
+            name += " " + ".".join(rest)
+        line = f"setting {name}: {err['msg']}"
+        given = err.get("input")
+        secret = head in SECRET_SETTINGS or any(p in SECRET_FIELDS for p in loc)
+        if not secret and isinstance(given, str | int | float | bool) and len(str(given)) < 200:
+            line += f" (got {given!r})"
+        lines.append(line)
+    return "; ".join(lines)
+
+
 def load_settings(**overrides: object) -> Settings:
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            name = "JETLOOP_" + "_".join(str(p) for p in err["loc"]).upper()
-            lines.append(f"setting {name}: {err['msg']} (got {err.get('input')!r})")
-        raise SettingsError("; ".join(lines)) from None
+        raise SettingsError(describe_errors(exc)) from None
+    except PydanticSettingsError as exc:
+        # A structured setting that is not JSON; the value is not repeated (it may hold secrets).
+        m = re.search(r'field "(\w+)"', str(exc))
+        name = f"JETLOOP_{m.group(1).upper()}" if m else "a JETLOOP_ setting"
+        raise SettingsError(f"setting {name}: not valid JSON") from None

@@ -31,7 +31,7 @@ from pydantic import SecretStr
 from agents import load_app
 from services.embedded import EmbeddedServer, PortInUse, SupervisedServer, port_in_use
 from services.gateway.app import Gateway
-from services.gateway.config import GatewayConfig
+from services.gateway.config import GatewayConfig, exposure_error
 from services.readmodel.projector import Projector
 from services.settings import Settings, make_seal_key
 from services.supervisor import Component, GaveUp, Supervisor, describe
@@ -139,10 +139,14 @@ async def _run_up(settings: Settings, external: bool) -> None:
         os.environ["JETLOOP_SEAL_KEY"] = settings.seal_key.get_secret_value()  # type: ignore[union-attr]
     gw_config = GatewayConfig.from_settings(settings)
     if settings.gateway_anonymous_scopes is None and not gw_config.tokens:
-        # The embedded default listens on loopback only: a person at this machine may do all.
+        # Without tokens a person at this machine may do all (the default host is loopback);
+        # on any other address that is refused below, unless the user allowed it in words.
         gw_config = gw_config.model_copy(
             update={"anonymous_scopes": frozenset({"read", "write", "approve"})}
         )
+    refused = exposure_error(gw_config, host)
+    if refused is not None:
+        raise UpError(refused)
     readmodel_db = gw_config.readmodel_db
     assert readmodel_db is not None
     worker_settings, urls = settings, settings.nats_urls

@@ -19,6 +19,7 @@ from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from standardwebhooks.webhooks import Webhook
 
 from services.client import Client
@@ -28,6 +29,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.openapi import openapi_document
 from services.readmodel.model import ReadModel
 from services.readmodel.projector import Projector
+from services.settings import SettingsError, describe_errors, fingerprint, load_settings
 from tests.conftest import WorkerFactory, body, call, script, until
 
 Api = TestClient[web.Request, web.Application]
@@ -202,9 +204,13 @@ async def test_approve_answer_cancel_reconcile(api: Api, workers: WorkerFactory)
         await api.post("/v1/sessions/ap/approvals/a0000", json={"approve": True}, headers=ALL),
         404,
     )
+    # Who decides comes from the token, never from the body (issue 13, finding 7).
+    forged = {"approve": True, "by": "someone-else", "reason": "fine"}
+    refused = await problem(await api.post(decide, json=forged, headers=ALL), 422)
+    assert "`by` is not accepted" in refused["errors"][0]["msg"]
     rec = await ok(await api.post(decide, json={"approve": True, "reason": "fine"}, headers=ALL))
     assert rec["status"] == "approved" and rec["decided_by"] == "alice"
-    again = await ok(await api.post(decide, json={"approve": False, "by": "bob"}, headers=ALL))
+    again = await ok(await api.post(decide, json={"approve": False}, headers=ALL))
     assert again["status"] == "approved" and again["decided_by"] == "alice"
     await snapshot_when(api, "ap", lambda s: s["status"] == "idle")
 
@@ -248,6 +254,7 @@ async def test_approve_answer_cancel_reconcile(api: Api, workers: WorkerFactory)
     )
     await snapshot_when(api, "cx", lambda s: s["calls"] and s["calls"][0]["state"] == "in_doubt")
     await problem(await api.post("/v1/sessions/cx/cancel", headers=READ), 403)
+    await problem(await api.post("/v1/sessions/cx/cancel", json={"by": "x"}, headers=WRITE), 422)
     turn = await ok(await api.post("/v1/sessions/cx/cancel", headers=WRITE))
     assert turn["status"] == "cancelled" and turn["cancelled_by"] == "wally"
     await snapshot_when(api, "cx", lambda s: s["status"] == "idle")
@@ -344,6 +351,34 @@ def test_config_validates_at_start() -> None:
         GatewayConfig.model_validate({"tokens": {"t": ["admin"]}})
 
 
+def test_config_errors_name_the_setting_never_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad scope of a token and a bad webhook secret fail at start with the setting's
+    name and the token's fingerprint; neither the token nor the secret is in the message
+    (issue 13, finding 8), whether it comes from the settings or from the gateway's config."""
+    token, secret = "tok-very-secret-1234", "whsec_!!not-base64-SECRETVALUE"
+    monkeypatch.setenv(
+        "JETLOOP_GATEWAY_TOKENS", json.dumps({token: {"name": "al", "scopes": ["admin"]}})
+    )
+    hook = {"agent": "a", "session": "s", "secret": secret}
+    monkeypatch.setenv("JETLOOP_GATEWAY_HOOKS", json.dumps({"gh": hook}))
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    msg = str(caught.value)
+    assert "JETLOOP_GATEWAY_TOKENS" in msg and "scopes" in msg and "'admin'" in msg
+    assert fingerprint(token) in msg and "JETLOOP_GATEWAY_HOOKS gh" in msg
+    assert token not in msg and "SECRETVALUE" not in msg and "\n" not in msg
+    monkeypatch.setenv("JETLOOP_GATEWAY_TOKENS", "{not json " + token)
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    assert str(caught.value) == "setting JETLOOP_GATEWAY_TOKENS: not valid JSON"
+
+    with pytest.raises(ValidationError) as invalid:
+        GatewayConfig.model_validate({"tokens": {token: ["admin"]}, "hooks": {"gh": hook}})
+    msg = describe_errors(invalid.value, "JETLOOP_GATEWAY_")
+    assert "JETLOOP_GATEWAY_TOKENS" in msg and "JETLOOP_GATEWAY_HOOKS gh" in msg
+    assert token not in msg and "SECRETVALUE" not in msg
+
+
 def test_openapi_matches_the_router(tmp_path: Path) -> None:
     """Every route of the app is in the OpenAPI document (same path, method, operationId
     and scope), and nothing else is."""
@@ -427,8 +462,14 @@ async def test_webhooks(api: Api, client: Client, workers: WorkerFactory) -> Non
     gh_sig = "sha256=" + hmac.new(GH_SECRET.encode(), gh_body, hashlib.sha256).hexdigest()
     gh = {"X-Hub-Signature-256": gh_sig, "X-GitHub-Delivery": "d-1", "X-GitHub-Event": "push"}
     got = await ok(await api.post("/v1/hooks/gh", data=gh_body, headers=gh), 202)
-    assert got["session_id"] == "gh-jet-loop" and got["request_id"] == "gh:d-1"
+    # GitHub signs only the body: the body's digest is the delivery's id (finding 9).
+    signed_id = "sha256-" + hashlib.sha256(gh_body).hexdigest()[:32]
+    assert got["session_id"] == "gh-jet-loop" and got["request_id"] == f"gh:{signed_id}"
     assert (await ok(await api.post("/v1/hooks/gh", data=gh_body, headers=gh), 202))["duplicate"]
+    # A captured delivery replayed under a new X-GitHub-Delivery id is the same turn.
+    replay = {**gh, "X-GitHub-Delivery": "d-2-replayed"}
+    replayed = await ok(await api.post("/v1/hooks/gh", data=gh_body, headers=replay), 202)
+    assert replayed["turn_id"] == got["turn_id"] and replayed["duplicate"] is True
     forged = {**gh, "X-Hub-Signature-256": "sha256=" + "0" * 64}
     await problem(await api.post("/v1/hooks/gh", data=gh_body, headers=forged), 401)
     no_id = {k: v for k, v in gh.items() if k != "X-GitHub-Delivery"}

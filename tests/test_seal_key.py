@@ -129,7 +129,7 @@ async def test_gateway_cancel_in_up_is_sealed(up: Up, up_client: Client) -> None
     async with (
         aiohttp.ClientSession() as http,
         http.post(
-            f"http://127.0.0.1:{up.gateway_port}/v1/sessions/rest/cancel", json={"by": "test"}
+            f"http://127.0.0.1:{up.gateway_port}/v1/sessions/rest/cancel", json={}
         ) as resp,
     ):
         assert resp.status == 200, await resp.text()

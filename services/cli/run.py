@@ -25,12 +25,20 @@ from services.cli.main import _client_cmd, _run, _settings, main
     "--nats-port", "--port", "embedded_port", type=int, help="port of the embedded server"
 )
 @click.option("--gateway-port", type=int, help="port of the gateway (HTTP API)")
+@click.option(
+    "--allow-anonymous-remote",
+    is_flag=True,
+    default=None,
+    help="without tokens, serve every scope to anyone who reaches JETLOOP_GATEWAY_HOST "
+    "even when it is not loopback",
+)
 def up(
     nats_url: str | None,
     app: str | None,
     store_dir: str | None,
     embedded_port: int | None,
     gateway_port: int | None,
+    allow_anonymous_remote: bool | None,
 ) -> None:
     """Start nats-server (embedded), the topology, a worker with the demo agent, the gateway
     and the projector; restart any of them that fails."""
@@ -42,6 +50,7 @@ def up(
         store_dir=store_dir,
         embedded_port=embedded_port,
         gateway_port=gateway_port,
+        gateway_allow_anonymous_remote=allow_anonymous_remote,
     )
     configure("console", s.log_level)
     try:

@@ -54,7 +54,8 @@ from pydantic import ValidationError
 from consumers.control import dump
 from services.client import Client, TurnFailed
 from services.gateway import hooks, sse
-from services.gateway.config import GatewayConfig, Scope
+from services.gateway.config import GatewayConfig, Scope, exposure_error, is_loopback
+from services.gateway.guard import ConnectionGuard
 from services.gateway.http import (
     CONFIG,
     METRICS,
@@ -64,6 +65,7 @@ from services.gateway.http import (
     Metrics,
     Problem,
     auth,
+    body_deadline,
     by_whom,
     digest,
     measure,
@@ -92,7 +94,7 @@ from services.gateway.openapi import (
 from services.lifecycle import Service
 from services.logs import configure
 from services.readmodel.model import ReadModel, ReadModelMissing
-from services.settings import SettingsError, load_settings
+from services.settings import SettingsError, describe_errors, load_settings
 from streams import topology
 from streams.connection import connect
 
@@ -220,7 +222,7 @@ async def decide_approval(request: web.Request) -> web.Response:
     session, approval_id = path_name(request, "session"), path_name(request, "approval_id")
     body = await read_body(request, DecisionIn)
     client = request.app[CLIENT]
-    by = by_whom(request, body.by)
+    by = by_whom(request)
     if body.approve:
         rec = await client.approve(session, approval_id, by=by, reason=body.reason)
     else:
@@ -231,16 +233,14 @@ async def decide_approval(request: web.Request) -> web.Response:
 async def answer_question(request: web.Request) -> web.Response:
     session, question_id = path_name(request, "session"), path_name(request, "question_id")
     body = await read_body(request, AnswerIn)
-    rec = await request.app[CLIENT].answer(
-        session, question_id, body.answer, by=by_whom(request, body.by)
-    )
+    rec = await request.app[CLIENT].answer(session, question_id, body.answer, by=by_whom(request))
     return ok(dump(rec))
 
 
 async def cancel_turn(request: web.Request) -> web.Response:
     session = path_name(request, "session")
     body = await read_body(request, CancelIn, optional=True)
-    rec = await request.app[CLIENT].cancel(session, body.turn_id, by=by_whom(request, body.by))
+    rec = await request.app[CLIENT].cancel(session, body.turn_id, by=by_whom(request))
     return ok(dump(rec))
 
 
@@ -248,7 +248,7 @@ async def reconcile_call(request: web.Request) -> web.Response:
     key = path_name(request, "call_key", CALL_KEY_RE)
     body = await read_body(request, ReconcileIn)
     rec = await request.app[CLIENT].reconcile(
-        key, body.succeeded, by=by_whom(request, body.by), result=body.result, error=body.error
+        key, body.succeeded, by=by_whom(request), result=body.result, error=body.error
     )
     return ok(dump(rec))
 
@@ -277,7 +277,13 @@ async def receive_webhook(request: web.Request) -> web.Response:
     )
     app[METRICS].hooks.labels(name, "duplicate" if h.duplicate else "accepted").inc()
     log.info(
-        "webhook.accepted", trigger=name, session=session, turn=h.turn_id, duplicate=h.duplicate
+        "webhook.accepted",
+        trigger=name,
+        session=session,
+        turn=h.turn_id,
+        duplicate=h.duplicate,
+        delivery=delivery.id,
+        sender_delivery=delivery.sender_id or None,
     )
     out = HookOut(
         agent=trigger.agent,
@@ -398,7 +404,7 @@ def make_app(config: GatewayConfig, nats_urls: Sequence[str] | str) -> web.Appli
     if isinstance(nats_urls, str):
         nats_urls = [u.strip() for u in nats_urls.split(",") if u.strip()]
     app = web.Application(
-        client_max_size=config.max_body_bytes, middlewares=[measure, problems, auth]
+        client_max_size=config.max_body_bytes, middlewares=[measure, problems, auth, body_deadline]
     )
     app[CONFIG] = config
     app[NATS_URLS] = tuple(nats_urls)
@@ -414,6 +420,10 @@ def make_app(config: GatewayConfig, nats_urls: Sequence[str] | str) -> web.Appli
     if not config.tokens and not config.anonymous_scopes:
         log.warning("gateway.no_tokens", hint="no token is configured: only open routes work")
     return app
+
+
+class GatewayRefused(Exception):
+    """The gateway will not serve this address with this configuration (one line)."""
 
 
 class Gateway(Service):
@@ -436,22 +446,48 @@ class Gateway(Service):
         self.url: str | None = None
 
     async def run(self) -> None:
+        config = self.config
+        refused = exposure_error(config, self.host)
+        if refused is not None:
+            raise GatewayRefused(refused)
+        if config.anonymous_scopes and not is_loopback(self.host):
+            log.warning(
+                "gateway.anonymous_remote",
+                host=self.host,
+                scopes=sorted(config.anonymous_scopes),
+                hint="anyone who reaches this address has these scopes without a token",
+            )
         runner = web.AppRunner(
-            make_app(self.config, self.nats_urls),
+            make_app(config, self.nats_urls),
             access_log=None,  # the `measure` middleware logs requests through structlog
             shutdown_timeout=self.shutdown_timeout,
+            # Between requests, and for the headers of every request after a connection's
+            # first (services.gateway.guard bounds the first).
+            keepalive_timeout=config.header_timeout_seconds,
+            # A body the handler did not read is drained at most this long, then closed.
+            lingering_time=config.body_timeout_seconds,
         )
         await runner.setup()
+        listener: asyncio.Server | None = None
         try:
-            site = web.TCPSite(runner, self.host, self.port)
-            await site.start()
-            host, port = runner.addresses[0][:2]
+            assert runner.server is not None
+            guard = ConnectionGuard(
+                runner.server, config.header_timeout_seconds, config.max_connections
+            )
+            listener = await asyncio.get_running_loop().create_server(
+                guard, self.host, self.port, reuse_address=True
+            )
+            host, port = listener.sockets[0].getsockname()[:2]
             self.url = f"http://{host}:{port}"
             log.info("gateway.started", url=self.url)
             self._started.set()
             await self._stopping.wait()
         finally:
+            if listener is not None:
+                listener.close()  # no new connections; the runner ends the open ones
             await runner.cleanup()
+            if listener is not None:
+                await listener.wait_closed()
             log.info("gateway.stopped")
 
 
@@ -474,16 +510,34 @@ async def run_gateway(
 @click.option("--nats", "nats_url", help="NATS server URL(s), comma-separated")
 @click.option("--host", default=None, help="address to listen on (default 127.0.0.1)")
 @click.option("--port", type=int, default=None, help="port to listen on (default 8080)")
-def gateway_command(nats_url: str | None, host: str | None, port: int | None) -> None:
+@click.option(
+    "--allow-anonymous-remote",
+    is_flag=True,
+    default=None,
+    help="serve JETLOOP_GATEWAY_ANONYMOUS_SCOPES on an address that is not loopback",
+)
+def gateway_command(
+    nats_url: str | None, host: str | None, port: int | None, allow_anonymous_remote: bool | None
+) -> None:
     """Serve the HTTP API (/v1), webhooks, SSE, health and metrics."""
+    overrides: dict[str, object] = {}
+    if nats_url:
+        overrides["nats_url"] = nats_url
+    if allow_anonymous_remote:
+        overrides["gateway_allow_anonymous_remote"] = True
     try:
-        settings = load_settings(**({"nats_url": nats_url} if nats_url else {}))
+        settings = load_settings(**overrides)
         config = GatewayConfig.from_settings(settings)
-    except (SettingsError, ValidationError) as exc:
+    except SettingsError as exc:
         raise click.ClickException(str(exc)) from None
+    except ValidationError as exc:
+        raise click.ClickException(describe_errors(exc, "JETLOOP_GATEWAY_")) from None
     configure(settings.log_format, settings.log_level)
     host = host or getattr(settings, "gateway_host", "127.0.0.1")
     port = port if port is not None else getattr(settings, "gateway_port", 8080)
+    refused = exposure_error(config, str(host))
+    if refused is not None:
+        raise click.ClickException(refused)
     try:
         asyncio.run(run_gateway(config, settings.nats_urls, str(host), int(port)))
     except KeyboardInterrupt:

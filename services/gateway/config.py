@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -80,6 +81,12 @@ class GatewayConfig(BaseModel):
     sse_keepalive_seconds: float = Field(15.0, gt=0)
     nats_retry_seconds: float = Field(5.0, gt=0)
     hook_tolerance_seconds: float = Field(300.0, gt=0)
+    # Anonymous scopes on an address other than loopback: refused unless this says so.
+    allow_anonymous_remote: bool = False
+    # Slow and many clients (services.gateway.guard).
+    header_timeout_seconds: float = Field(10.0, gt=0)
+    body_timeout_seconds: float = Field(30.0, gt=0)
+    max_connections: int = Field(1000, ge=1)
     # Seals the turn and call records the gateway writes (cancel, reconcile) like a
     # worker's: an unsealed one would fail its turn as not trusted.
     sealer: Sealer | None = Field(None, repr=False, exclude=True)
@@ -110,3 +117,32 @@ class GatewayConfig(BaseModel):
         if "readmodel_db" not in values and store is not None:
             values["readmodel_db"] = Path(store) / "readmodel.sqlite"
         return cls.model_validate(values)
+
+
+ALLOW_ANONYMOUS_REMOTE = "JETLOOP_GATEWAY_ALLOW_ANONYMOUS_REMOTE=true / --allow-anonymous-remote"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach ``host``: ``localhost`` or a loopback address.
+    Any other name, and ``""`` / ``0.0.0.0`` / ``::`` (every interface), is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_error(config: GatewayConfig, host: str) -> str | None:
+    """Why the gateway must not serve ``host`` with this configuration, or None.
+
+    Requests without a token get ``anonymous_scopes``; on a loopback address only people at
+    this machine can send them. Anywhere else, anyone who reaches the port would have those
+    scopes: that takes ``allow_anonymous_remote``, said in so many words."""
+    if not config.anonymous_scopes or is_loopback(host) or config.allow_anonymous_remote:
+        return None
+    return (
+        f"the gateway would give anyone who reaches {host or 'every address'} the scopes "
+        f"{sorted(config.anonymous_scopes)} without a token: set JETLOOP_GATEWAY_TOKENS, or "
+        f"JETLOOP_GATEWAY_HOST=127.0.0.1, or {ALLOW_ANONYMOUS_REMOTE} if that is what you mean"
+    )

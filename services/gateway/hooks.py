@@ -8,11 +8,20 @@ Two schemes, both checked on the raw body bytes with ``hmac.compare_digest``:
   A timestamp more than the tolerance (5 minutes) in the past or the future is refused,
   so a captured delivery cannot be replayed later.
 - GitHub: ``X-Hub-Signature-256: sha256=<hex HMAC-SHA256 of body>`` with the secret as
-  bytes; the delivery id is ``X-GitHub-Delivery`` and the event ``X-GitHub-Event``.
+  bytes; the event is ``X-GitHub-Event``. GitHub signs neither a timestamp nor its delivery
+  id (``X-GitHub-Delivery``): whoever captured one delivery could send it again with any
+  id, at any time. So the id of a GitHub delivery is taken from what is signed, the body:
+  ``sha256-<first 32 hex digits of its SHA-256>``. ``X-GitHub-Delivery`` is still required
+  (GitHub always sends it) and is logged, but decides nothing.
 
-The delivery id becomes the turn's request id (``<trigger>:<id>``): a replay inside the
-tolerance is a JetStream duplicate (``Nats-Msg-Id``) and, after the dedupe window, the same
-turn id, which jetloop's state already holds. Nothing is remembered here.
+The delivery id becomes the turn's request id (``<trigger>:<id>``), and the ``{id}`` of the
+templates: a replay inside the turn stream's dedupe window is a JetStream duplicate
+(``Nats-Msg-Id``; the answer says ``duplicate: true``) and, after it, names the same turn
+id, which the session's state already holds, so no second turn runs. For GitHub the
+"window" is therefore as long as the session keeps that turn: the same body never starts two
+turns. GitHub's bodies carry ids and timestamps of their own, so two real events do not share
+one; a redelivery from GitHub's settings page sends the same body and is the same turn.
+Nothing is remembered here.
 """
 
 from __future__ import annotations
@@ -46,10 +55,12 @@ class HookRefused(Exception):
 
 @dataclass(frozen=True)
 class Delivery:
-    """A verified delivery: its id (deduplication) and event name."""
+    """A verified delivery: its id (deduplication; signed), its event name, and the id the
+    sender gave when that is not what dedupes (GitHub's ``X-GitHub-Delivery``, unsigned)."""
 
     id: str
     event: str
+    sender_id: str = ""
 
 
 def verify(
@@ -125,7 +136,10 @@ def _verify_github(secret: str, headers: Mapping[str, str], body: bytes) -> Deli
         raise HookRefused(400, "missing delivery id", "X-GitHub-Delivery is required")
     if len(delivery) > MAX_ID:
         raise HookRefused(400, "delivery id too long", f"at most {MAX_ID} characters")
-    return Delivery(delivery, headers.get("x-github-event", "webhook") or "webhook")
+    # The id is the signed body's digest: a new X-GitHub-Delivery makes no new delivery.
+    signed_id = "sha256-" + hashlib.sha256(body).hexdigest()[:32]
+    event = headers.get("x-github-event", "webhook") or "webhook"
+    return Delivery(signed_id, event, sender_id=delivery)
 
 
 def payload_of(body: bytes) -> Any:

@@ -2,13 +2,15 @@
 
 Middlewares, outermost first: ``measure`` (Prometheus counts and latency, by route
 template), ``problems`` (every error → ``application/problem+json``, RFC 9457), ``auth``
-(the route's scope, from the app's scope table, against the bearer token's grant).
+(the route's scope, from the app's scope table, against the bearer token's grant),
+``body_deadline`` (the body read under a deadline).
 Handlers raise ``Problem`` for their own errors and let ``ControlError``, aiohttp's
 ``HTTPException`` and NATS outages through: ``problems`` answers them all the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import sqlite3
@@ -237,6 +239,24 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 @web.middleware
+async def body_deadline(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The whole body must arrive within ``body_timeout_seconds`` (408), so a client that
+    sends a byte now and then cannot hold a handler (``services.gateway.guard``). Read here,
+    once: ``request.read()`` in a handler returns it again."""
+    if request.body_exists:
+        limit = request.app[CONFIG].body_timeout_seconds
+        try:
+            async with asyncio.timeout(limit):
+                await request.read()  # 413 past client_max_size
+        except TimeoutError:
+            log.info("gateway.body_timeout", path=request.path, seconds=limit)
+            raise Problem(
+                408, "request body too slow", f"the body must arrive within {limit:g} s"
+            ) from None
+    return await handler(request)
+
+
+@web.middleware
 async def measure(request: web.Request, handler: Handler) -> web.StreamResponse:
     start = time.perf_counter()
     status = 500
@@ -300,5 +320,7 @@ def ok(model: BaseModel | Mapping[str, Any], status: int = 200, **headers: str) 
     return web.json_response(data, status=status, headers=headers or None)
 
 
-def by_whom(request: web.Request, given: str | None) -> str:
-    return given or request[GRANT].name
+def by_whom(request: web.Request) -> str:
+    """Who decides: the name of the token's grant (``anonymous`` without a token). Never the
+    body's word: a request cannot record another person as the author."""
+    return request[GRANT].name

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import models_json_schema
+from pydantic_core import PydanticCustomError
 
 from consumers.snapshot import SessionSnapshot
 from schemas import ApprovalRecord, CallRecord, QuestionRecord, TurnRecord
@@ -20,39 +21,47 @@ NAME = r"^[A-Za-z0-9_-]{1,64}$"
 CALL_KEY = r"^[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){3}$"
 REQUEST_ID = r"^[\x21-\x7e]{1,200}$"  # printable ASCII, no spaces: it becomes Nats-Msg-Id
 
-BY = Field(None, min_length=1, max_length=100, description="who decides (default: the token)")
-
 
 class Body(BaseModel):
     # JSON bodies are strict: `"approve": "yes"` is a mistake, not a yes.
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+class Decision(Body):
+    """A body whose author is recorded: the author is the token's name, never a field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_by(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "by" in data:
+            raise PydanticCustomError(
+                "by_not_accepted",
+                "`by` is not accepted: who decides is the name of the request's token",
+            )
+        return data
+
+
 class MessageIn(Body):
     text: str = Field(min_length=1, description="the user's message")
 
 
-class DecisionIn(Body):
+class DecisionIn(Decision):
     approve: bool
     reason: str | None = Field(None, max_length=4000)
-    by: str | None = BY
 
 
-class AnswerIn(Body):
+class AnswerIn(Decision):
     answer: str = Field(max_length=100_000)
-    by: str | None = BY
 
 
-class ReconcileIn(Body):
+class ReconcileIn(Decision):
     succeeded: bool
     result: Any = None
     error: str | None = Field(None, max_length=4000)
-    by: str | None = BY
 
 
-class CancelIn(Body):
+class CancelIn(Decision):
     turn_id: str | None = Field(None, pattern=NAME, description="default: the running turn")
-    by: str | None = BY
 
 
 class Query(BaseModel):

@@ -128,9 +128,7 @@ async def test_gateway_cancel_in_up_is_sealed(up: Up, up_client: Client) -> None
     turn_id = await waiting_turn(up_client, "rest")
     async with (
         aiohttp.ClientSession() as http,
-        http.post(
-            f"http://127.0.0.1:{up.gateway_port}/v1/sessions/rest/cancel", json={}
-        ) as resp,
+        http.post(f"http://127.0.0.1:{up.gateway_port}/v1/sessions/rest/cancel", json={}) as resp,
     ):
         assert resp.status == 200, await resp.text()
         got = await resp.json()

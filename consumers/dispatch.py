@@ -8,7 +8,8 @@ not fence late acks, so an ack from a stale worker could settle the live worker'
 Any other exception is sorted by whether a retry can cure it (``fate``):
 
 - a body or record that does not decode or validate (``DecodeError``, pydantic's
-  ``ValidationError``): dead-lettered at once, with the reason;
+  ``ValidationError``), or a message the step would publish that is over the server's
+  ``max_payload`` (``PayloadTooLarge``): dead-lettered at once, with the reason;
 - an outage or a lost race (``TRANSIENT_ERRORS``: NATS timeouts, no responders, a
   connection closed or reconnecting, ``Conflict``): nak'd with backoff (0.2 s doubling to
   30 s) for up to ``TRANSIENT_FOR`` seconds of failing deliveries, then dead-lettered;
@@ -44,6 +45,7 @@ from consumers.errors import DeadLetter, RetryLater, TakenOver
 from consumers.runtime import Delivery, Runtime
 from schemas import DecodeError
 from streams.bus import H_KIND, H_SESSION, H_STEP, H_TURN
+from streams.connection import PayloadTooLarge, message_size
 from streams.state import RETRYABLE, Conflict
 from streams.topology import dead_subject
 
@@ -62,7 +64,8 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     Conflict,
 )
 # What no retry cures: the message (or a record it names) is not what the code reads.
-INCURABLE_ERRORS: tuple[type[BaseException], ...] = (DecodeError, ValidationError)
+# A message the step would publish that passes the server's max_payload is one too.
+INCURABLE_ERRORS: tuple[type[BaseException], ...] = (DecodeError, ValidationError, PayloadTooLarge)
 TRANSIENT_FOR = 900.0
 UNEXPECTED_TRIES = 5
 
@@ -134,7 +137,12 @@ async def dead_letter(rt: Runtime, msg: Msg, reason: str) -> None:
             "Jl-Dead-Subject": msg.subject,
         }
     )
-    await rt.js.publish(dead_subject(msg.subject), msg.data, headers=hdrs)
+    body = msg.data
+    if message_size(body, hdrs) > rt.nc.max_payload:
+        # The message fit, but not with the reason beside it: keep the reason, say so.
+        hdrs["Jl-Dead-Body-Dropped"] = str(len(body))
+        body = b""
+    await rt.js.publish(dead_subject(msg.subject), body, headers=hdrs)
 
 
 async def _heartbeats(d: Delivery, every: float) -> None:

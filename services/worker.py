@@ -32,7 +32,7 @@ from services.settings import Settings
 from streams import topology
 from streams.blobs import BlobStore
 from streams.bus import Bus
-from streams.connection import connect
+from streams.connection import ConnectionLost, connect
 from streams.history import HistoryReader
 from streams.registry import Registry
 from streams.state import StateStore
@@ -84,7 +84,19 @@ class Worker(Service):
                 hint="records are written unsealed: set JETLOOP_SEAL_KEY, or run where "
                 f"{s.store_dir / 'seal.key'} is (the key `jetloop up` keeps)",
             )
-        nc = await connect(s.nats_urls, name=f"jetloop-worker-{self.worker_id}")
+        lost: list[ConnectionLost] = []
+
+        async def on_closed() -> None:
+            # A closed connection is never reopened: stop, and raise from run() (below) so a
+            # supervisor, or the process's exit status, starts a fresh worker.
+            if not self._stopping.is_set():
+                log.error("worker.connection_closed", worker=self.worker_id)
+                lost.append(ConnectionLost(f"worker {self.worker_id}"))
+                self.stop_soon()
+
+        nc = await connect(
+            s.nats_urls, name=f"jetloop-worker-{self.worker_id}", closed_cb=on_closed
+        )
         self._nc = nc
         js = nc.jetstream()
         try:
@@ -158,13 +170,19 @@ class Worker(Service):
                     tg.create_task(loop)
                 tg.create_task(watch_lag(js, self._stopping, self._consumers()))
                 tg.create_task(self._advertise(registry))
-            await registry.withdraw(self.worker_id)
+            if not lost:
+                await registry.withdraw(self.worker_id)
             if control is not None:
                 await control.stop()
             await self._drain()
         finally:
-            await nc.drain() if nc.is_connected else await nc.close()
+            if nc.is_connected:
+                await nc.drain()
+            elif not nc.is_closed:
+                await nc.close()
             log.info("worker.stopped", worker=self.worker_id)
+        if lost:
+            raise lost[0]
 
     def _consumers(self) -> list[tuple[str, str]]:
         return [

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import structlog
 from nats.aio.client import Client
-from nats.errors import NoRespondersError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
@@ -54,7 +54,7 @@ async def connect(
         wait = min(0.5, give_up_after / 4)
         attempts = max(1, math.ceil(give_up_after / wait))
         connect_timeout = min(5.0, give_up_after)
-    nc = Client()
+    nc = SizedClient()
     try:
         await asyncio.wait_for(
             nc.connect(
@@ -80,6 +80,70 @@ async def connect(
         raise
     closing.append(nc)
     return nc
+
+
+class PayloadTooLarge(MaxPayloadError):
+    """A message whose headers plus body pass the server's ``max_payload``: refused here,
+    before it is sent, because the server answers one by closing the connection."""
+
+    def __init__(self, subject: str, size: int, limit: int) -> None:
+        super().__init__()
+        self.subject = subject
+        self.size = size
+        self.limit = limit
+
+    def __str__(self) -> str:
+        return (
+            f"message to {self.subject} is {self.size} bytes with its headers, over the "
+            f"server's max_payload of {self.limit} bytes"
+        )
+
+
+class ConnectionLost(ConnectionError):
+    """The NATS connection of a long-lived service closed while it was not stopping: nats-py
+    will not reconnect a closed connection, so the service ends and is started again."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__(f"{service}: the NATS connection closed; exiting to be restarted")
+        self.service = service
+
+
+_HDR_LINE = len(b"NATS/1.0\r\n")
+
+
+def message_size(payload: bytes, headers: dict[str, str] | None) -> int:
+    """What the server counts against ``max_payload``: the header block nats-py writes
+    (``NATS/1.0``, one ``key: value`` line each, a blank line) plus the body."""
+    if not headers:
+        return len(payload)
+    block = _HDR_LINE + 2
+    for k, v in headers.items():
+        key = k.strip()
+        if key:
+            block += len(key.encode()) + 2 + len(v.strip().encode()) + 2
+    return block + len(payload)
+
+
+class SizedClient(Client):
+    """A nats-py client that checks headers plus body against ``max_payload``.
+
+    nats-py compares only the body; the server counts the headers too and closes the
+    connection on a message that passes the limit (NATS-NOTES). Every publish goes through
+    ``publish`` (requests, JetStream publishes, KV and object-store writes), so this is the
+    one place a message too big is refused, as a ``PayloadTooLarge`` on that call.
+    """
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        reply: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        size = message_size(payload, headers)
+        if size > self.max_payload:
+            raise PayloadTooLarge(subject, size, self.max_payload)
+        await super().publish(subject, payload, reply=reply, headers=headers)
 
 
 T = TypeVar("T")

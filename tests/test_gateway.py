@@ -695,3 +695,22 @@ async def test_fuzz_routes_from_openapi(
     assert resp.status < 500, (req, resp.status, text)
     if resp.status >= 400:
         assert resp.content_type == PROBLEM, (req, resp.status, text)
+
+
+async def test_a_message_just_under_the_body_limit_is_refused_and_the_gateway_lives(
+    nats_ready: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A body under the gateway's limit (the default, 1 MiB) whose request passes NATS's
+    max_payload once its headers are counted is a 413 problem, not a closed connection:
+    the next request works."""
+    config = make_config(tmp_path, max_body_bytes=1024 * 1024)
+    async with TestClient(TestServer(make_app(config, nats_ready.url))) as api:
+        await _under_the_body_limit(api)
+
+
+async def _under_the_body_limit(api: Api) -> None:
+    url = "/v1/agents/tester/sessions/{}/messages"
+    text = "q" * (1024 * 1024 - 64)
+    got = await problem(await api.post(url.format("big"), json={"text": text}, headers=WRITE), 413)
+    assert "max_payload" in got["detail"]
+    await ok(await api.post(url.format("next"), json={"text": "hi"}, headers=WRITE), 202)

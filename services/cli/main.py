@@ -31,10 +31,14 @@ def _settings(**overrides: Any) -> Settings:
 
 
 def _run(coro: Coroutine[Any, Any, None]) -> None:
+    from streams.connection import ConnectionLost
+
     try:
         asyncio.run(coro)
     except KeyboardInterrupt:
         pass
+    except ConnectionLost as exc:  # a worker's connection closed: exit 1, to be restarted
+        raise click.ClickException(str(exc)) from None
 
 
 @click.group()

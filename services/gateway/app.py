@@ -96,7 +96,7 @@ from services.logs import configure
 from services.readmodel.model import ReadModel, ReadModelMissing
 from services.settings import SettingsError, describe_errors, load_settings
 from streams import topology
-from streams.connection import connect
+from streams.connection import ConnectionLost, connect
 
 log = structlog.get_logger("jetloop.gateway")
 
@@ -139,6 +139,8 @@ NATS_URLS: web.AppKey[tuple[str, ...]] = web.AppKey("nats_urls")
 CLIENT = web.AppKey("client", Client)
 READMODEL = web.AppKey("readmodel", ReadModelReader)
 STOPPING = web.AppKey("stopping", asyncio.Event)
+# Set when the NATS connection closes while the gateway is not stopping: it will not reopen.
+NATS_CLOSED = web.AppKey("nats_closed", asyncio.Event)
 
 
 # --- handlers --------------------------------------------------------------------------
@@ -377,13 +379,23 @@ ROUTES: tuple[Route, ...] = (
 
 async def _nats(app: web.Application) -> AsyncIterator[None]:
     urls = app[NATS_URLS]
-    nc = await connect(list(urls), name="jetloop-gateway")
+    closed = app[NATS_CLOSED]
+
+    async def on_closed() -> None:
+        if not app[STOPPING].is_set():
+            log.error("gateway.connection_closed")
+            closed.set()
+
+    nc = await connect(list(urls), name="jetloop-gateway", closed_cb=on_closed)
     config = app[CONFIG]
     app[CLIENT] = Client(nc, retry_for=config.nats_retry_seconds, sealer=config.sealer)
     try:
         yield
     finally:
-        await nc.drain() if nc.is_connected else await nc.close()
+        if nc.is_connected:
+            await nc.drain()
+        elif not nc.is_closed:
+            await nc.close()
 
 
 async def _read_model(app: web.Application) -> AsyncIterator[None]:
@@ -412,6 +424,7 @@ def make_app(config: GatewayConfig, nats_urls: Sequence[str] | str) -> web.Appli
     app[SCOPES] = {r.name: r.scope for r in ROUTES}
     app[METRICS] = Metrics()
     app[STOPPING] = asyncio.Event()
+    app[NATS_CLOSED] = asyncio.Event()
     for r in ROUTES:
         app.router.add_route(r.method, r.path, r.handler, name=r.name)
     app.cleanup_ctx.append(_nats)
@@ -457,8 +470,9 @@ class Gateway(Service):
                 scopes=sorted(config.anonymous_scopes),
                 hint="anyone who reaches this address has these scopes without a token",
             )
+        app = make_app(config, self.nats_urls)
         runner = web.AppRunner(
-            make_app(config, self.nats_urls),
+            app,
             access_log=None,  # the `measure` middleware logs requests through structlog
             shutdown_timeout=self.shutdown_timeout,
             # Between requests, and for the headers of every request after a connection's
@@ -481,7 +495,13 @@ class Gateway(Service):
             self.url = f"http://{host}:{port}"
             log.info("gateway.started", url=self.url)
             self._started.set()
-            await self._stopping.wait()
+            stopping = asyncio.create_task(self._stopping.wait())
+            closed = asyncio.create_task(app[NATS_CLOSED].wait())
+            try:
+                await asyncio.wait((stopping, closed), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+                closed.cancel()
         finally:
             if listener is not None:
                 listener.close()  # no new connections; the runner ends the open ones
@@ -489,6 +509,9 @@ class Gateway(Service):
             if listener is not None:
                 await listener.wait_closed()
             log.info("gateway.stopped")
+        if app[NATS_CLOSED].is_set():
+            # A closed connection is never reopened: end, so a supervisor starts a new one.
+            raise ConnectionLost("gateway")
 
 
 async def run_gateway(
@@ -542,6 +565,8 @@ def gateway_command(
         asyncio.run(run_gateway(config, settings.nats_urls, str(host), int(port)))
     except KeyboardInterrupt:
         pass
+    except ConnectionLost as exc:  # exit 1, to be restarted
+        raise click.ClickException(str(exc)) from None
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from consumers.control import ControlError
 from services.client import UnknownAgent
 from services.gateway.config import GatewayConfig, Scope, TokenGrant
-from streams.connection import TRANSIENT
+from streams.connection import TRANSIENT, PayloadTooLarge
 
 log = structlog.get_logger("jetloop.gateway")
 
@@ -124,6 +124,9 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
         return Problem(exc.status, exc.title, exc.detail or None).response()
     except UnknownAgent as exc:
         return Problem(404, "no such agent", str(exc)).response()
+    except PayloadTooLarge as exc:
+        # Refused before it was sent: the connection is fine, the message is not.
+        return Problem(413, "message too large", str(exc)).response()
     except NATS_DOWN as exc:
         log.warning("gateway.nats_unavailable", error=repr(exc), path=request.path)
         return Problem(

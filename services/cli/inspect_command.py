@@ -34,9 +34,11 @@ from services.cli.main import _client_cmd, main
 @click.option(
     "--last", default=10, show_default=True, help="how many messages --stream and --dead show"
 )
+@click.option("--all", "all_consumers", is_flag=True, help="list ephemeral consumers too")
 def inspect(
     nats_url: str | None,
     as_json: bool,
+    all_consumers: bool,
     keys_prefix: str | None,
     kv_key: str | None,
     history_key: str | None,
@@ -77,6 +79,6 @@ def inspect(
         elif stream is not None:
             await inspector.messages(js, stream, last, as_json)
         else:
-            await inspector.overview(js, as_json)
+            await inspector.overview(js, as_json, all_consumers)
 
     _client_cmd(nats_url, body)

@@ -59,8 +59,10 @@ def _table(rows: list[list[str]], right: set[int]) -> None:
         click.echo("  ".join(cells).rstrip())
 
 
-async def overview(js: JetStreamContext, as_json: bool) -> None:
-    """Every stream, and every consumer of every stream (per-agent durables included)."""
+async def overview(js: JetStreamContext, as_json: bool, ephemeral: bool = False) -> None:
+    """Every stream, and every consumer of every stream (per-agent durables included). In
+    text, ephemeral consumers (clients' watchers, removed by the server once idle) are one
+    count unless ``ephemeral``; JSON lists them all."""
     streams: list[dict[str, Any]] = []
     consumers: list[dict[str, Any]] = []
     for info in sorted(await js.streams_info(), key=lambda i: i.config.name or ""):
@@ -97,6 +99,7 @@ async def overview(js: JetStreamContext, as_json: bool) -> None:
     _table(rows, right={1, 2, 3})
     click.echo("")
     rows = [["consumer", "stream", "pending", "ack pending", "redelivered"]]
+    shown = [c for c in consumers if ephemeral or c["durable"]]
     rows += [
         [
             c["name"] + ("" if c["durable"] else " (ephemeral)"),
@@ -105,9 +108,15 @@ async def overview(js: JetStreamContext, as_json: bool) -> None:
             str(c["ack_pending"]),
             str(c["redelivered"]),
         ]
-        for c in consumers
+        for c in shown
     ]
     _table(rows, right={2, 3, 4})
+    hidden = len(consumers) - len(shown)
+    if hidden:
+        click.echo(
+            f"(and {hidden} ephemeral consumer(s): clients' watchers, removed by the server "
+            "once idle; --all lists them)"
+        )
 
 
 async def _state(js: JetStreamContext) -> Any:

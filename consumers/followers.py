@@ -47,7 +47,11 @@ def _base(turn: TurnRecord) -> str:
 def turn_start(turn: TurnRecord) -> Followers:
     base = _base(turn)
     user = HistoryEntry(
-        key=f"{base}.user", role=HistoryRole.USER, turn_id=turn.turn_id, text=turn.text
+        key=f"{base}.user",
+        role=HistoryRole.USER,
+        turn_id=turn.turn_id,
+        text=turn.text if turn.text_ref is None else None,
+        text_ref=turn.text_ref,
     )
     started = Event(
         key=f"{base}.started",

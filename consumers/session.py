@@ -74,12 +74,18 @@ async def on_turn_request(d: Delivery) -> None:
 
     turn = await rt.state.turn(sid, tid)
     if turn is None:
+        text, text_ref = req.text, req.text_ref
+        if text_ref is None and rt.blobs.too_big(text.encode()):
+            # Sent inline by a raw publisher: kept once, in the blob store, by identity.
+            text_ref = await rt.blobs.put(f"{sid}.{tid}.request", text.encode())
+            text = ""
         record = TurnRecord(
             session_id=sid,
             turn_id=tid,
             agent=agent_name,
             request_id=request_id,
-            text=req.text,
+            text=text,
+            text_ref=text_ref,
             parent=req.parent,
         )
         try:

@@ -235,7 +235,8 @@ async def snapshot(
     for q in session.queue:
         qv2 = await _turn(state, session_id, q)
         if qv2 is not None:
-            queued.append(QueuedView(turn_id=q, request_id=qv2.request_id, text=qv2.text))
+            text = qv2.text if qv2.text_ref is None else f"({qv2.text_ref.size} bytes, in jl_blobs)"
+            queued.append(QueuedView(turn_id=q, request_id=qv2.request_id, text=text))
 
     entries = await history.read(session_id)
     open_calls = [

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from schemas.codec import SCHEMA_VERSION
-from schemas.records import ParentCall
+from schemas.records import BlobRef, ParentCall
 
 
 class TurnRequest(BaseModel):
@@ -20,6 +20,8 @@ class TurnRequest(BaseModel):
 
     v: int = SCHEMA_VERSION
     text: str
+    # A message too large to travel inline: its text is in ``jl_blobs`` (``text`` is empty).
+    text_ref: BlobRef | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("metadata")

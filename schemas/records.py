@@ -100,6 +100,9 @@ class TurnRecord(BaseModel):
     agent: str
     request_id: str
     text: str
+    # The user's text when it is over the blob threshold (``text`` is then empty): durable
+    # bytes per step stay small however large the message (rule 6).
+    text_ref: BlobRef | None = None
     status: TurnStatus = TurnStatus.QUEUED
     model_step: int = 0
     phase: TurnPhase = TurnPhase.MODEL

@@ -115,6 +115,8 @@ class Client:
         self._state_store: StateStore | None = None
         self._blob_store: BlobStore | None = None
         self._registry: Registry | None = None
+        # Texts above this go through the blob store (the default blob threshold).
+        self.inline_text_limit = 64 * 1024
 
     @classmethod
     async def connect(
@@ -191,10 +193,19 @@ class Client:
         if not await retrying(lambda: reg.known(agent), self.retry_for, "agent lookup"):
             raise UnknownAgent(agent)
         rid = request_id or uuid.uuid4().hex
+        body = TurnRequest(text=text)
+        data = text.encode()
+        if len(data) > self.inline_text_limit:
+            # Too large to travel inline: the text goes to jl_blobs, the request names it.
+            blobs = await self._blobs()
+            ref = await retrying(
+                lambda: blobs.put(f"request.{session_id}.{rid}", data), self.retry_for, "blob"
+            )
+            body = TurnRequest(text="", text_ref=ref)
         ack = await retrying(
             lambda: self.js.publish(
                 topology.turn_subject(agent, session_id),
-                encode(TurnRequest(text=text)),
+                encode(body),
                 headers={
                     # The stream dedupes ids across all subjects: scope the id by session.
                     "Nats-Msg-Id": f"{session_id}.{rid}",

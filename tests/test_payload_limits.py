@@ -7,8 +7,12 @@ real worker process and check that it is the same process that serves the next t
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import msgpack
 
+from schemas import turn_id_for
 from services.client import Client
 from streams.connection import PayloadTooLarge, message_size
 from tests.conftest import WorkerFactory, script, until
@@ -36,25 +40,48 @@ async def test_a_message_over_the_limit_with_its_headers_is_refused_before_it_is
     assert ack.seq
 
 
-async def test_a_request_the_worker_cannot_store_is_dead_lettered_and_the_worker_lives(
+async def test_a_raw_request_near_the_limit_runs_and_the_worker_lives(
     client: Client, workers: WorkerFactory
 ) -> None:
     """A raw request whose text fits one message but not the records a worker makes of it
-    (record fields, claim, seal and KV headers on top): the step whose write would pass the
-    limit is dead-lettered with the reason; the same worker process serves the next turn."""
+    (record fields, claim, seal and KV headers on top): the worker keeps the text in
+    jl_blobs, the turn runs with the whole text, and the same process serves the next turn."""
     w = workers.start()
-    text = "z" * (MIB - 400)
+    text = json.dumps({"answer": "huge ok", "pad": "z" * (MIB - 500)})
     body = msgpack.packb({"text": text})
     hdrs = {"Nats-Msg-Id": "huge.1"}
     assert message_size(body, hdrs) <= client.nc.max_payload
     await client.js.publish("jl.turn.tester.huge", body, headers=hdrs)
-
-    async def dead() -> list[tuple[str, str, bytes]]:
-        return [d for d in await client.dead_letters() if d[0].endswith(".huge")]
-
-    [(_, reason, _)] = await until(dead, timeout=30)
-    assert "PayloadTooLarge" in reason and "max_payload" in reason
+    tid = turn_id_for("huge", "huge.1")
+    turn = await until(lambda: _ended(client, "huge", tid), timeout=30)
+    assert turn.status.value == "completed" and turn.text == "" and turn.text_ref is not None
+    assert (await client.answer_text(turn) or "").startswith("huge ok")
     h = await client.send("tester", "after-huge", script(answer="still here"))
     res = await client.wait(h, timeout=10)
     assert res.text is not None and "still here" in res.text
     assert w.alive()
+    assert await client.dead_letters() == []
+
+
+async def test_a_ten_megabyte_message_runs_end_to_end(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """A 10 MB user message: the client puts its text in jl_blobs, every record and history
+    entry refers to it, the model gets all of it, and nothing is dead-lettered."""
+    w = workers.start()
+    text = json.dumps({"answer": "ten ok", "pad": "m" * (10 * MIB)})
+    h = await client.send("tester", "ten", text)
+    res = await client.wait(h, timeout=60)
+    assert res.text is not None and res.text.startswith("ten ok")
+    turn = await client.turn("ten", h.turn_id)
+    assert turn is not None and turn.text_ref is not None and turn.text_ref.size == len(text)
+    snap = await client.snapshot("ten")
+    assert snap is not None
+    [user] = [e for e in snap.history if e.role.value == "user"]
+    assert user.text is None and user.text_ref == turn.text_ref
+    assert await client.dead_letters() == [] and w.alive()
+
+
+async def _ended(client: Client, sid: str, tid: str) -> Any:
+    turn = await client.turn(sid, tid)
+    return turn if turn is not None and turn.status.terminal else None

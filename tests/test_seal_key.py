@@ -5,6 +5,8 @@ through the environment here; they read ``<store dir>/seal.key``."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import os
 import signal
 import subprocess
@@ -13,13 +15,14 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
+import msgpack
 import pytest
 
 from services.client import Client
 from services.embedded import free_port
 from services.settings import SettingsError, load_settings, make_seal_key
 from streams.seal import Sealer, key_bytes
-from tests.conftest import WorkerFactory, until
+from tests.conftest import SEAL_KEY, WorkerFactory, call, script, until
 from tests.test_up import wait_ready
 
 # What would hand a process the key some other way than the store directory.
@@ -179,3 +182,51 @@ async def test_worker_without_a_key_warns_once(tmp_path: Path, workers: WorkerFa
     await keyed.wait_for("worker.started")
     assert len(bare.find("worker.unsealed")) == 1
     assert keyed.find("worker.unsealed") == []
+
+
+def _map_header(n: int) -> bytes:
+    if n < 16:
+        return bytes([0x80 | n])
+    if n < 1 << 16:
+        return b"\xde" + n.to_bytes(2, "big")
+    return b"\xdf" + n.to_bytes(4, "big")
+
+
+def _sealed_bytes(stored: bytes) -> tuple[bytes, str]:
+    """The recipe of docs/security.md, on raw bytes only: no re-encoding."""
+    first = stored[0]
+    if first & 0xF0 == 0x80:
+        n, at = first & 0x0F, 1
+    elif first == 0xDE:
+        n, at = int.from_bytes(stored[1:3], "big"), 3
+    else:
+        assert first == 0xDF
+        n, at = int.from_bytes(stored[1:5], "big"), 5
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(stored[at:])
+    for _ in range(n - 1):
+        unpacker.skip()  # key
+        unpacker.skip()  # value
+    end = at + unpacker.tell()
+    assert unpacker.unpack() == "seal"
+    seal = unpacker.unpack()
+    return _map_header(n - 1) + stored[at:end], seal
+
+
+async def test_seal_bytes_are_the_stored_map_without_its_last_entry(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """Every sealed record the engine writes verifies by the byte recipe a reader in another
+    language would use (docs/security.md), under the tests' key."""
+    workers.start()
+    h = await client.send("tester", "sealbytes", script([call("write", name="a")]))
+    await client.wait(h, timeout=30)
+    kv = await client.js.key_value("jl_state")
+    keys = [k for k in await kv.keys() if k.startswith(("turn.sealbytes.", "call.sealbytes."))]
+    assert len(keys) == 2
+    for key in keys:
+        entry = await kv.get(key)
+        assert entry.value is not None
+        body, seal = _sealed_bytes(entry.value)
+        mac = hmac.new(bytes.fromhex(SEAL_KEY), body, hashlib.sha256).hexdigest()
+        assert hmac.compare_digest(mac, seal), key

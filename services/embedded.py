@@ -98,12 +98,18 @@ class EmbeddedServer:
         name: str = "jetloop",
         log_file: Path | None = None,
         extra_args: list[str] | None = None,
+        config_file: Path | None = None,
+        auth: tuple[str, str] | None = None,
     ) -> None:
+        """``config_file``: nats-server's ``-c`` (the command-line flags here override it);
+        ``auth``: the user and password this object connects as to see JetStream ready."""
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.name = name
         self.log_file = log_file
         self.extra_args = extra_args or []
+        self.config_file = config_file
+        self.auth = auth
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -111,8 +117,10 @@ class EmbeddedServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def _args(self) -> list[str]:
+        config = ["-c", str(self.config_file)] if self.config_file else []
         return [
             server_binary(),
+            *config,
             "--jetstream",
             "--store_dir",
             str(self.store_dir / "nats"),
@@ -215,7 +223,14 @@ class EmbeddedServer:
         last: Exception | None = None
         while time.monotonic() < deadline:
             try:
-                nc = await nats.connect(self.url, connect_timeout=1, max_reconnect_attempts=0)
+                user, password = self.auth or (None, None)
+                nc = await nats.connect(
+                    self.url,
+                    user=user,
+                    password=password,
+                    connect_timeout=1,
+                    max_reconnect_attempts=0,
+                )
                 try:
                     await nc.jetstream().account_info()
                     return

@@ -5,14 +5,19 @@ A wrong setting fails at start with its name (``SettingsError``), never later.
 The seal key is found the same way by every process that writes state (worker, CLI,
 gateway): ``JETLOOP_SEAL_KEY`` if set, else ``<store dir>/seal.key`` if it exists — the
 key ``jetloop up`` makes (``make_seal_key``) — else none, and records are not sealed.
+The NATS credentials are found the same way: ``JETLOOP_NATS_USER`` and
+``JETLOOP_NATS_PASSWORD`` if set, else the ``worker`` user of ``<store dir>/nats-users.json``
+(made by ``jetloop up``, see ``services.natsauth``) if it exists, else none.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import secrets
+import urllib.parse
 from pathlib import Path
 from typing import Literal
 
@@ -40,6 +45,17 @@ class Settings(BaseSettings):
         "nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated"
     )
     store_dir: Path = Field(Path(".jetloop"), description="store directory of `jetloop up`")
+    nats_user: str | None = Field(
+        None,
+        description="NATS user to connect as; unset: the worker user of "
+        "<store dir>/nats-users.json if it exists, else none",
+    )
+    nats_password: SecretStr | None = Field(
+        None,
+        # Validated when unset too: that is when the store directory's credentials are read.
+        validate_default=True,
+        description="password of JETLOOP_NATS_USER",
+    )
     embedded_port: int = Field(4222, ge=0, le=65535, description="client port of `jetloop up`")
     app: str = Field("demo.agent:app", description="the agents a worker serves (module:attr)")
     lease_seconds: float = Field(
@@ -129,9 +145,28 @@ class Settings(BaseSettings):
         store = info.data.get("store_dir")  # absent when the store directory is invalid
         return read_seal_key(store) if store is not None else None
 
+    @field_validator("nats_password", mode="after")
+    @classmethod
+    def _stored_password(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        if v is not None or info.data.get("nats_user"):
+            return v
+        store = info.data.get("store_dir")
+        return read_local_password(store) if store is not None else None
+
     @property
     def nats_urls(self) -> list[str]:
-        return [u.strip() for u in self.nats_url.split(",") if u.strip()]
+        """The server URLs, with the user and password in each that has none (nats-py reads
+        them there); ``nats_url`` stays without them, for logs."""
+        urls = [u.strip() for u in self.nats_url.split(",") if u.strip()]
+        if self.nats_password is None:
+            return urls
+        user = urllib.parse.quote(self.nats_user or LOCAL_USER, safe="")
+        password = urllib.parse.quote(self.nats_password.get_secret_value(), safe="")
+        out = []
+        for u in urls:
+            scheme, sep, rest = u.partition("://")
+            out.append(u if "@" in rest else f"{scheme}{sep}{user}:{password}@{rest}")
+        return out
 
     def sealer(self) -> Sealer | None:
         if self.seal_key is None:
@@ -179,8 +214,30 @@ def make_seal_key(store_dir: Path) -> str:
     return path.read_text().strip()
 
 
+NATS_USERS_FILE = "nats-users.json"
+# The user every local process connects as when the store directory's credentials are used.
+LOCAL_USER = "worker"
+
+
+def read_local_password(store_dir: Path) -> SecretStr | None:
+    """The ``worker`` password of ``<store dir>/nats-users.json``, or None when there is none."""
+    path = store_dir / NATS_USERS_FILE
+    try:
+        users = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ValueError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    except ValueError:
+        raise ValueError(f"{path} is not JSON: delete it (`jetloop up` makes a new one)") from None
+    password = users.get(LOCAL_USER) if isinstance(users, dict) else None
+    if not isinstance(password, str) or not password:
+        raise ValueError(f"{path} has no {LOCAL_USER!r} password: delete it or fill it")
+    return SecretStr(password)
+
+
 # Settings whose values are secrets: an error names them and never shows what was given.
-SECRET_SETTINGS = frozenset({"seal_key", "seal_old_keys", "model_api_key"})
+SECRET_SETTINGS = frozenset({"seal_key", "seal_old_keys", "model_api_key", "nats_password"})
 # Fields, at any depth, that hold a secret (a webhook's).
 SECRET_FIELDS = frozenset({"secret"})
 # Settings keyed by a secret: the key of JETLOOP_GATEWAY_TOKENS is the token itself.

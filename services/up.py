@@ -32,8 +32,9 @@ from agents import load_app
 from services.embedded import EmbeddedServer, PortInUse, SupervisedServer, port_in_use
 from services.gateway.app import Gateway
 from services.gateway.config import GatewayConfig, exposure_error
+from services.natsauth import make_users, write_config
 from services.readmodel.projector import Projector
-from services.settings import Settings, make_seal_key
+from services.settings import LOCAL_USER, Settings, make_seal_key
 from services.supervisor import Component, GaveUp, Supervisor, describe
 from services.worker import Worker
 
@@ -126,12 +127,23 @@ async def _run_up(settings: Settings, external: bool) -> None:
 
     stages: list[list[Component]] = []
     if not external:
+        # NATS authorization: users with the permissions of their roles (services.natsauth);
+        # every part of `up` connects as the worker.
+        password = make_users(settings.store_dir)[LOCAL_USER]
         server = EmbeddedServer(
             settings.store_dir,
             port=settings.embedded_port,  # 0: a free port, kept across restarts
             log_file=settings.store_dir / "nats-server.log",
+            config_file=write_config(settings.store_dir),
+            auth=(LOCAL_USER, password),
         )
-        settings = settings.model_copy(update={"nats_url": server.url})
+        settings = settings.model_copy(
+            update={
+                "nats_url": server.url,
+                "nats_user": LOCAL_USER,
+                "nats_password": SecretStr(password),
+            }
+        )
         stages.append([Component("nats-server", lambda: SupervisedServer(server), server_fatal)])
     os.environ.setdefault("JETLOOP_VENDOR_DB", str(settings.store_dir / "vendor.sqlite"))
     if settings.seal_key is None:

@@ -20,6 +20,7 @@ import pytest
 
 from services.client import Client
 from services.embedded import free_port
+from services.natsauth import url_as
 from services.settings import SettingsError, load_settings, make_seal_key
 from streams.seal import Sealer, key_bytes
 from tests.conftest import SEAL_KEY, WorkerFactory, call, script, until
@@ -64,7 +65,8 @@ class Up:
         assert self.proc is not None
         await asyncio.to_thread(wait_ready, self.proc, self.log)
         key = (self.cwd / ".jetloop" / "seal.key").read_text()
-        return await Client.connect(self.url, sealer=Sealer([key_bytes(key)]))
+        url = url_as(self.url, self.cwd / ".jetloop")
+        return await Client.connect(url, sealer=Sealer([key_bytes(key)]))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

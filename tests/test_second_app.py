@@ -20,6 +20,7 @@ import pytest
 
 from services.client import Client, UnknownAgent
 from services.embedded import free_port
+from services.natsauth import url_as
 from streams.seal import Sealer, key_bytes
 from tests.conftest import until
 
@@ -70,7 +71,8 @@ class Here:
     async def client(self) -> Client:
         """A client in this test's process, sealing with the key `up` made in the store."""
         key = (self.dir / ".jetloop" / "seal.key").read_text()
-        return await Client.connect(self.url, sealer=Sealer([key_bytes(key)]))
+        url = url_as(self.url, self.dir / ".jetloop")
+        return await Client.connect(url, sealer=Sealer([key_bytes(key)]))
 
     def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

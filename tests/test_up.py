@@ -25,6 +25,7 @@ from structlog.testing import capture_logs
 from services.client import Client
 from services.embedded import free_port
 from services.lifecycle import Service
+from services.natsauth import url_as
 from services.supervisor import Component, GaveUp, Supervisor
 from tests.conftest import until
 
@@ -84,7 +85,7 @@ def wait_ready(proc: subprocess.Popen[bytes], log: Path) -> None:
 
 async def connect_when_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> Client:
     await asyncio.to_thread(wait_ready, proc, log)
-    return await Client.connect(url)
+    return await Client.connect(url_as(url, log.parent / "store"))
 
 
 def events(log: Path, event: str, **fields: str) -> list[str]:

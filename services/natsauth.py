@@ -1,0 +1,145 @@
+"""NATS authorization of the embedded default: users, roles and the server's config file.
+
+``jetloop up`` makes ``<store dir>/nats-users.json`` once (0600, written whole and then
+linked in place, as the seal key is), one random password per role, and starts its
+nats-server with ``<store dir>/nats-server.conf`` (0600, written at every start from the
+users file), in which each user has the subject permissions of its role:
+
+- ``worker``: everything. Every process of ``up`` and every local command (the CLI, which
+  also writes state for cancel, approve and reconcile) connects as ``worker``: whoever can
+  read the store directory can read the seal key too, so a smaller role would protect
+  nothing there.
+- ``client``: for a program elsewhere that starts turns and watches them. It may publish
+  turn requests (``jl.turn.>``), make control requests (``jl.control.>``) and read streams
+  and buckets through the JetStream API; it may not write any bucket or the object store,
+  publish steps, events or dead letters, pull or ack the work queues, or change streams and
+  consumers.
+- ``operator``: read-only: stream and consumer information, direct and message gets, and
+  consumers on the streams that are not work queues.
+
+Neither ``client`` nor ``operator`` may subscribe to ``$JS.API.>`` or ``jl.control.>``
+(who subscribes to a request subject can answer it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import urllib.parse
+from pathlib import Path
+
+from services.settings import LOCAL_USER, NATS_USERS_FILE
+
+CONFIG_FILE = "nats-server.conf"
+ROLES = (LOCAL_USER, "client", "operator")
+
+WORK_QUEUES = ("JL_TURNS", "JL_STEPS")
+
+# What no one but a worker may publish.
+_WRITES = [
+    "$KV.>",
+    "$O.>",
+    "jl.step.>",
+    "jl.sched.>",
+    "jl.event.>",
+    "jl.dead.>",
+    "jl.cron.>",
+    "jl.live.>",
+    "$JS.API.STREAM.CREATE.>",
+    "$JS.API.STREAM.UPDATE.>",
+    "$JS.API.STREAM.DELETE.>",
+    "$JS.API.STREAM.PURGE.>",
+    "$JS.API.STREAM.MSG.DELETE.>",
+    "$JS.API.STREAM.RESTORE.>",
+    "$JS.API.STREAM.SNAPSHOT.>",
+    "$JS.API.CONSUMER.DELETE.>",
+    "$JS.API.CONSUMER.DURABLE.CREATE.>",
+    *(f"$JS.API.CONSUMER.CREATE.{q}" for q in WORK_QUEUES),
+    *(f"$JS.API.CONSUMER.CREATE.{q}.>" for q in WORK_QUEUES),
+    *(f"$JS.API.CONSUMER.MSG.NEXT.{q}.>" for q in WORK_QUEUES),
+    *(f"$JS.ACK.{q}.>" for q in WORK_QUEUES),
+]
+
+_READS = [
+    "$JS.API.INFO",
+    "$JS.API.STREAM.INFO.>",
+    "$JS.API.STREAM.NAMES",
+    "$JS.API.STREAM.LIST",
+    "$JS.API.STREAM.MSG.GET.>",
+    "$JS.API.DIRECT.GET.>",
+    "$JS.API.CONSUMER.INFO.>",
+    "$JS.API.CONSUMER.NAMES.>",
+    "$JS.API.CONSUMER.LIST.>",
+    "$JS.API.CONSUMER.CREATE.>",
+    "$JS.API.CONSUMER.MSG.NEXT.>",
+    "$JS.ACK.>",
+    "$JS.FC.>",
+    "_INBOX.>",
+]
+
+_SUBSCRIBE = {"allow": [">"], "deny": ["$JS.API.>", "jl.control.>"]}
+
+PERMISSIONS: dict[str, dict[str, dict[str, list[str]]] | None] = {
+    LOCAL_USER: None,
+    "client": {
+        "publish": {"allow": ["jl.turn.>", "jl.control.>", *_READS], "deny": _WRITES},
+        "subscribe": _SUBSCRIBE,
+    },
+    "operator": {"publish": {"allow": _READS, "deny": _WRITES}, "subscribe": _SUBSCRIBE},
+}
+
+
+def make_users(store_dir: Path) -> dict[str, str]:
+    """``<store dir>/nats-users.json``: made once with a random password per role (0600)."""
+    path = store_dir / NATS_USERS_FILE
+    if not path.exists():
+        store_dir.mkdir(parents=True, exist_ok=True)
+        draft = store_dir / f".{NATS_USERS_FILE}.{os.getpid()}"
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({role: secrets.token_urlsafe(24) for role in ROLES}, f, indent=2)
+        try:
+            os.link(draft, path)
+        except FileExistsError:
+            pass  # another process made it a moment ago: that one holds the passwords
+        finally:
+            draft.unlink()
+    users = json.loads(path.read_text())
+    missing = [r for r in ROLES if not isinstance(users.get(r), str) or not users[r]]
+    if missing:
+        raise ValueError(f"{path} has no password for {', '.join(missing)}: delete it")
+    return {r: users[r] for r in ROLES}
+
+
+def server_config(users: dict[str, str]) -> str:
+    """The ``authorization`` block of nats-server's config (JSON is valid config syntax)."""
+    entries = []
+    for role in ROLES:
+        entry: dict[str, object] = {"user": role, "password": users[role]}
+        perms = PERMISSIONS[role]
+        if perms is not None:
+            entry["permissions"] = perms
+        entries.append(entry)
+    return json.dumps({"authorization": {"users": entries}}, indent=2) + "\n"
+
+
+def write_config(store_dir: Path) -> Path:
+    """Make the users if needed and write the server's config beside them (0600)."""
+    text = server_config(make_users(store_dir))
+    path = store_dir / CONFIG_FILE
+    draft = store_dir / f".{CONFIG_FILE}.{os.getpid()}"
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(draft, path)
+    return path
+
+
+def url_as(url: str, store_dir: Path, role: str = LOCAL_USER) -> str:
+    """``url`` with the user ``role`` and its password from the store directory's users."""
+    password = make_users(store_dir)[role] if (store_dir / NATS_USERS_FILE).exists() else None
+    if password is None:
+        raise FileNotFoundError(f"{store_dir / NATS_USERS_FILE} does not exist")
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{role}:{urllib.parse.quote(password, safe='')}@{rest}"

@@ -1,0 +1,111 @@
+"""`jetloop up` serves NATS with users and roles (services.natsauth): the CLI beside it
+finds the worker credentials in the store directory; a client credential starts and reads
+turns but cannot write state or publish a step; no credential is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
+from nats.js.errors import KeyNotFoundError
+
+from services.client import Client
+from services.natsauth import url_as
+from streams.seal import Sealer, key_bytes
+from streams.topology import STATE_BUCKET, STEPS_STREAM
+from tests.test_seal_key import Up, env_without_key
+from tests.test_up import wait_ready
+
+NO_CREDENTIALS = ("JETLOOP_NATS_USER", "JETLOOP_NATS_PASSWORD")
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[Up]:
+    u = Up(tmp_path)
+    u.start()
+    assert u.proc is not None
+    wait_ready(u.proc, u.log)
+    yield u
+    u.stop()
+
+
+def cli(up: Up, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in env_without_key().items() if k not in NO_CREDENTIALS}
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args, "--nats", up.url],
+        cwd=up.cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_roles_of_the_embedded_server(up: Up) -> None:
+    store = up.cwd / ".jetloop"
+    for name in ("nats-users.json", "nats-server.conf"):
+        assert stat.S_IMODE((store / name).stat().st_mode) == 0o600, name
+
+    # The README tour: the CLI in up's working directory connects with the store's credentials.
+    out = await asyncio.to_thread(
+        cli, up, "send", "--agent", "demo", "--session", "s1", "create ticket printer on fire"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "T-1" in out.stdout, out.stdout
+
+    # No credentials: refused.
+    anonymous = NATS()
+    with pytest.raises(NatsError) as refused:
+        await anonymous.connect(
+            up.url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False
+        )
+    await anonymous.close()  # nats-py leaves the refused socket open otherwise
+    assert "authorization" in str(refused.value).lower(), refused.value
+
+    # The client role: starts a turn and reads its result.
+    key = (store / "seal.key").read_text()
+    client_url = url_as(up.url, store, "client")
+    async with await Client.connect(client_url, sealer=Sealer([key_bytes(key)])) as c:
+        h = await c.send("demo", "s2", "list tickets")
+        res = await c.wait(h, timeout=30)
+        assert res.text is not None and "T-1" in res.text, res
+
+    # ... but cannot write state nor publish a step.
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    nc = await nats.connect(
+        url_as(up.url, store, "client"), error_cb=on_error, max_reconnect_attempts=0
+    )
+    try:
+        js = nc.jetstream(timeout=2)
+        kv = await js.key_value(STATE_BUCKET)
+        steps_before = (await js.stream_info(STEPS_STREAM)).state.last_seq
+        with pytest.raises(NatsError):
+            await kv.put("session.s1", b"forged")
+        with pytest.raises(NatsError):
+            await js.publish("jl.step.tool.demo.call.s1", b"forged")
+        await nc.flush()
+        # (nats-py lowercases the server's error)
+        violations = [e.lower() for e in errors if "permissions violation" in e.lower()]
+        assert any(f"$kv.{STATE_BUCKET}.session.s1" in e for e in violations), errors
+        assert any("jl.step.tool.demo.call.s1" in e for e in violations), errors
+        assert (await js.stream_info(STEPS_STREAM)).state.last_seq == steps_before
+        entry = None
+        try:
+            entry = await kv.get("session.s1")
+        except KeyNotFoundError:
+            pass
+        assert entry is None or entry.value != b"forged"
+    finally:
+        await nc.close()

@@ -148,8 +148,10 @@ class Settings(BaseSettings):
     @field_validator("nats_password", mode="after")
     @classmethod
     def _stored_password(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
-        if v is not None or info.data.get("nats_user"):
+        if v is not None:
             return v
+        if info.data.get("nats_user"):
+            raise ValueError("required when JETLOOP_NATS_USER is set")
         store = info.data.get("store_dir")
         return read_local_password(store) if store is not None else None
 

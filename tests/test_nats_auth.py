@@ -18,7 +18,8 @@ from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
 
 from services.client import Client
-from services.natsauth import url_as
+from services.natsauth import make_users, url_as
+from services.settings import SettingsError, load_settings
 from streams.seal import Sealer, key_bytes
 from streams.topology import STATE_BUCKET, STEPS_STREAM
 from tests.test_seal_key import Up, env_without_key
@@ -109,3 +110,36 @@ async def test_roles_of_the_embedded_server(up: Up) -> None:
         assert entry is None or entry.value != b"forged"
     finally:
         await nc.close()
+
+    # The operator role reads and writes nothing.
+    errors.clear()
+    nc = await nats.connect(
+        url_as(up.url, store, "operator"), error_cb=on_error, max_reconnect_attempts=0
+    )
+    try:
+        js = nc.jetstream(timeout=2)
+        assert (await js.stream_info(STEPS_STREAM)).config.name == STEPS_STREAM
+        with pytest.raises(NatsError):
+            await js.publish("jl.turn.demo.s3", b"{}")
+        await nc.flush()
+        assert any("jl.turn.demo.s3" in e for e in errors), errors
+    finally:
+        await nc.close()
+
+
+def test_a_user_without_a_password_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match=r"JETLOOP_NATS_PASSWORD: .*JETLOOP_NATS_USER"):
+        load_settings(store_dir=tmp_path, nats_user="client")
+
+
+def test_credentials_come_from_the_settings_else_the_store(tmp_path: Path) -> None:
+    """Auth goes into the URLs only when there are credentials (a harness server has none)."""
+    assert load_settings(store_dir=tmp_path, nats_url="nats://h:1").nats_urls == ["nats://h:1"]
+    worker = make_users(tmp_path)["worker"]
+    s = load_settings(store_dir=tmp_path, nats_url="nats://h:1,nats://g:2")
+    assert s.nats_urls == [f"nats://worker:{worker}@h:1", f"nats://worker:{worker}@g:2"]
+    assert s.nats_url == "nats://h:1,nats://g:2"  # what logs may show
+    s = load_settings(
+        store_dir=tmp_path, nats_user="client", nats_password="p/w", nats_url="nats://h:1"
+    )
+    assert s.nats_urls == ["nats://client:p%2Fw@h:1"]

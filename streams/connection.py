@@ -10,6 +10,7 @@ from typing import TypeVar
 
 import structlog
 from nats.aio.client import Client
+from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
@@ -36,7 +37,11 @@ async def connect(
     # What an outage looks like in the log: a worker warns, a bounded client only notes it.
     note = log.debug if bounded else log.warning
 
+    refusals: list[str] = []
+
     async def on_error(exc: Exception) -> None:
+        if "authorization violation" in str(exc).lower():
+            refusals.append(str(exc))
         note("nats.error", error=str(exc))
 
     closing: list[Client] = []
@@ -74,12 +79,24 @@ async def connect(
             ),
             give_up_after,
         )
-    except BaseException:
+    except BaseException as exc:
         if bounded:
             await nc.close()  # stop its reconnect attempts
+        if refusals and isinstance(exc, Exception):
+            raise NotAuthorized() from None
         raise
     closing.append(nc)
     return nc
+
+
+class NotAuthorized(NatsError):
+    """The server refused the connection's user and password (or that it had none)."""
+
+    def __str__(self) -> str:
+        return (
+            "wrong or missing credentials (set JETLOOP_NATS_USER and JETLOOP_NATS_PASSWORD, "
+            "or run in the directory of `jetloop up`, which keeps them in its store)"
+        )
 
 
 class PayloadTooLarge(MaxPayloadError):

@@ -38,8 +38,9 @@ def up(tmp_path: Path) -> Iterator[Up]:
     u.stop()
 
 
-def cli(up: Up, *args: str) -> subprocess.CompletedProcess[str]:
+def cli(up: Up, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in env_without_key().items() if k not in NO_CREDENTIALS}
+    env.update(extra_env)
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args, "--nats", up.url],
         cwd=up.cwd,
@@ -61,6 +62,21 @@ async def test_roles_of_the_embedded_server(up: Up) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "T-1" in out.stdout, out.stdout
+
+    # A wrong password: one line that names the settings and shows no password.
+    wrong = await asyncio.to_thread(
+        cli,
+        up,
+        "events",
+        "s1",
+        "--no-follow",
+        JETLOOP_NATS_USER="client",
+        JETLOOP_NATS_PASSWORD="not-it",
+    )
+    assert wrong.returncode == 1, wrong
+    lines = wrong.stderr.strip().splitlines()
+    assert len(lines) == 1 and "JETLOOP_NATS_PASSWORD" in lines[0], wrong.stderr
+    assert "not-it" not in wrong.stderr and "Traceback" not in wrong.stderr
 
     # No credentials: refused.
     anonymous = NATS()

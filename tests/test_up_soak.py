@@ -33,6 +33,7 @@ import pytest
 
 from services.client import Client
 from services.embedded import free_port
+from services.natsauth import url_as
 from tests.test_up import alive, events, field, start_up, wait_ready
 
 SECONDS = float(os.environ.get("JETLOOP_UP_SOAK_SECONDS", "180"))
@@ -89,7 +90,7 @@ async def test_up_stays_up_with_bursts_and_idle_gaps(tmp_path: Path) -> None:
     samples: list[tuple[int, float, float]] = []  # turns so far, MB before and after a gap
     try:
         await asyncio.to_thread(wait_ready, proc, log)
-        c = await Client.connect(f"nats://127.0.0.1:{nats_port}")
+        c = await Client.connect(url_as(f"nats://127.0.0.1:{nats_port}", tmp_path / "store"))
         began = time.monotonic()
         try:
             async with aiohttp.ClientSession(f"http://127.0.0.1:{gateway_port}") as http:

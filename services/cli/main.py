@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -99,7 +100,8 @@ async def _with_client(urls: list[str], body: Body, timeout: float | None) -> No
     from services.cli.inspector import Missing
     from services.client import Client
 
-    where = ", ".join(urls)
+    # The URLs carry the NATS password (services.settings): shown without it.
+    where = ", ".join(re.sub(r"//[^/@]*@", "//", u) for u in urls)
     lost = asyncio.Event()
 
     async def on_closed() -> None:

@@ -29,7 +29,7 @@ import secrets
 import urllib.parse
 from pathlib import Path
 
-from services.settings import LOCAL_USER, NATS_USERS_FILE
+from services.settings import LOCAL_USER, NATS_USERS_FILE, write_once
 
 CONFIG_FILE = "nats-server.conf"
 ROLES = (LOCAL_USER, "client", "operator")
@@ -94,17 +94,7 @@ def make_users(store_dir: Path) -> dict[str, str]:
     """``<store dir>/nats-users.json``: made once with a random password per role (0600)."""
     path = store_dir / NATS_USERS_FILE
     if not path.exists():
-        store_dir.mkdir(parents=True, exist_ok=True)
-        draft = store_dir / f".{NATS_USERS_FILE}.{os.getpid()}"
-        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({role: secrets.token_urlsafe(24) for role in ROLES}, f, indent=2)
-        try:
-            os.link(draft, path)
-        except FileExistsError:
-            pass  # another process made it a moment ago: that one holds the passwords
-        finally:
-            draft.unlink()
+        write_once(path, json.dumps({r: secrets.token_urlsafe(24) for r in ROLES}, indent=2))
     users = json.loads(path.read_text())
     missing = [r for r in ROLES if not isinstance(users.get(r), str) or not users[r]]
     if missing:

@@ -195,24 +195,29 @@ def read_seal_key(store_dir: Path) -> SecretStr | None:
     return SecretStr(text)
 
 
-def make_seal_key(store_dir: Path) -> str:
-    """The embedded default's checkpoint key: made once, kept in the store directory (0600).
+def write_once(path: Path, text: str) -> None:
+    """Create ``path`` (0600) holding ``text``, unless it exists. Written whole under another
+    name and then linked in place, so a process reading it beside the writer never sees a
+    partial file, and of two writers racing the first one's file stays."""
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    draft = path.parent / f".{path.name}.{os.getpid()}"
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    try:
+        os.link(draft, path)
+    except FileExistsError:
+        pass  # another process made it a moment ago: that one stays
+    finally:
+        draft.unlink()
 
-    Written whole under another name and then linked in place, so a process reading the
-    key beside ``jetloop up`` never sees an empty file."""
+
+def make_seal_key(store_dir: Path) -> str:
+    """The embedded default's checkpoint key: made once, kept in the store directory (0600)."""
     path = store_dir / SEAL_KEY_FILE
-    if not path.exists():
-        store_dir.mkdir(parents=True, exist_ok=True)
-        draft = store_dir / f".{SEAL_KEY_FILE}.{os.getpid()}"
-        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-        try:
-            os.link(draft, path)
-        except FileExistsError:
-            pass  # another process made it a moment ago: that one is the key
-        finally:
-            draft.unlink()
+    write_once(path, secrets.token_hex(32))
     return path.read_text().strip()
 
 

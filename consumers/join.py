@@ -70,4 +70,5 @@ async def on_join(d: Delivery, step: StepMessage) -> None:
         if again is not None and (again.value.status.terminal or _moved_on(again.value, n)):
             return  # another join won the race (or the turn ended): it publishes what follows
         raise RetryLater(0.02, "turn changed while joining") from None
+    await rt.faults.point("join.before_publish")
     await joined(moved, results).publish(rt.bus)

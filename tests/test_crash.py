@@ -6,28 +6,45 @@ ARCHITECTURE.md's failure table: the resumed worker must write, publish and ack 
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
 from demo.vendor import Vendor
-from schemas import CallState
+from schemas import CallState, SessionRecord
 from services.client import Client
-from tests.conftest import WorkerFactory, call, script
+from services.embedded import EmbeddedServer
+from streams import topology
+from streams.connection import connect
+from streams.state import StateStore, session_key
+from tests.conftest import WorkerFactory, call, script, until
+from tooling.trials.harness import WorkerProcess
 
 
 async def test_stalled_worker_writes_and_acks_nothing(
-    client: Client, workers: WorkerFactory, vendor: Vendor, tmp_path: object
+    client: Client, workers: WorkerFactory, vendor: Vendor, tap: AckTap, tmp_path: object
 ) -> None:
-    """A worker paused past its lease and resumed after a takeover writes and acks nothing."""
-    from pathlib import Path
-
+    """A worker paused past its lease and resumed after a takeover writes and acks nothing:
+    its tool is not called again, the record is the taker's, no ack, nak or term of its
+    delivery reaches the server and the streams hold nothing new."""
     release = Path(str(tmp_path)) / "release"
     stalled = workers.start("stalled", hold="call_tool.in_tool", release_file=release)
     h = await client.send("tester", "st1", script([call("write", name="x")]))
     held = await stalled.wait_for("fault.hold", point="call_tool.in_tool")
-    step = held["step"]
+    step, seq, delivery = held["step"], held["seq"], held["delivery"]
     stalled.pause()
     workers.start("taker")
     await client.wait(h, timeout=30)
     before = await client.call("st1", h.turn_id, 0, 0)
     assert before is not None and before.state == CallState.SUCCEEDED
+    streams = await last_seqs(client, "st1")
 
     stalled.resume()
     release.touch()
@@ -40,6 +57,10 @@ async def test_stalled_worker_writes_and_acks_nothing(
     after = await client.call("st1", h.turn_id, 0, 0)
     assert after == before, "the stalled worker must not write the call record"
     assert await vendor.request_counts("write") == {before_key(before): 1}
+    await handled(stalled, seq, delivery)
+    await tap.nc.flush()
+    assert tap.settled(seq, delivery) == [], "the stale delivery must not be settled"
+    assert await last_seqs(client, "st1") == streams, "nothing new in the streams"
 
 
 def before_key(rec: object) -> str:
@@ -47,3 +68,178 @@ def before_key(rec: object) -> str:
 
     parts = rec.key.split(".")  # type: ignore[attr-defined]
     return idempotency_key(parts[0], parts[1], int(parts[2]), int(parts[3]))
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One message a worker sent on a JetStream delivery: an ack, nak, term or progress."""
+
+    stream: str
+    delivered: int  # which delivery of the message it answers
+    seq: int  # the message's stream sequence
+    kind: bytes  # b"+ACK", b"-NAK", b"+TERM", b"+WPI", ...
+
+
+class AckTap:
+    """Every ack, nak, term and in-progress ack any client sends, as the server receives
+    them: a core subscription on ``$JS.ACK.>`` (read from the server, not from logs)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Sent] = []
+        self.nc: Any = None
+
+    async def start(self, url: str) -> AckTap:
+        self.nc = await connect([url], "test-ack-tap")
+        await self.nc.subscribe("$JS.ACK.>", cb=self._on)
+        await self.nc.flush()
+        return self
+
+    async def _on(self, msg: Any) -> None:
+        t = msg.subject.split(".")
+        if len(t) > 9:  # the v2 form: $JS.ACK.<domain>.<account hash>.<stream>...
+            t = t[:2] + t[4:]
+        # An empty body is an ack too (nats-py's ack_sync sends one).
+        kind = msg.data.split(b" ")[0] or b"+ACK"
+        self.sent.append(Sent(t[2], int(t[4]), int(t[5]), kind))
+
+    def settled(self, seq: int, delivered: int) -> list[bytes]:
+        """What settled (or tried to settle) one delivery of a step: anything but an
+        in-progress ack."""
+        return [
+            s.kind
+            for s in self.sent
+            if s.stream == topology.STEPS_STREAM
+            and (s.seq, s.delivered) == (seq, delivered)
+            and s.kind != b"+WPI"
+        ]
+
+    async def close(self) -> None:
+        await self.nc.flush()
+        await self.nc.close()
+
+
+@pytest.fixture
+async def tap(nats_ready: EmbeddedServer) -> AsyncIterator[AckTap]:
+    t = await AckTap().start(nats_ready.url)
+    yield t
+    await t.close()
+
+
+async def last_seqs(client: Client, session: str) -> dict[str, int]:
+    """The last sequence of every stream the engine writes (a publish deduplicated by its
+    message id adds nothing), once the session is idle again."""
+
+    async def idle() -> bool:
+        snap = await client.snapshot(session)
+        return snap is not None and snap.status == "idle" and snap.turns_done >= 1
+
+    await until(idle)
+    skip = (f"KV_{topology.WORKERS_BUCKET}", f"KV_{topology.AGENTS_BUCKET}")
+    return {
+        s.config.name: s.state.last_seq
+        for s in await client.js.streams_info()
+        if s.config.name not in skip
+    }
+
+
+async def handled(w: WorkerProcess, seq: int, delivery: int) -> None:
+    """Wait until a worker has finished handling one delivery (its dispatch logged the end)."""
+    ends = ("step.taken_over", "step.acked", "step.error", "step.retry_later", "step.dead_letter")
+
+    async def done() -> bool:
+        return any(
+            ln.get("event") in ends and ln.get("seq") == seq and ln.get("delivery") == delivery
+            for ln in w.lines()
+        )
+
+    await until(done)
+
+
+async def test_stalled_worker_after_its_commit_acks_nothing(
+    client: Client, workers: WorkerFactory, tap: AckTap, tmp_path: Path
+) -> None:
+    """A worker paused past its lease just after committing a model answer, found lost when
+    it resumes (the turn moved on meanwhile), sends nothing on its delivery: no ack, nak or
+    term reaches the server, and its re-emission adds nothing to the streams."""
+    release = tmp_path / "release"
+    stalled = workers.start("stalled", hold="run_model.after_commit", release_file=release)
+    h = await client.send("tester", "sa", script([call("write", name="x")]))
+    held = await stalled.wait_for("fault.hold", point="run_model.after_commit")
+    seq, delivery = held["seq"], held["delivery"]
+    stalled.pause()
+    workers.start("taker")
+    await client.wait(h, timeout=30)
+    turn = await client.turn("sa", h.turn_id)
+    before = await last_seqs(client, "sa")
+
+    stalled.resume()
+    # The heartbeat reads the fence back and finds the turn moved on; then let it go on.
+    await stalled.wait_for("step.lease_lost", seq=seq)
+    release.touch()
+    await handled(stalled, seq, delivery)
+    await tap.nc.flush()
+    assert tap.settled(seq, delivery) == [], "the lost delivery must not be settled"
+    assert await last_seqs(client, "sa") == before, "nothing new in the streams"
+    assert await client.turn("sa", h.turn_id) == turn
+
+
+async def test_stalled_worker_before_its_commit_is_fenced(
+    client: Client, workers: WorkerFactory, vendor: Vendor, tap: AckTap, tmp_path: Path
+) -> None:
+    """A worker paused past its lease after its write reached the vendor and before it
+    committed: the taker makes the write again with the same key and commits; the resumed
+    worker's commit is refused by the fence, so the record is the taker's, the vendor saw
+    the key twice and applied it once, and the stale delivery is not settled."""
+    release = tmp_path / "release"
+    stalled = workers.start("stalled", hold="call_tool.before_commit", release_file=release)
+    h = await client.send("tester", "sc", script([call("write", name="x")]))
+    held = await stalled.wait_for("fault.hold", point="call_tool.before_commit")
+    seq, delivery = held["seq"], held["delivery"]
+    stalled.pause()
+    workers.start("taker")
+    await client.wait(h, timeout=30)
+    rec = await client.call("sc", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == CallState.SUCCEEDED and rec.attempts == 2
+    before = await last_seqs(client, "sc")
+
+    release.touch()
+    stalled.resume()
+    await handled(stalled, seq, delivery)
+    await tap.nc.flush()
+    assert await client.call("sc", h.turn_id, 0, 0) == rec, "the stale commit must not land"
+    assert await vendor.request_counts("write") == {before_key(rec): 2}
+    assert await vendor.effect_count("write") == 1
+    assert tap.settled(seq, delivery) == [], "the stale delivery must not be settled"
+    assert await last_seqs(client, "sc") == before, "nothing new in the streams"
+
+
+async def test_write_whose_reply_was_lost_is_read_back(nats_ready: EmbeddedServer) -> None:
+    """A state write sent while the server is stopped (SIGSTOP) times out; the server applies
+    it when it goes on, and the retried CAS then finds the revision moved: the write reads
+    the key back, finds exactly what it wrote, and returns that revision instead of taking
+    the retry's conflict for a takeover."""
+    nc = await connect([nats_ready.url], "test-lost-reply")
+    try:
+        kv = await nc.jetstream(timeout=0.5).key_value(topology.STATE_BUCKET)
+        store = StateStore(kv, retry_for=30.0)
+        key = session_key("lr")
+        first = await store.write(key, SessionRecord(session_id="lr", agent="tester"), None)
+        moved = SessionRecord(session_id="lr", agent="tester", turns_done=1)
+        assert nats_ready.proc is not None
+        os.kill(nats_ready.proc.pid, signal.SIGSTOP)
+        try:
+            with structlog.testing.capture_logs() as logs:
+                write = asyncio.create_task(store.write(key, moved, first))
+
+                async def timed_out_twice() -> bool:
+                    return sum(1 for e in logs if e["event"] == "nats.retry") >= 2
+
+                await until(timed_out_twice, timeout=20)
+        finally:
+            os.kill(nats_ready.proc.pid, signal.SIGCONT)
+        rev = await asyncio.wait_for(write, 30)
+        entry = await kv.get(key)
+        assert rev == entry.revision and rev > first
+        assert entry.value == store._encode(moved)
+    finally:
+        await nc.close()

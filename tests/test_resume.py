@@ -3,10 +3,13 @@ resume, keyed writes with a dedupe window, answers handed on once."""
 
 from __future__ import annotations
 
+import json
+
 import msgpack
 import pytest
 
 from demo.vendor import Vendor
+from schemas import TurnPhase
 from services.client import Client, TurnFailed
 from streams.state import turn_key
 from tests.conftest import SEAL_KEY, WorkerFactory, body, call, script, until
@@ -187,3 +190,23 @@ async def test_answer_handed_on_once_after_a_crash(
     assert sum((await vendor.payload_counts("model_call")).values()) == 1
     events = await events_of(client, "ans", ("turn.completed",))
     assert [e.type for e in events].count("turn.completed") == 1  # type: ignore[attr-defined]
+
+
+async def test_join_lost_before_publishing_is_published_again(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A worker that moved the turn on in the join (its CAS landed) and died before it
+    published what follows: the join's redelivery finds the turn moved and publishes the
+    next model step; the model is asked once for each step and the write made once."""
+    victim = workers.start("victim", hold="join.before_publish")
+    h = await client.send("tester", "jn", script([call("write", name="x")]))
+    held = await victim.wait_for("fault.hold", point="join.before_publish")
+    moved = await client.turn("jn", h.turn_id)
+    assert moved is not None and moved.model_step == 1 and moved.phase == TurnPhase.MODEL
+    victim.kill()
+    survivor = workers.start("survivor")
+    await client.wait(h, timeout=30)
+    assert survivor.find("step.acked", seq=held["seq"], delivery=held["delivery"] + 1)
+    asked = await vendor.payload_counts("model_call")
+    assert sorted(json.loads(p)["step"] for p, n in asked.items() for _ in range(n)) == [0, 1]
+    assert await vendor.effect_count("write") == 1

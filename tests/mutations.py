@@ -1,0 +1,364 @@
+"""The mutation check: deliberate bugs in the engine, and the tests that must catch them.
+
+Each ``Mutation`` names a file of the engine (under ``consumers/`` or ``streams/``), an exact
+source snippet, what replaces it, the bug that makes in one line, and the test node ids that
+claim to catch it. ``check`` copies the project to a temporary directory, applies the one
+mutation there (failing loudly unless the snippet is found exactly once, so the list cannot
+rot silently), checks that a fresh interpreter with the copy first on ``PYTHONPATH`` — which
+is what the worker subprocesses the tests start inherit — imports the mutated module from
+the copy, runs the named tests in the copy, and reports the mutation caught (a test failed)
+or survived (every test passed).
+
+    python -m tests.mutations                 # the CI subset
+    python -m tests.mutations --all           # every mutation (see docs/crash-matrix.md)
+    python -m tests.mutations approval-gate-passes-while-pending ...
+    python -m tests.mutations --all --each    # run every named test, not only up to the first
+                                              # failure: which tests catch what
+    python -m tests.mutations --list
+
+It exits non-zero if any mutation survives or cannot be applied. ``tests/test_mutations.py``
+runs the CI subset inside the test suite and checks that every snippet still applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+IGNORED = (".git", ".venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", "*.pyc")
+MATRIX = "tests/test_matrix.py::test_matrix"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # under consumers/ or streams/
+    find: str  # exact source, found exactly once
+    replace: str
+    bug: str  # the bug the replacement makes, in one line
+    tests: tuple[str, ...]  # node ids that claim to catch it
+
+    @property
+    def module(self) -> str:
+        return self.path.removesuffix(".py").replace("/", ".")
+
+
+def cell(column: str, row: str) -> str:
+    return f"{MATRIX}[{column}-{row}]"
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "dispatch-acks-when-lost",
+        "consumers/dispatch.py",
+        '        if d.lost:\n            raise TakenOver(d.fence_key or "?")\n'
+        "        await msg.ack_sync(timeout=5)\n",
+        "        await msg.ack_sync(timeout=5)\n",
+        "dispatch acks a step whose lease was lost (d.lost ignored)",
+        ("tests/test_crash.py::test_stalled_worker_after_its_commit_acks_nothing",),
+    ),
+    Mutation(
+        "dispatch-settles-taken-over",
+        "consumers/dispatch.py",
+        '        log.warning("step.taken_over", key=exc.key)\n',
+        '        log.warning("step.taken_over", key=exc.key)\n        await _quietly(msg.nak())\n',
+        "a taken-over attempt naks its message (sends something on it)",
+        ("tests/test_crash.py::test_stalled_worker_writes_and_acks_nothing",),
+    ),
+    Mutation(
+        "no-fence-check-before-the-tool",
+        "consumers/call_tool.py",
+        "    if not await env.d.still_ours(fresh_for=rt.lease_seconds / 4):\n",
+        "    if False:\n",
+        "the fence check before the tool call is removed",
+        (
+            "tests/test_crash.py::test_stalled_worker_writes_and_acks_nothing",
+            cell("worker_kill", "single_attempt-after-mark"),
+        ),
+    ),
+    Mutation(
+        "approval-gate-passes-while-pending",
+        "consumers/approvals.py",
+        "    if approval.status == Decision.PENDING:\n",
+        "    if approval.status == Decision.PENDING and False:\n",
+        "the approval gate passes while the approval is pending",
+        (
+            cell("worker_kill", "approval-while-waiting"),
+            cell("server_restart", "approval-while-waiting"),
+            cell("takeover", "approval-while-waiting"),
+            "tests/test_steps.py::test_approval_while_no_worker_runs_and_policy_overrides",
+            "tests/test_resume.py::test_gates_again_on_resume",
+        ),
+    ),
+    Mutation(
+        "lost-write-recorded-succeeded",
+        "consumers/call_tool.py",
+        '        log.info("call.resume", settlement="made again with the same idempotency key")\n'
+        '        return "made again"\n',
+        '        await settle(env, CallOutcome(state=CallState.SUCCEEDED), "made again")\n'
+        '        return "settled"\n',
+        "a lost idempotent write is recorded succeeded without being made again",
+        (
+            cell("worker_kill", "idempotent_write-while-running"),
+            "tests/test_resume.py::test_one_worker_lost_is_one_loss",
+        ),
+    ),
+    Mutation(
+        "single-attempt-write-marked-running",
+        "consumers/call_tool.py",
+        '            "state": CallState.IN_DOUBT if effect.is_write else CallState.RUNNING,\n',
+        '            "state": CallState.RUNNING,\n',
+        "a single-attempt write is marked RUNNING instead of in doubt",
+        (
+            cell("worker_kill", "single_attempt-while-running"),
+            cell("worker_kill", "single_attempt-after-mark"),
+        ),
+    ),
+    Mutation(
+        "idempotency-key-per-attempt",
+        "consumers/calls.py",
+        "        return self._call.idempotency_key\n",
+        '        return f"{self._call.idempotency_key}.a{self._attempt}"\n',
+        "the idempotency key includes the attempt number",
+        (
+            cell("worker_kill", "idempotent_write-while-running"),
+            "tests/test_lifecycle.py::test_drain_timeout_hands_the_step_back",
+        ),
+    ),
+    Mutation(
+        "no-commit-time-fence",
+        "consumers/runtime.py",
+        "            if self.lost:\n"
+        "                raise TakenOver(self.fence_key)\n"
+        "            try:\n"
+        "                rev = await self.rt.state.write(self.fence_key, value, self.fence_rev)\n",
+        "            try:\n"
+        "                now = await self.rt.state.revision(self.fence_key)\n"
+        "                rev = await self.rt.state.write(self.fence_key, value, now)\n",
+        "a commit writes over whatever the key holds: a stale worker's CAS is not rejected",
+        ("tests/test_crash.py::test_stalled_worker_before_its_commit_is_fenced",),
+    ),
+    Mutation(
+        "no-attempt-exhaustion",
+        "consumers/call_tool.py",
+        "    if rec.attempts >= tool.max_attempts or window_passed(rec, tool):\n",
+        "    if False:\n",
+        "a call whose attempts ran out is made again instead of settled `exhausted`",
+        (
+            cell("worker_kill", "every_attempt-read"),
+            cell("worker_kill", "every_attempt-write"),
+        ),
+    ),
+    Mutation(
+        "no-join-recovery",
+        "consumers/join.py",
+        "        results = _results(calls)\n"
+        "        if results is not None:\n"
+        "            await joined(turn, results).publish(rt.bus)\n"
+        "        return\n",
+        "        return\n",
+        "a join redelivered after its worker moved the turn and died does not publish what follows",
+        ("tests/test_resume.py::test_join_lost_before_publishing_is_published_again",),
+    ),
+    Mutation(
+        "no-read-back-of-a-lost-reply",
+        "streams/state.py",
+        "            return entry.revision if entry.value == data and entry.revision else None\n",
+        "            return None\n",
+        "a state write whose reply was lost is not read back (a retried CAS looks like a takeover)",
+        ("tests/test_crash.py::test_write_whose_reply_was_lost_is_read_back",),
+    ),
+    Mutation(
+        "no-re-emit-on-redelivery",
+        "consumers/run_model.py",
+        "    if turn.model_step == n and turn.phase == TurnPhase.CALLS:\n"
+        "        await answer(turn).publish(rt.bus)\n"
+        "        return\n",
+        "    if turn.model_step == n and turn.phase == TurnPhase.CALLS:\n        return\n",
+        "a redelivered model step whose answer is committed does not re-emit its calls",
+        (cell("worker_kill", "run_model-after-output"),),
+    ),
+    Mutation(
+        "seal-not-checked",
+        "streams/state.py",
+        "            raise SealBroken(key, why)\n",
+        "            pass\n",
+        "a checkpoint whose seal does not verify is trusted",
+        ("tests/test_resume.py::test_tampered_checkpoint_is_not_run",),
+    ),
+)
+
+# Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails
+# early, so the subset costs about a minute.
+CI_SUBSET: tuple[str, ...] = (
+    "approval-gate-passes-while-pending",
+    "idempotency-key-per-attempt",
+    "seal-not-checked",
+    "no-read-back-of-a-lost-reply",
+)
+
+BY_NAME = {m.name: m for m in MUTATIONS}
+
+
+class MutationError(Exception):
+    """A mutation that cannot be applied or run: the list is out of step with the code."""
+
+
+@dataclass(frozen=True)
+class Result:
+    mutation: Mutation
+    caught: bool
+    seconds: float
+    failed: tuple[str, ...]  # the tests that failed (caught it)
+    output: str
+
+
+def apply(m: Mutation, root: Path) -> None:
+    """Apply ``m`` to the tree at ``root``, or raise ``MutationError`` naming what is wrong."""
+    if not m.path.startswith(("consumers/", "streams/")):
+        raise MutationError(f"{m.name}: {m.path} is not under consumers/ or streams/")
+    target = root / m.path
+    if not target.is_file():
+        raise MutationError(f"{m.name}: {m.path} does not exist")
+    text = target.read_text()
+    found = text.count(m.find)
+    if found != 1:
+        raise MutationError(
+            f"{m.name}: the snippet is found {found} times in {m.path} (it must be once)"
+        )
+    target.write_text(text.replace(m.find, m.replace))
+
+
+def copy_tree(dest: Path) -> Path:
+    tree = dest / "jetloop"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(*IGNORED), symlinks=True)
+    return tree
+
+
+def env_for(tree: Path) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.pop("PYTEST_ADDOPTS", None)
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
+
+
+def check_import(m: Mutation, tree: Path) -> None:
+    """A subprocess started as the tests start workers imports the mutated copy."""
+    probe = (
+        "import importlib, sys\n"
+        f"mod = importlib.import_module({m.module!r})\n"
+        "print(mod.__file__)\n"
+        f"src = open(mod.__file__).read()\n"
+        f"sys.exit(0 if {m.replace!r} in src else 3)\n"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tree,
+        env=env_for(tree),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    where = got.stdout.strip()
+    if got.returncode != 0 or not Path(where).resolve().is_relative_to(tree.resolve()):
+        raise MutationError(
+            f"{m.name}: a subprocess imports {m.module} from {where or '?'}, not the mutated "
+            f"copy ({got.stderr.strip()[-300:]})"
+        )
+
+
+def check(m: Mutation, each: bool = False, verbose: bool = False) -> Result:
+    """Apply ``m`` to a temporary copy and run its tests there."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"jl-mut-{m.name}-") as tmp:
+        tree = copy_tree(Path(tmp))
+        apply(m, tree)
+        check_import(m, tree)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=--strict-markers",
+            "-rf",
+            *([] if each else ["-x"]),
+            *m.tests,
+        ]
+        out = subprocess.run(
+            cmd,
+            cwd=tree,
+            env=env_for(tree),
+            capture_output=True,
+            text=True,
+            timeout=60 * 30,
+        )
+    text = out.stdout + out.stderr
+    if verbose:
+        print(text)
+    if out.returncode not in (0, 1):
+        # 2: interrupted or a collection error, 4: a node id that does not exist, 5: none ran.
+        raise MutationError(f"{m.name}: pytest exited {out.returncode}:\n{text[-3000:]}")
+    failed = tuple(
+        ln.removeprefix("FAILED ").split(" - ")[0]
+        for ln in text.splitlines()
+        if ln.startswith("FAILED ")
+    )
+    return Result(m, out.returncode == 1, time.monotonic() - started, failed, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m tests.mutations", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("names", nargs="*", help="mutations to run (default: the CI subset)")
+    ap.add_argument("--all", action="store_true", help="every mutation")
+    ap.add_argument("--each", action="store_true", help="run every named test (no -x)")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print pytest's output")
+    args = ap.parse_args(argv)
+    if args.list:
+        for m in MUTATIONS:
+            ci = " [ci]" if m.name in CI_SUBSET else ""
+            print(f"{m.name}{ci}: {m.bug}\n    {m.path}; " + "\n    ".join(m.tests))
+        return 0
+    unknown = [n for n in args.names if n not in BY_NAME]
+    if unknown:
+        print(f"unknown mutation(s): {', '.join(unknown)} (see --list)", file=sys.stderr)
+        return 2
+    names = [m.name for m in MUTATIONS] if args.all else (args.names or list(CI_SUBSET))
+    started = time.monotonic()
+    survived: list[str] = []
+    broken: list[str] = []
+    for name in names:
+        try:
+            r = check(BY_NAME[name], each=args.each, verbose=args.verbose)
+        except MutationError as exc:
+            broken.append(name)
+            print(f"ERROR     {name}: {exc}", flush=True)
+            continue
+        verdict = "caught  " if r.caught else "SURVIVED"
+        by = f" by {', '.join(r.failed)}" if r.failed else ""
+        print(f"{verdict}  {name} ({r.seconds:.0f}s){by}", flush=True)
+        if not r.caught:
+            survived.append(name)
+    total = time.monotonic() - started
+    print(
+        f"{len(names) - len(survived) - len(broken)} caught, {len(survived)} survived, "
+        f"{len(broken)} could not run, in {total:.0f}s"
+    )
+    return 1 if survived or broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

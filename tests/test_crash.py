@@ -57,7 +57,7 @@ async def test_stalled_worker_writes_and_acks_nothing(
     after = await client.call("st1", h.turn_id, 0, 0)
     assert after == before, "the stalled worker must not write the call record"
     assert await vendor.request_counts("write") == {before_key(before): 1}
-    await handled(stalled, seq, delivery)
+    await handled(stalled, held)
     await tap.nc.flush()
     assert tap.settled(seq, delivery) == [], "the stale delivery must not be settled"
     assert await last_seqs(client, "st1") == streams, "nothing new in the streams"
@@ -142,13 +142,21 @@ async def last_seqs(client: Client, session: str) -> dict[str, int]:
     }
 
 
-async def handled(w: WorkerProcess, seq: int, delivery: int) -> None:
+async def handled(w: WorkerProcess, held: dict[str, Any]) -> None:
     """Wait until a worker has finished handling one delivery (its dispatch logged the end)."""
-    ends = ("step.taken_over", "step.acked", "step.error", "step.retry_later", "step.dead_letter")
+    ends = (
+        "step.taken_over",
+        "step.acked",
+        "step.error",
+        "step.error_after_takeover",
+        "step.retry_later",
+        "step.dead_letter",
+    )
 
     async def done() -> bool:
         return any(
-            ln.get("event") in ends and ln.get("seq") == seq and ln.get("delivery") == delivery
+            ln.get("event") in ends
+            and all(ln.get(k) == held[k] for k in ("step", "seq", "delivery"))
             for ln in w.lines()
         )
 
@@ -176,7 +184,7 @@ async def test_stalled_worker_after_its_commit_acks_nothing(
     # The heartbeat reads the fence back and finds the turn moved on; then let it go on.
     await stalled.wait_for("step.lease_lost", seq=seq)
     release.touch()
-    await handled(stalled, seq, delivery)
+    await handled(stalled, held)
     await tap.nc.flush()
     assert tap.settled(seq, delivery) == [], "the lost delivery must not be settled"
     assert await last_seqs(client, "sa") == before, "nothing new in the streams"
@@ -204,7 +212,7 @@ async def test_stalled_worker_before_its_commit_is_fenced(
 
     release.touch()
     stalled.resume()
-    await handled(stalled, seq, delivery)
+    await handled(stalled, held)
     await tap.nc.flush()
     assert await client.call("sc", h.turn_id, 0, 0) == rec, "the stale commit must not land"
     assert await vendor.request_counts("write") == {before_key(rec): 2}

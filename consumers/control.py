@@ -10,8 +10,10 @@ The first decision wins.
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
 
 import structlog
 from pydantic import BaseModel
@@ -36,6 +38,7 @@ from schemas import (
     validate_name,
 )
 from streams.bus import Bus, event_out, step_out
+from streams.seal import SealBroken
 from streams.state import (
     Conflict,
     StateStore,
@@ -60,11 +63,31 @@ class ControlError(Exception):
         self.detail = detail
 
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def refuses_untrusted(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    """A record whose seal does not verify is never acted on: the request is refused (409)
+    with the reason, and nothing is written."""
+
+    @functools.wraps(fn)
+    async def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except SealBroken as exc:
+            log.warning("control.untrusted_record", key=exc.key, reason=exc.reason)
+            raise ControlError(409, "record not trusted", str(exc)) from None
+
+    return run
+
+
 class Control:
     def __init__(self, state: StateStore, bus: Bus) -> None:
         self.state = state
         self.bus = bus
 
+    @refuses_untrusted
     async def decide(
         self,
         session_id: str,
@@ -118,6 +141,7 @@ class Control:
             return ap
         raise ControlError(409, "approval kept changing", approval_id)
 
+    @refuses_untrusted
     async def answer(
         self, session_id: str, question_id: str, answer: str, by: str
     ) -> QuestionRecord:
@@ -173,6 +197,7 @@ class Control:
         )
         await self.bus.publish([step_out(step)])
 
+    @refuses_untrusted
     async def cancel(self, session_id: str, turn_id: str | None, by: str) -> TurnRecord:
         """Cancel a turn (default: the session's running turn), and the child turns its
         delegations started."""
@@ -191,6 +216,7 @@ class Control:
             raise ControlError(409, f"the turn already {turn.status.value}", turn_id)
         return turn
 
+    @refuses_untrusted
     async def reconcile(
         self,
         call_key: str,
@@ -261,6 +287,7 @@ class Control:
             return done
         raise ControlError(409, "call kept changing", call_key)
 
+    @refuses_untrusted
     async def set_approval(
         self, session_id: str, tool: str, required: bool | None, agent: str | None = None
     ) -> SessionRecord:

@@ -8,7 +8,9 @@ not fence late acks, so an ack from a stale worker could settle the live worker'
 Any other exception is sorted by whether a retry can cure it (``fate``):
 
 - a body or record that does not decode or validate (``DecodeError``, pydantic's
-  ``ValidationError``), or a message the step would publish that is over the server's
+  ``ValidationError``), a state record whose seal does not verify where no turn can be
+  failed for it (``SealBroken``; a step's own checkpoint fails its turn instead, see
+  ``consumers.router``), or a message the step would publish that is over the server's
   ``max_payload`` (``PayloadTooLarge``): dead-lettered at once, with the reason;
 - an outage or a lost race (``TRANSIENT_ERRORS``: NATS timeouts, no responders, a
   connection closed or reconnecting, ``Conflict``): nak'd with backoff (0.2 s doubling to
@@ -46,6 +48,7 @@ from consumers.runtime import Delivery, Runtime
 from schemas import DecodeError
 from streams.bus import H_KIND, H_SESSION, H_STEP, H_TURN
 from streams.connection import PayloadTooLarge, message_size
+from streams.seal import SealBroken
 from streams.state import RETRYABLE, Conflict
 from streams.topology import dead_subject
 
@@ -65,7 +68,12 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 )
 # What no retry cures: the message (or a record it names) is not what the code reads.
 # A message the step would publish that passes the server's max_payload is one too.
-INCURABLE_ERRORS: tuple[type[BaseException], ...] = (DecodeError, ValidationError, PayloadTooLarge)
+INCURABLE_ERRORS: tuple[type[BaseException], ...] = (
+    DecodeError,
+    ValidationError,
+    PayloadTooLarge,
+    SealBroken,
+)
 TRANSIENT_FOR = 900.0
 UNEXPECTED_TRIES = 5
 

@@ -80,6 +80,10 @@ class SessionSnapshot(BaseModel):
     history: list[HistoryEntry] = Field(default_factory=list)
     history_total: int = 0
     history_offset: int = 0
+    # Records of this session whose seal does not verify, as "<key>: <why>": the engine
+    # acts on none of them (a turn that meets one fails; a control request on one is
+    # refused). A session record here refuses new turns until it is deleted.
+    untrusted: list[str] = Field(default_factory=list)
 
 
 # The state shown for a call whose record does not verify or decode.
@@ -121,12 +125,16 @@ async def with_workers(
     return snap
 
 
-async def _turn(state: StateStore, session_id: str, turn_id: str) -> TurnRecord | None:
+async def _turn(
+    state: StateStore, session_id: str, turn_id: str, untrusted: list[str]
+) -> TurnRecord | None:
     """A turn as it stands, trusted or not (its run refuses an untrusted one; a reader
-    still shows it); None when it is not there or cannot be read at all."""
+    still shows it, and notes it in ``untrusted``); None when it is not there or cannot be
+    read at all."""
     try:
         tv = await state.turn(session_id, turn_id)
-    except SealBroken:
+    except SealBroken as exc:
+        untrusted.append(f"{exc.key}: {exc.reason}")
         try:
             tv = await state.turn(session_id, turn_id, verify=False)
         except DecodeError:
@@ -162,14 +170,22 @@ async def snapshot(
     history_limit: int = 50,
     resolve_results: bool = True,
 ) -> SessionSnapshot | None:
-    sv = await state.session(session_id)
+    untrusted: list[str] = []
+    try:
+        sv = await state.session(session_id)
+    except SealBroken as exc:
+        untrusted.append(f"{exc.key}: {exc.reason}")
+        try:
+            sv = await state.session(session_id, verify=False)
+        except DecodeError:
+            return None
     if sv is None:
         return None
     session: SessionRecord = sv.value
     tid = session.active or session.last_turn
     turn = None
     if tid is not None:
-        turn = await _turn(state, session_id, tid)
+        turn = await _turn(state, session_id, tid, untrusted)
 
     calls: list[CallView] = []
     if turn is not None:
@@ -185,6 +201,7 @@ async def snapshot(
                 rv = await state.call(key.removeprefix("call."))
             except (SealBroken, DecodeError) as exc:
                 calls.append(_unreadable(turn, key, step, index, exc))
+                untrusted.append(f"{key}: {getattr(exc, 'reason', exc)}")
                 continue
             if rv is None:
                 continue
@@ -222,18 +239,26 @@ async def snapshot(
 
     approvals = []
     for key in await state.keys(f"approval.{session_id}.>"):
-        av = await state.approval(session_id, key.split(".")[-1])
+        try:
+            av = await state.approval(session_id, key.split(".")[-1])
+        except (SealBroken, DecodeError) as exc:
+            untrusted.append(f"{key}: {getattr(exc, 'reason', exc)}")
+            continue
         if av is not None and av.value.status == Decision.PENDING:
             approvals.append(av.value)
     questions = []
     for key in await state.keys(f"question.{session_id}.>"):
-        qv = await state.question(session_id, key.split(".")[-1])
+        try:
+            qv = await state.question(session_id, key.split(".")[-1])
+        except (SealBroken, DecodeError) as exc:
+            untrusted.append(f"{key}: {getattr(exc, 'reason', exc)}")
+            continue
         if qv is not None and not qv.value.answered:
             questions.append(qv.value)
 
     queued = []
     for q in session.queue:
-        qv2 = await _turn(state, session_id, q)
+        qv2 = await _turn(state, session_id, q, untrusted)
         if qv2 is not None:
             text = qv2.text if qv2.text_ref is None else f"({qv2.text_ref.size} bytes, in jl_blobs)"
             queued.append(QueuedView(turn_id=q, request_id=qv2.request_id, text=text))
@@ -265,4 +290,5 @@ async def snapshot(
         history=entries[history_offset : history_offset + history_limit],
         history_total=len(entries),
         history_offset=history_offset,
+        untrusted=untrusted,
     )

@@ -164,7 +164,7 @@ class Client:
             kv = await retrying(
                 lambda: self.js.key_value(topology.STATE_BUCKET), self.retry_for, "bind"
             )
-            self._state_store = StateStore(kv, self.sealer)
+            self._state_store = StateStore(self.js, kv, self.sealer)
         return self._state_store
 
     async def registry(self) -> Registry:

@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as PydanticSettingsError
 
 from services.gateway.config import HookTrigger, Scope, TokenGrant
-from streams.seal import Sealer, key_bytes
+from streams.seal import DEFAULT_TOLERANCE, Sealer, key_bytes
 from streams.topology import TopologyConfig
 
 SEAL_KEY_FILE = "seal.key"
@@ -115,6 +115,12 @@ class Settings(BaseSettings):
     seal_old_keys: str = Field(
         "", description="comma-separated keys that still verify (rotation), never seal"
     )
+    seal_tolerance_seconds: float = Field(
+        DEFAULT_TOLERANCE,
+        gt=0,
+        description="how far a seal's time may be from the time the server stored the record "
+        "(write latency plus clock difference); an older state put back is rejected beyond it",
+    )
     max_losses: int = Field(
         2, ge=0, description="a turn lost (taken over) by more workers than this fails"
     )
@@ -175,7 +181,7 @@ class Settings(BaseSettings):
             return None
         keys = [key_bytes(self.seal_key.get_secret_value())]
         keys += [key_bytes(k) for k in self.seal_old_keys.split(",") if k.strip()]
-        return Sealer(keys)
+        return Sealer(keys, tolerance=self.seal_tolerance_seconds)
 
     def topology(self) -> TopologyConfig:
         return TopologyConfig(replicas=self.replicas, lease_seconds=self.lease_seconds)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Generic, TypeVar
 
 import msgpack
 from nats.aio.client import Client
 from nats.errors import ConnectionClosedError
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
@@ -77,28 +79,51 @@ def compaction_key(session_id: str, turn_id: str, model_step: int) -> str:
     return f"compact.{session_id}.{turn_id}.{model_step}"
 
 
-SEALED: tuple[type[BaseModel], ...] = (TurnRecord, CallRecord)
 RETRYABLE: tuple[type[BaseException], ...] = (*TRANSIENT, ConnectionClosedError)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A key's current value as the server stored it."""
+
+    data: bytes
+    revision: int
+    stored_at: float  # unix seconds, the server's clock: no publisher can set it
+
+
+def stored_time(headers: dict[str, str] | None) -> float:
+    """The ``Nats-Time-Stamp`` of a direct get (RFC 3339, nanoseconds) as unix seconds."""
+    text = (headers or {}).get("Nats-Time-Stamp", "")
+    if not text:
+        return 0.0
+    head, _, frac = text.rstrip("Z").partition(".")
+    seconds = datetime.fromisoformat(head + "+00:00").timestamp()
+    return seconds + (float(f"0.{frac}") if frac.isdigit() else 0.0)
 
 
 class StateStore:
     """The state bucket, with one typed accessor per record kind.
 
-    Turn and call records (the checkpoints) are sealed on write and verified on read when
-    a ``Sealer`` is given; ``SealBroken`` says a record is not to be trusted. Given ``direct``
+    Every record is sealed on write and verified on read when a ``Sealer`` is given
+    (``streams.seal``: the seal binds the key and the time the server stored it);
+    ``SealBroken`` says a record is not to be trusted. Given ``direct``
     (a connection, for a bucket with one replica and direct gets allowed), the reads of
     several keys a step needs together are one batched direct get instead of one get each.
     """
 
     def __init__(
         self,
+        js: JetStreamContext,
         kv: KeyValue,
         sealer: Sealer | None = None,
         retry_for: float = 15.0,
         direct: Client | None = None,
         bucket: str = STATE_BUCKET,
+        allow_direct: bool = False,
     ) -> None:
+        self.js = js
         self.kv = kv
+        self.allow_direct = allow_direct
         self.sealer = sealer
         self.retry_for = retry_for
         self.direct = direct
@@ -111,27 +136,28 @@ class StateStore:
         js = nc.jetstream()
         kv = await js.key_value(STATE_BUCKET)
         info = await js.stream_info(f"KV_{STATE_BUCKET}")
-        return cls(kv, sealer, direct=nc if info.config.allow_direct else None)
+        direct = bool(info.config.allow_direct)
+        return cls(js, kv, sealer, direct=nc if direct else None, allow_direct=direct)
 
-    def _encode(self, value: BaseModel) -> bytes:
-        if self.sealer is None or not isinstance(value, SEALED):
+    def _encode(self, key: str, value: BaseModel) -> bytes:
+        if self.sealer is None:
             return encode(value)
         data = value.model_dump(mode="json", exclude_none=True)
         data.pop(SEAL_FIELD, None)
-        data[SEAL_FIELD] = self.sealer.seal(data)
+        data[SEAL_FIELD] = self.sealer.seal(key, data)
         packed: bytes = msgpack.packb(data, use_bin_type=True)
         return packed
 
-    def _decode(self, model: type[R], key: str, raw: bytes, verify: bool) -> R:
-        if self.sealer is None or not verify or not issubclass(model, SEALED):
-            return decode(model, raw)
+    def _decode(self, model: type[R], key: str, raw: Stored, verify: bool) -> R:
+        if self.sealer is None or not verify:
+            return decode(model, raw.data)
         try:
-            data = msgpack.unpackb(raw, raw=False)
+            data = msgpack.unpackb(raw.data, raw=False)
         except Exception as exc:
             raise SealBroken(key, f"it is not msgpack ({exc})") from exc
         if not isinstance(data, dict):
             raise SealBroken(key, "it is not a record")
-        why = self.sealer.verify(data)
+        why = self.sealer.verify(key, data, raw.stored_at)
         if why is not None:
             raise SealBroken(key, why)
         try:
@@ -142,16 +168,19 @@ class StateStore:
     async def _get(self, model: type[R], key: str, verify: bool = True) -> Versioned[R] | None:
         return self._typed(model, key, await self._raw(key), verify)
 
-    async def _raw(self, key: str) -> tuple[bytes, int] | None:
+    async def _raw(self, key: str) -> Stored | None:
         try:
-            entry = await self.kv.get(key)
-        except KeyNotFoundError:
+            msg = await self.js.get_msg(
+                self._stream, subject=self._prefix + key, direct=self.allow_direct
+            )
+        except NotFoundError:
             return None
-        if entry.value is None:
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or msg.data is None:
             return None
-        return entry.value, entry.revision or 0
+        at = msg.time.timestamp() if msg.time is not None else stored_time(msg.headers)
+        return Stored(msg.data, msg.seq or 0, at)
 
-    async def _raw_many(self, keys: Sequence[str]) -> dict[str, tuple[bytes, int]]:
+    async def _raw_many(self, keys: Sequence[str]) -> dict[str, Stored]:
         """The current value and revision of every key that has one, in one request."""
         if self.direct is None or len(keys) < 2:
             got = await asyncio.gather(*(self._raw(k) for k in keys))
@@ -160,21 +189,25 @@ class StateStore:
 
     async def _direct_last(
         self, nc: Client, patterns: Sequence[str], most: int
-    ) -> dict[str, tuple[bytes, int]]:
+    ) -> dict[str, Stored]:
         """One batched direct get of the last value of every key matching ``patterns``."""
         req = {"multi_last": [self._prefix + k for k in patterns], "batch": most}
         found, _ = await direct_batch(nc, self._stream, req)
-        out: dict[str, tuple[bytes, int]] = {}
+        out: dict[str, Stored] = {}
         for m in found:
             if m.headers.get("KV-Operation") in ("DEL", "PURGE"):
                 continue
-            out[m.subject.removeprefix(self._prefix)] = (m.data, m.seq)
+            out[m.subject.removeprefix(self._prefix)] = Stored(
+                m.data, m.seq, stored_time(m.headers)
+            )
         return out
 
     def _typed(
-        self, model: type[R], key: str, raw: tuple[bytes, int] | None, verify: bool = True
+        self, model: type[R], key: str, raw: Stored | None, verify: bool = True
     ) -> Versioned[R] | None:
-        return None if raw is None else Versioned(self._decode(model, key, raw[0], verify), raw[1])
+        if raw is None:
+            return None
+        return Versioned(self._decode(model, key, raw, verify), raw.revision)
 
     async def step_view(
         self, session_id: str, turn_id: str, call_key: str
@@ -248,18 +281,21 @@ class StateStore:
         again for up to ``retry_for`` seconds, so a short outage does not fail the attempt
         (which a redelivery would then count as lost). A write whose answer was lost is read
         back: if the key holds exactly what we wrote, it landed — a retried CAS would answer
-        "wrong last sequence" and look like a takeover (NATS-NOTES).
+        "wrong last sequence" and look like a takeover (NATS-NOTES). Each try is sealed anew
+        (the seal holds the time it is written), so the read-back knows every version sent.
         """
-        data = self._encode(value)
+        sent: list[bytes] = []
         tried = False
 
         async def landed() -> int | None:
             entry = await self.kv.get(key)
-            return entry.revision if entry.value == data and entry.revision else None
+            return entry.revision if entry.value in sent and entry.revision else None
 
         async def once() -> int:
             nonlocal tried
             again, tried = tried, True
+            data = self._encode(key, value)
+            sent.append(data)
             try:
                 if revision is None:
                     return await self._create_raw(key, data)
@@ -299,8 +335,10 @@ class StateStore:
             await watcher.stop()  # type: ignore[no-untyped-call]
         return out
 
-    async def session(self, session_id: str) -> Versioned[SessionRecord] | None:
-        return await self._get(SessionRecord, session_key(session_id))
+    async def session(
+        self, session_id: str, verify: bool = True
+    ) -> Versioned[SessionRecord] | None:
+        return await self._get(SessionRecord, session_key(session_id), verify)
 
     async def turn(
         self, session_id: str, turn_id: str, verify: bool = True

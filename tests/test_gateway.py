@@ -30,7 +30,8 @@ from services.gateway.openapi import openapi_document
 from services.readmodel.model import ReadModel
 from services.readmodel.projector import Projector
 from services.settings import SettingsError, describe_errors, fingerprint, load_settings
-from tests.conftest import WorkerFactory, body, call, script, until
+from streams.seal import Sealer, key_bytes
+from tests.conftest import SEAL_KEY, WorkerFactory, body, call, script, until
 
 Api = TestClient[web.Request, web.Application]
 
@@ -69,6 +70,8 @@ def make_config(tmp_path: Path, **over: Any) -> GatewayConfig:
             "readmodel_db": tmp_path / "readmodel.sqlite",
             "sse_keepalive_seconds": 0.2,
             "nats_retry_seconds": 2.0,
+            # Decisions and answers are state records: sealed, as the workers verify them.
+            "sealer": Sealer([key_bytes(SEAL_KEY)]),
             **over,
         }
     )

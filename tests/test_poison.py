@@ -4,13 +4,16 @@ dead-lettered with its reason; it never blocks its session, and the snapshot sti
 from __future__ import annotations
 
 import json
+import time
 
 import msgpack
 import pytest
 
+from consumers.dispatch import TRANSIENT_FOR, UNEXPECTED_TRIES, Failing, fate
 from schemas import turn_id_for
 from services.client import Client, TurnFailed
-from streams.state import turn_key
+from streams.seal import SealBroken
+from streams.state import Conflict, turn_key
 from tests.conftest import WorkerFactory, call, script, until
 from tests.test_resume import pending_approval
 
@@ -104,16 +107,20 @@ async def test_garbage_call_record_fails_the_turn_and_the_session_moves_on(
     assert closed is not None and closed.state == "outcome_unknown"
     assert closed.outcome is not None and closed.outcome.error is not None
     assert closed.outcome.error.startswith("unreadable record: it is not msgpack")
-    snap = await client.snapshot("gc")
-    assert snap is not None and snap.turns_done == 2
+
+    async def both_done() -> bool:
+        snap = await client.snapshot("gc")
+        return snap is not None and snap.turns_done == 2
+
+    await until(both_done, timeout=10)  # the session moved past both turns
 
 
-async def test_unexpected_error_is_retried_a_bounded_number_of_times(
+async def test_untrusted_record_under_a_request_is_dead_lettered_at_once(
     client: Client, workers: WorkerFactory
 ) -> None:
-    """An error that is neither an outage nor a bad body (here: the request's turn record is
-    garbage, so reading it raises) is retried with backoff a bounded number of deliveries,
-    then dead-lettered with the error; the session's next request then runs."""
+    """A turn request whose turn record is not trusted (garbage, where a duplicate request
+    would find its turn) is dead-lettered on its first delivery with the reason: no retry can
+    cure a seal. The session's next request then runs."""
     w = workers.start()
     kv = await client.js.key_value("jl_state")
     await kv.put(turn_key("ue", turn_id_for("ue", "ue-1")), b"\xc1 garbage")
@@ -126,5 +133,22 @@ async def test_unexpected_error_is_retried_a_bounded_number_of_times(
 
     dead = await dead_reasons(client)
     assert "SealBroken" in dead["jl.turn.tester.ue"]
-    assert "failed 5 deliveries in a row" in dead["jl.turn.tester.ue"]
-    assert len(w.find("step.error")) == 5
+    assert "is not msgpack" in dead["jl.turn.tester.ue"]
+    assert len(w.find("step.error")) == 1
+
+
+def test_unexpected_errors_are_retried_a_bounded_number_of_times() -> None:
+    """An error that is neither an outage nor a bad body nor an untrusted record is retried
+    with backoff for ``UNEXPECTED_TRIES`` deliveries in a row, then dead-lettered; an outage
+    is retried for ``TRANSIENT_FOR`` seconds; the incurable at once."""
+    failing = Failing(since=time.monotonic())
+    for n in range(1, UNEXPECTED_TRIES + 1):
+        delay, _ = fate(RuntimeError("a bug"), failing)
+        assert delay is not None and delay > 0, n
+        failing.count, failing.unexpected = n, n
+    delay, why = fate(RuntimeError("a bug"), failing)
+    assert delay is None and f"failed {UNEXPECTED_TRIES} deliveries in a row" in why
+    assert fate(SealBroken("turn.s.t", "forged"), Failing(since=time.monotonic()))[0] is None
+    outage = Failing(since=time.monotonic() - TRANSIENT_FOR - 1, count=40)
+    assert fate(Conflict("turn.s.t", 1), Failing(since=time.monotonic(), count=40))[0] is not None
+    assert fate(Conflict("turn.s.t", 1), outage)[0] is None

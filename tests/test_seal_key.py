@@ -218,17 +218,22 @@ def _sealed_bytes(stored: bytes) -> tuple[bytes, str]:
 async def test_seal_bytes_are_the_stored_map_without_its_last_entry(
     client: Client, workers: WorkerFactory
 ) -> None:
-    """Every sealed record the engine writes verifies by the byte recipe a reader in another
-    language would use (docs/security.md), under the tests' key."""
+    """Every record the engine writes (session, turn, call) verifies by the byte recipe a
+    reader in another language would use (docs/security.md), under the tests' key: the HMAC
+    covers the record's key and its seal time, and the seal time is the stored time."""
     workers.start()
     h = await client.send("tester", "sealbytes", script([call("write", name="a")]))
     await client.wait(h, timeout=30)
     kv = await client.js.key_value("jl_state")
-    keys = [k for k in await kv.keys() if k.startswith(("turn.sealbytes.", "call.sealbytes."))]
-    assert len(keys) == 2
+    keys = [k for k in await kv.keys() if ".sealbytes" in f".{k}"]
+    assert sorted(k.split(".")[0] for k in keys) == ["call", "session", "turn"]
     for key in keys:
-        entry = await kv.get(key)
-        assert entry.value is not None
-        body, seal = _sealed_bytes(entry.value)
-        mac = hmac.new(bytes.fromhex(SEAL_KEY), body, hashlib.sha256).hexdigest()
-        assert hmac.compare_digest(mac, seal), key
+        msg = await client.js.get_msg("KV_jl_state", subject=f"$KV.jl_state.{key}")
+        assert msg.data is not None and msg.time is not None
+        body, seal = _sealed_bytes(msg.data)
+        version, at_ms, mac = seal.split(".")
+        assert version == "v2"
+        signed = b"jetloop-seal-v2\n" + key.encode() + b"\n" + at_ms.encode() + b"\n" + body
+        want = hmac.new(bytes.fromhex(SEAL_KEY), signed, hashlib.sha256).hexdigest()
+        assert hmac.compare_digest(want, mac), key
+        assert abs(msg.time.timestamp() - int(at_ms) / 1000) < 5, (key, msg.time, at_ms)

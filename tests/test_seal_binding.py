@@ -1,0 +1,236 @@
+"""Seals bind the record's key and its time (issue 13, finding 3): a sealed record copied to
+another key, an older sealed state put back, or an approval or session edited by a raw put is
+never acted on. The write a person guarded is the measure: ``pay big-…`` needs an approval
+and is single-attempt with no vendor dedupe, so every run of it is one more effect."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+
+from consumers.control import ControlError
+from demo.vendor import Vendor
+from schemas import Event, StepKind, StepMessage
+from services.client import Client, TurnFailed
+from services.embedded import EmbeddedServer
+from streams.bus import Bus, step_out
+from streams.seal import Sealer, key_bytes
+from streams.state import approval_key, call_state_key, session_key, turn_key
+from tests.conftest import SEAL_KEY, WorkerFactory, call, script, until
+from tests.test_resume import pending_approval
+
+TOLERANCE = 1.0  # seconds: a replay needs only to be older than this here
+BEYOND = TOLERANCE + 1.0
+
+
+@pytest.fixture
+async def strict(nats_ready: EmbeddedServer) -> AsyncIterator[Client]:
+    """A client whose seals allow the same short tolerance as the workers here."""
+    c = await Client.connect(nats_ready.url, sealer=Sealer([key_bytes(SEAL_KEY)], TOLERANCE))
+    yield c
+    await c.close()
+
+
+def start(workers: WorkerFactory) -> None:
+    workers.start(env={"JETLOOP_SEAL_TOLERANCE_SECONDS": str(TOLERANCE)})
+
+
+async def raw(client: Client, key: str) -> bytes:
+    kv = await client.js.key_value("jl_state")
+    entry = await kv.get(key)
+    assert entry.value is not None
+    return entry.value
+
+
+async def put(client: Client, key: str, value: bytes) -> None:
+    kv = await client.js.key_value("jl_state")
+    await kv.put(key, value)
+
+
+async def wake_approval(client: Client, session: str, turn_id: str, why: str) -> None:
+    """What a stale redelivery or an attacker with publish rights sends: the call's step."""
+    step = StepMessage(
+        kind=StepKind.AWAIT_TOOL_APPROVAL,
+        agent="tester",
+        session_id=session,
+        turn_id=turn_id,
+        model_step=0,
+        call_index=0,
+        wake=why,
+    )
+    await Bus(client.js).publish([step_out(step)])
+
+
+async def logged(client: Client, session: str, wait: float = 1.0) -> list[Event]:
+    """The session's events so far (follows the log for ``wait`` seconds; never blocks)."""
+    out: list[Event] = []
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(wait):
+            async for e in client.events(session):
+                out.append(e)
+    return out
+
+
+async def rejected_reasons(client: Client, session: str) -> list[str]:
+    return [
+        str(e.data["reason"])
+        for e in await logged(client, session)
+        if e.type == "agent.run.checkpoint_rejected"
+    ]
+
+
+async def test_a_record_copied_from_another_key_is_refused(
+    strict: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A sealed call record from another session's finished call, put at this call's key,
+    does not stand in for the call: the turn fails, and the foreign result is never its
+    answer. (Without the key in the seal the turn completed with the foreign result.)"""
+    start(workers)
+    done = await strict.send("tester", "donor", script([call("write", name="donor")]))
+    await strict.wait(done, timeout=30)
+    h = await strict.send("tester", "splice", script([call("pay", name="big-1")]))
+    approval = await pending_approval(strict, "splice")
+
+    foreign = await raw(strict, call_state_key(f"donor.{done.turn_id}.0.0"))
+    await put(strict, call_state_key(f"splice.{h.turn_id}.0.0"), foreign)
+    await strict.approve("splice", approval, by="alice")
+    with pytest.raises(TurnFailed, match="checkpoint not trusted"):
+        await strict.wait(h, timeout=30)
+    [reason] = await rejected_reasons(strict, "splice")
+    assert "copied from another key" in reason
+    assert await vendor.effect_count("pay") == 0
+
+
+async def test_an_older_state_put_back_is_refused(
+    strict: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """The turn's and the call's records as they were while the call awaited its approval,
+    put back after the approved write was made and the turn completed, then the call's step
+    sent again: the write is not made a second time. (Without the time in the seal the
+    engine ran it again.)"""
+    start(workers)
+    h = await strict.send("tester", "replay", script([call("pay", name="big-1")]))
+    approval = await pending_approval(strict, "replay")
+    tk, ck = turn_key("replay", h.turn_id), call_state_key(f"replay.{h.turn_id}.0.0")
+    old_turn, old_call = await raw(strict, tk), await raw(strict, ck)
+    await strict.approve("replay", approval, by="alice")
+    await strict.wait(h, timeout=30)
+    assert await vendor.effect_count("pay") == 1
+
+    await asyncio.sleep(BEYOND)  # the captured records' seals are now older than allowed
+    await put(strict, tk, old_turn)
+    await put(strict, ck, old_call)
+    await wake_approval(strict, "replay", h.turn_id, "replayed")
+
+    async def rejected() -> list[str]:
+        return await rejected_reasons(strict, "replay")
+
+    [reason] = await until(rejected, timeout=20)
+    assert "an older state put back" in reason
+    assert await vendor.effect_count("pay") == 1
+
+
+async def test_an_approval_edited_by_a_raw_put_is_not_a_decision(
+    strict: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """An approval flipped to approved by a raw put: the control path refuses to act on it,
+    the call's step fails the turn instead of running the write, and no
+    ``approval.decided`` is ever recorded."""
+    start(workers)
+    h = await strict.send("tester", "forge", script([call("pay", name="big-1")]))
+    approval = await pending_approval(strict, "forge")
+    ak = approval_key("forge", approval)
+    record = msgpack.unpackb(await raw(strict, ak))
+    record.update(status="approved", decided_by="mallory", decided_at=1.0)
+    await put(strict, ak, msgpack.packb(record))  # the old seal kept
+
+    with pytest.raises(ControlError, match="not trusted"):
+        await strict.reject("forge", approval, by="alice")
+    await wake_approval(strict, "forge", h.turn_id, "forged")
+    with pytest.raises(TurnFailed, match="checkpoint not trusted"):
+        await strict.wait(h, timeout=30)
+    types = [e.type for e in await logged(strict, "forge")]
+    assert "approval.decided" not in types
+    assert await vendor.effect_count("pay") == 0
+    snap = await strict.snapshot("forge")
+    assert snap is not None and snap.approvals == []
+    assert any(u.startswith(f"{ak}: ") for u in snap.untrusted), snap.untrusted
+
+
+async def test_a_rejection_cannot_be_undone_by_replaying_the_pending_approval(
+    strict: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A person rejects the call. The pending approval (and the turn and call as they were
+    then) put back later, and approved through the control path: refused, and the write is
+    never made."""
+    start(workers)
+    h = await strict.send("tester", "undo", script([call("pay", name="big-1")]))
+    approval = await pending_approval(strict, "undo")
+    ak, tk = approval_key("undo", approval), turn_key("undo", h.turn_id)
+    ck = call_state_key(f"undo.{h.turn_id}.0.0")
+    captured = {k: await raw(strict, k) for k in (ak, tk, ck)}
+    await strict.reject("undo", approval, by="alice", reason="no")
+    await strict.wait(h, timeout=30)
+
+    await asyncio.sleep(BEYOND)
+    for k, v in captured.items():
+        await put(strict, k, v)
+    with pytest.raises(ControlError, match="an older state put back"):
+        await strict.approve("undo", approval, by="mallory")
+    await wake_approval(strict, "undo", h.turn_id, "undone")
+
+    async def rejected() -> list[str]:
+        return await rejected_reasons(strict, "undo")
+
+    await until(rejected, timeout=20)
+    assert await vendor.effect_count("pay") == 0
+
+
+async def test_a_session_edited_by_a_raw_put_runs_nothing(
+    strict: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A session record given an approval override by a raw put (``pay`` no longer needs a
+    person): the next request in that session is dead-lettered with the reason, and the
+    write is never made."""
+    start(workers)
+    first = await strict.send("tester", "sess", script([call("write", name="first")]))
+    await strict.wait(first, timeout=30)
+    sk = session_key("sess")
+    record = msgpack.unpackb(await raw(strict, sk))
+    record["approval_overrides"] = {"pay": False}
+    await put(strict, sk, msgpack.packb(record))
+
+    await strict.js.publish(
+        "jl.turn.tester.sess",
+        msgpack.packb({"text": script([call("pay", name="big-1")])}),
+        headers={"Nats-Msg-Id": "sess-forged"},
+    )
+
+    async def dead() -> list[str]:
+        return [r for s, r, _ in await strict.dead_letters() if s == "jl.turn.tester.sess"]
+
+    [reason] = await until(dead, timeout=20)
+    assert "SealBroken" in reason and sk in reason
+    assert await vendor.effect_count("pay") == 0
+    snap = await strict.snapshot("sess")  # still readable, and says why nothing runs
+    assert snap is not None and snap.turns_done == 1
+    assert [u.split(":")[0] for u in snap.untrusted] == [sk]
+
+
+def test_seal_binds_key_and_time_and_rotates() -> None:
+    """The seal itself: another key or another time does not verify; an old key still does."""
+    now = 1_800_000_000.0
+    old = Sealer([b"old"], 30, clock=lambda: now)
+    new = Sealer([b"new", b"old"], 30, clock=lambda: now)
+    data = {"v": 1, "x": "y"}
+    sealed = {**data, "seal": old.seal("turn.s.t", data)}
+    assert new.verify("turn.s.t", sealed, now + 1) is None  # rotation: the old key verifies
+    assert "another key" in (new.verify("turn.s.u", sealed, now) or "")
+    assert "older state" in (new.verify("turn.s.t", sealed, now + 31) or "")
+    assert "older state" in (new.verify("turn.s.t", sealed, now - 31) or "")
+    assert "not a v2 seal" in (new.verify("turn.s.t", {**data, "seal": "ab" * 32}, now) or "")
+    assert "no seal" in (new.verify("turn.s.t", data, now) or "")

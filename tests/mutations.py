@@ -171,7 +171,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "no-read-back-of-a-lost-reply",
         "streams/state.py",
-        "            return entry.revision if entry.value == data and entry.revision else None\n",
+        "            return entry.revision if entry.value in sent and entry.revision else None\n",
         "            return None\n",
         "a state write whose reply was lost is not read back (a retried CAS looks like a takeover)",
         ("tests/test_crash.py::test_write_whose_reply_was_lost_is_read_back",),
@@ -194,6 +194,36 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a checkpoint whose seal does not verify is trusted",
         ("tests/test_resume.py::test_tampered_checkpoint_is_not_run",),
     ),
+    Mutation(
+        "seal-not-bound-to-key",
+        "streams/seal.py",
+        '    return DOMAIN + key.encode() + b"\\n" + str(at_ms).encode() + b"\\n" + body\n',
+        '    return DOMAIN + b"\\n" + str(at_ms).encode() + b"\\n" + body\n',
+        "a sealed record copied to another key (another call, another session) is trusted",
+        ("tests/test_seal_binding.py::test_a_record_copied_from_another_key_is_refused",),
+    ),
+    Mutation(
+        "seal-time-not-checked",
+        "streams/seal.py",
+        "        if abs(stored_at - sealed_at) > self.tolerance:\n",
+        "        if False:\n",
+        "an older sealed state put back (a replay) is trusted",
+        (
+            "tests/test_seal_binding.py::test_an_older_state_put_back_is_refused",
+            "tests/test_seal_binding.py::test_a_rejection_cannot_be_undone_by_replaying_the_pending_approval",
+        ),
+    ),
+    Mutation(
+        "only-checkpoints-sealed",
+        "streams/state.py",
+        "        if self.sealer is None or not verify:\n",
+        "        if self.sealer is None or not verify or model not in (TurnRecord, CallRecord):\n",
+        "approval and session records are trusted without their seal (a raw put decides a call)",
+        (
+            "tests/test_seal_binding.py::test_an_approval_edited_by_a_raw_put_is_not_a_decision",
+            "tests/test_seal_binding.py::test_a_session_edited_by_a_raw_put_runs_nothing",
+        ),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails
@@ -209,6 +239,9 @@ CI_SUBSET: tuple[str, ...] = (
     "no-attempt-exhaustion",
     "no-read-back-of-a-lost-reply",
     "seal-not-checked",
+    "seal-not-bound-to-key",
+    "seal-time-not-checked",
+    "only-checkpoints-sealed",
 )
 
 BY_NAME = {m.name: m for m in MUTATIONS}

@@ -109,7 +109,7 @@ class Settings(BaseSettings):
         None,
         # Validated when unset too: that is when the store directory's key is read.
         validate_default=True,
-        description="HMAC key sealing checkpoints (hex or text); "
+        description="HMAC key sealing state records (hex or text); "
         "unset: <store dir>/seal.key if it exists, else not sealed",
     )
     seal_old_keys: str = Field(

@@ -228,8 +228,9 @@ async def test_write_whose_reply_was_lost_is_read_back(nats_ready: EmbeddedServe
     the retry's conflict for a takeover."""
     nc = await connect([nats_ready.url], "test-lost-reply")
     try:
-        kv = await nc.jetstream(timeout=0.5).key_value(topology.STATE_BUCKET)
-        store = StateStore(kv, retry_for=30.0)
+        js = nc.jetstream(timeout=0.5)
+        kv = await js.key_value(topology.STATE_BUCKET)
+        store = StateStore(js, kv, retry_for=30.0)
         key = session_key("lr")
         first = await store.write(key, SessionRecord(session_id="lr", agent="tester"), None)
         moved = SessionRecord(session_id="lr", agent="tester", turns_done=1)
@@ -248,6 +249,6 @@ async def test_write_whose_reply_was_lost_is_read_back(nats_ready: EmbeddedServe
         rev = await asyncio.wait_for(write, 30)
         entry = await kv.get(key)
         assert rev == entry.revision and rev > first
-        assert entry.value == store._encode(moved)
+        assert entry.value == store._encode(key, moved)
     finally:
         await nc.close()

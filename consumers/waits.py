@@ -80,6 +80,7 @@ async def answer_ready(env: CallEnv) -> None:
         args = AskUserArgs.model_validate(env.call.args)
         await env.rt.bus.publish([_asked(env, env.rec.question_id, args.question)])
         return
+    await env.rt.faults.point("call_tool.wait_over")
     await settle(
         env,
         CallOutcome(state=CallState.SUCCEEDED, result={"answer": q.value.answer}),
@@ -154,6 +155,7 @@ async def timer_due(env: CallEnv) -> None:
     # The firing is a fact once it is due, so it is told first: a crash after the settle
     # would not tell it again (the call is then done).
     await env.rt.bus.publish([event_out(event)])
+    await env.rt.faults.point("call_tool.wait_over")
     await settle(
         env,
         CallOutcome(state=CallState.SUCCEEDED, result={"waited_seconds": args.seconds}),

@@ -95,6 +95,14 @@ async def slow(args: Slow, ctx: ToolContext) -> dict[str, Any]:
     return await vendor().write("slow", ctx.idempotency_key, {"name": args.name})
 
 
+@tool(effect=Effect.IDEMPOTENT_WRITE)
+async def slow_reply(args: Slow, ctx: ToolContext) -> dict[str, Any]:
+    """An idempotent write the vendor applies at once, whose reply then takes a while."""
+    done = await vendor().write("slow_reply", ctx.idempotency_key, {"name": args.name})
+    await asyncio.sleep(args.seconds)
+    return done
+
+
 class Task(BaseModel):
     name: str
     polls: int = 2
@@ -246,6 +254,7 @@ TOOLS = (
     read,
     big,
     slow,
+    slow_reply,
     once_read,
     flaky,
     broken_read,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,12 @@ SEAL_KEY = "0f" * 32
 os.environ.setdefault("JETLOOP_SEAL_KEY", SEAL_KEY)
 
 LEASE = 2.0
+# Under `coverage run -m pytest` (README "Coverage") every subprocess measures too; a worker
+# writes its data only when it exits, so teardown stops workers with SIGTERM (and waits)
+# instead of SIGKILL. Off by default: SIGKILL is instant.
+COVERAGE = bool(
+    os.environ.get("COVERAGE_PROCESS_CONFIG") or os.environ.get("COVERAGE_PROCESS_START")
+)
 TEST_ENV = {"JETLOOP_LEASE_SECONDS": str(LEASE), "JETLOOP_DRAIN_SECONDS": "5"}
 
 _ids = itertools.count(1)
@@ -109,8 +116,28 @@ class WorkerFactory:
         return w
 
     def close(self) -> None:
+        if COVERAGE:
+            stop_for_coverage(self.procs)
         for w in self.procs:
             w.kill()
+
+
+def stop_for_coverage(procs: list[WorkerProcess], timeout: float = 15.0) -> None:
+    """SIGTERM every worker at once (SIGCONT first: one may be paused), then wait for them to
+    drain and exit, so each writes its coverage data; what is left is killed by the caller."""
+    import signal
+    import time
+
+    for w in procs:
+        w.resume()
+        w.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for w in procs:
+        if w.proc is not None and w.alive():
+            try:
+                w.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def script(*steps: list[dict[str, Any]], answer: str = "done") -> str:

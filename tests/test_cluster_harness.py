@@ -9,6 +9,7 @@ import pytest
 
 from streams import topology
 from streams.connection import connect
+from tests.conftest import until
 from tooling.trials.cluster import LocalCluster
 
 
@@ -37,7 +38,21 @@ async def test_publish_and_kv_survive_stream_leader_kill(cluster: LocalCluster) 
         cluster.kill(victim)
 
         new_leader = await cluster.wait_leader(topology.STEPS_STREAM, not_node=victim)
-        assert new_leader != victim
+
+        # The servers' own view (not the harness's leader query): the leader is the node the
+        # harness named, and the node killed, the one that led, is the replica no longer current.
+        async def servers_agree() -> bool:
+            try:
+                info = await js.stream_info(topology.STEPS_STREAM)
+            except TimeoutError:
+                return False  # mid-election
+            assert info.cluster is not None
+            behind = {p.name for p in info.cluster.replicas or [] if not p.current}
+            return info.cluster.leader == cluster.names[new_leader] and behind == {
+                cluster.names[victim]
+            }
+
+        await until(servers_agree, timeout=20)
         kv_after = await cluster.wait_leader(
             f"KV_{topology.STATE_BUCKET}",
             not_node=victim if kv_before == victim else None,

@@ -36,18 +36,26 @@ async def test_drain_timeout_hands_the_step_back(
     client: Client, workers: WorkerFactory, vendor: Vendor
 ) -> None:
     """A step still running past the drain timeout is cancelled and handed back at once;
-    the next worker makes the idempotent write again with the same key."""
+    the next worker makes the idempotent write again with the same key: the first attempt
+    reached the vendor (its reply was slow), so the vendor sees two requests, one key."""
     w = workers.start(env={"JETLOOP_DRAIN_SECONDS": "0.5"})
-    h = await client.send("tester", "dt", script([call("slow", name="s", seconds=3)]))
+    h = await client.send("tester", "dt", script([call("slow_reply", name="s", seconds=3)]))
 
-    async def running() -> bool:
-        rec = await client.call("dt", h.turn_id, 0, 0)
-        return rec is not None and rec.state == CallState.IN_DOUBT
+    async def reached_vendor() -> bool:
+        return sum((await vendor.request_counts("slow_reply")).values()) == 1
 
-    await until(running)
+    await until(reached_vendor)
+    rec = await client.call("dt", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == CallState.IN_DOUBT and rec.attempts == 1
+    turn = await client.turn("dt", h.turn_id)
+    assert turn is not None
+    planned = turn.calls[0].idempotency_key
     assert w.terminate(timeout=30) == 0
     workers.start()
     await client.wait(h, timeout=60)
     rec = await client.call("dt", h.turn_id, 0, 0)
-    assert rec is not None and rec.attempts == 2
-    assert len(await vendor.request_counts("slow")) == 1  # one key on every attempt
+    assert rec is not None and rec.state == CallState.SUCCEEDED and rec.attempts == 2
+    [(key, requests)] = (await vendor.request_counts("slow_reply")).items()
+    assert requests == 2, "both attempts reached the vendor"
+    assert key == planned  # the key planned once, with the call
+    assert await vendor.effect_count("slow_reply") == 1

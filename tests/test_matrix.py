@@ -380,7 +380,16 @@ async def idle_session(rig: Rig) -> None:
 async def queued_before_worker(rig: Rig) -> None:
     h = await rig.client.send("tester", "m", script([call("write", name="w")]))
     if rig.worker_killed:
-        rig.workers.start()
+        # The victim serves the session and model pools only: it runs model step 0, which
+        # queues the call's step; the victim dies with that step still in the queue.
+        victim = rig.workers.start("victim", pools="session,model")
+
+        async def queued() -> bool:
+            return await tool_steps_pending(rig) == 1
+
+        await until(queued)
+        victim.kill()
+        rig.workers.start("survivor")
     else:
         await rig.fail(None)
         rig.worker()
@@ -392,16 +401,37 @@ async def queued_before_worker(rig: Rig) -> None:
 
 
 async def after_wait_while_moving_on(rig: Rig) -> None:
-    victim = rig.worker(hold="call_tool.in_tool")
-    h = await rig.client.send("tester", "m", script([call("guarded", name="g")]))
-    snap = await until(lambda: _snap_with(rig, lambda s: s.approvals))
+    # An approval, a question and a timer end together; the worker is stopped in each
+    # handler that moves its call on: the approved tool running, the answer and the firing
+    # read but the call not yet settled.
+    victim = rig.worker(hold="call_tool.in_tool,call_tool.wait_over")
+    waits = [call("guarded", name="g"), call("ask_user", question="why?"), call("wait", seconds=1)]
+    h = await rig.client.send("tester", "m", script(waits))
+    snap = await until(lambda: _snap_with(rig, lambda s: s.approvals and s.questions))
     await rig.client.approve("m", snap.approvals[0].approval_id, by="matrix")
-    await victim.wait_for("fault.hold", point="call_tool.in_tool")
+    await rig.client.answer("m", snap.questions[0].question_id, "because", by="matrix")
+
+    async def all_held() -> bool:
+        return len(victim.find("fault.hold")) == 3
+
+    await until(all_held)
+    assert {ln["point"] for ln in victim.find("fault.hold")} == {
+        "call_tool.in_tool",
+        "call_tool.wait_over",
+    }
     await rig.fail(victim)
-    await rig.client.wait(h, timeout=90)
+    res = await rig.client.wait(h, timeout=90)
+    seen = body(res.text)["seen"]
+    assert [s["status"] for s in seen] == ["ok", "ok", "ok"]
+    assert seen[1]["result"] == {"answer": "because"}
+    assert seen[2]["result"] == {"waited_seconds": 1}
     assert await rig.vendor.effect_count("guarded") == 1
     kinds = [e.type.value async for e in _events_until_done(rig.client, "m")]
-    assert kinds.count("approval.requested") == 1 and kinds.count("approval.decided") == 1
+    # Each wait's end is recorded once and read again, not asked again.
+    for kind in ("approval.requested", "approval.decided", "question.asked"):
+        assert kinds.count(kind) == 1, (kind, kinds)
+    for kind in ("question.answered", "timer.set", "timer.fired"):
+        assert kinds.count(kind) == 1, (kind, kinds)
 
 
 async def after_result_before_commit(rig: Rig) -> None:
@@ -410,8 +440,26 @@ async def after_result_before_commit(rig: Rig) -> None:
     await rig.client.wait(h, timeout=90)
     rec = await rig.client.call("m", h.turn_id, 0, 0)
     assert rec is not None and rec.state == "succeeded"
-    assert rec.attempts == (2 if rig.worker_killed else rec.attempts)
+    # The held attempt had made the write. It is made again (same key) exactly when the
+    # attempt was lost, which is audited; a server failure within the lease costs nothing.
+    step = f"m.{h.turn_id}.m0.c0"
+    resumed = [
+        e
+        async for e in _events_until_done(rig.client, "m")
+        if e.type == "agent.run.crash_resumed" and e.data["step"] == step
+    ]
+    if rig.worker_killed:
+        assert len(resumed) == 1
+    assert rec.attempts == 1 + len(resumed)
+    assert list((await rig.vendor.request_counts("write")).values()) == [rec.attempts]
     assert await rig.vendor.effect_count("write") == 1
+
+
+async def tool_steps_pending(rig: Rig) -> int:
+    """Tool steps published for the test agent. No worker serving the tool pool has run yet
+    (its consumer does not even exist), so each of them is in the queue, not taken."""
+    info = await rig.client.js.stream_info(topology.STEPS_STREAM, subjects_filter="jl.step.tool.>")
+    return sum((info.state.subjects or {}).values())
 
 
 async def _snap_with(rig: Rig, pred: Callable[[Any], Any]) -> Any:

@@ -57,15 +57,27 @@ async def test_tampered_checkpoint_is_not_run(
 async def test_rotated_key_still_verifies(
     client: Client, workers: WorkerFactory, vendor: Vendor
 ) -> None:
-    """Checkpoints sealed under a key moved to JETLOOP_SEAL_OLD_KEYS still verify."""
+    """Checkpoints sealed under a key moved to JETLOOP_SEAL_OLD_KEYS still verify; a worker
+    that does not know the old key does not trust them (so verification is really on)."""
     old = workers.start()
+    h_unknown = await client.send("tester", "unk", script([call("guarded", name="u")]))
     h = await client.send("tester", "rot", script([call("guarded", name="g")]))
+    unknown = await pending_approval(client, "unk")
     approval = await pending_approval(client, "rot")
     old.kill()
     new_key = "ab" * 32
-    workers.start(env={"JETLOOP_SEAL_KEY": new_key, "JETLOOP_SEAL_OLD_KEYS": SEAL_KEY})
     from services.settings import load_settings
 
+    # A worker with the new key only: the old seal does not verify, nothing runs.
+    stranger = workers.start("stranger", env={"JETLOOP_SEAL_KEY": new_key})
+    await client.approve("unk", unknown, by="alice")
+    strangers = Client(client.nc, sealer=load_settings(seal_key=new_key).sealer())
+    with pytest.raises(TurnFailed, match="checkpoint not trusted"):
+        await strangers.wait(h_unknown, timeout=30)
+    assert await vendor.effect_count("guarded") == 0
+    stranger.kill()
+
+    workers.start(env={"JETLOOP_SEAL_KEY": new_key, "JETLOOP_SEAL_OLD_KEYS": SEAL_KEY})
     rotated = Client(
         client.nc, sealer=load_settings(seal_key=new_key, seal_old_keys=SEAL_KEY).sealer()
     )

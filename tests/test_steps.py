@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -389,7 +391,8 @@ async def test_compaction_failing_fails_the_turn_and_the_next_message_compacts_a
 async def test_timer_due_while_server_down_fires_when_back(
     client: Client, workers: WorkerFactory, nats_ready: object
 ) -> None:
-    """A timer that comes due while nats-server is down fires once it is back."""
+    """A timer that comes due while nats-server is down fires once it is back: its recorded
+    due time lies inside the outage, and it fired after the server was back, not before."""
     import asyncio
     import time
 
@@ -398,12 +401,27 @@ async def test_timer_due_while_server_down_fires_when_back(
     server = nats_ready
     assert isinstance(server, EmbeddedServer)
     workers.start()
-    h = await client.send("tester", "td", script([call("wait", seconds=1)]))
+    h = await client.send("tester", "td", script([call("wait", seconds=2)]))
     await snapshot_when(client, "td", lambda s: s.timers)
+    rec = await client.call("td", h.turn_id, 0, 0)
+    assert rec is not None and rec.timer_due is not None
+    due = rec.timer_due
     server.kill()
     t_down = time.time()
-    await asyncio.sleep(2.5)  # the outage itself: the timer comes due during it
+    # The outage itself: it lasts until the timer is half a second past due.
+    await asyncio.sleep(max(0.0, due + 0.5 - time.time()))
+    t_up = time.time()
     server.start()
     res = await client.wait(h, timeout=60)
-    assert time.time() - t_down >= 2.5
-    assert body(res.text)["seen"][0]["result"] == {"waited_seconds": 1}
+    assert t_down < due < t_up, "the timer came due during the outage"
+    [fired] = [e async for e in _events_to_end(client, "td") if e.type == "timer.fired"]
+    assert fired.data["due"] == due
+    assert due + fired.data["late_seconds"] >= t_up, "it fired once the server was back"
+    assert body(res.text)["seen"][0]["result"] == {"waited_seconds": 2}
+
+
+async def _events_to_end(client: Client, session: str) -> AsyncIterator[Any]:
+    async for ev in client.events(session):
+        yield ev
+        if ev.type in ("turn.completed", "turn.failed"):
+            return

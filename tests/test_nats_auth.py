@@ -5,6 +5,9 @@ turns but cannot write state or publish a step; no credential is refused."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import stat
 import subprocess
 import sys
@@ -19,13 +22,14 @@ from nats.js.errors import KeyNotFoundError
 
 from services.client import Client
 from services.embedded import EmbeddedServer, free_port
-from services.natsauth import make_users, url_as
+from services.natsauth import make_users, url_as, write_config
 from services.settings import SettingsError, load_settings
 from streams.seal import Sealer, key_bytes
 from streams.topology import STATE_BUCKET, STEPS_STREAM
-from tests.conftest import prepare
+from tests.conftest import prepare, until
 from tests.test_seal_key import Up, env_without_key
 from tests.test_up import wait_ready
+from tooling.trials.harness import WorkerProcess
 
 NO_CREDENTIALS = ("JETLOOP_NATS_USER", "JETLOOP_NATS_PASSWORD")
 
@@ -233,5 +237,57 @@ async def test_credentials_for_servers_started_elsewhere(tmp_path: Path) -> None
             ), errors
         finally:
             await client_nc.close()
+    finally:
+        server.stop()
+
+
+async def test_a_worker_whose_connection_closes_exits(tmp_path: Path) -> None:
+    """Issue 13, finding 1: nats-py never reopens a connection the server closed with an
+    error (here: the worker's password was rotated and the server reloaded its config, so it
+    drops the connection with 'Authorization Violation'). The worker must not stay up doing
+    nothing: it logs why and exits non-zero, so its supervisor starts a fresh one."""
+    store = tmp_path / "store"
+    store.mkdir()
+    conf = tmp_path / "reloadable.conf"
+
+    def write_reloadable() -> None:
+        # nats-server reloads a config only if it names the server as the command line does.
+        config = json.loads(write_config(store).read_text())
+        conf.write_text(json.dumps({**config, "server_name": "jetloop"}))
+
+    write_reloadable()
+    users = make_users(store)
+    server = EmbeddedServer(
+        tmp_path / "srv", port=free_port(), config_file=conf, auth=("worker", users["worker"])
+    )
+    server.start()
+    try:
+        nc = await nats.connect(url_as(server.url, store), max_reconnect_attempts=0)
+        try:
+            await prepare(nc, load_settings().topology())
+        finally:
+            await nc.close()
+        env = {k: v for k, v in env_without_key().items() if k not in NO_CREDENTIALS}
+        w = WorkerProcess(
+            server.url,
+            "tests.apps:app",
+            tmp_path / "w.log",
+            worker_id="wc",
+            env={**env, "JETLOOP_STORE_DIR": str(store), "JETLOOP_SEAL_KEY": "0f" * 32},
+        ).start()
+        await w.wait_for("worker.started", timeout=30)
+
+        rotated = {**users, "worker": "rotated-" + users["worker"]}
+        (store / "nats-users.json").write_text(json.dumps(rotated))
+        write_reloadable()
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGHUP)  # reload: the old password is no longer valid
+
+        async def exited() -> bool:
+            return not w.alive()
+
+        await until(exited, timeout=20)
+        assert w.proc is not None and w.proc.returncode not in (0, None), w.tail()
+        assert w.find("worker.connection_closed"), w.tail()
     finally:
         server.stop()

@@ -5,6 +5,9 @@ turns but cannot write state or publish a step; no credential is refused."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import stat
 import subprocess
 import sys
@@ -18,12 +21,15 @@ from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
 
 from services.client import Client
-from services.natsauth import make_users, url_as
+from services.embedded import EmbeddedServer, free_port
+from services.natsauth import make_users, url_as, write_config
 from services.settings import SettingsError, load_settings
 from streams.seal import Sealer, key_bytes
 from streams.topology import STATE_BUCKET, STEPS_STREAM
+from tests.conftest import prepare, until
 from tests.test_seal_key import Up, env_without_key
 from tests.test_up import wait_ready
+from tooling.trials.harness import WorkerProcess
 
 NO_CREDENTIALS = ("JETLOOP_NATS_USER", "JETLOOP_NATS_PASSWORD")
 
@@ -159,3 +165,129 @@ def test_credentials_come_from_the_settings_else_the_store(tmp_path: Path) -> No
         store_dir=tmp_path, nats_user="client", nats_password="p/w", nats_url="nats://h:1"
     )
     assert s.nats_urls == ["nats://client:p%2Fw@h:1"]
+
+
+async def test_credentials_for_servers_started_elsewhere(tmp_path: Path) -> None:
+    """`jetloop credentials` (what compose.yaml runs first) makes the seal key and the users
+    once (0600; a second run keeps them) and writes the config a node starts with
+    (`--config`, as in compose.yaml): no credential is refused, a
+    process with JETLOOP_STORE_DIR connects as worker, and the client role cannot write state."""
+    store = tmp_path / "secrets"
+    env = {k: v for k, v in env_without_key().items() if k not in NO_CREDENTIALS}
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "services.cli", "credentials", "--store-dir", str(store)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    first = await asyncio.to_thread(run)
+    assert first.returncode == 0, first.stderr
+    users = make_users(store)
+    key = (store / "seal.key").read_text()
+    second = await asyncio.to_thread(run)
+    assert second.returncode == 0, second.stderr
+    assert make_users(store) == users and (store / "seal.key").read_text() == key
+    for name in ("seal.key", "nats-users.json", "nats-server.conf"):
+        assert stat.S_IMODE((store / name).stat().st_mode) == 0o600, name
+    for secret in (key, *users.values()):
+        assert secret not in first.stdout + first.stderr
+
+    server = EmbeddedServer(  # a server started with --config, as each compose node is
+        tmp_path / "node1",
+        port=free_port(),
+        name="node1",
+        config_file=store / "nats-server.conf",
+        auth=("worker", users["worker"]),
+    )
+    server.start()
+    try:
+        anonymous = NATS()
+        with pytest.raises(NatsError, match=r"(?i)authorization"):
+            await anonymous.connect(
+                server.url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False
+            )
+        await anonymous.close()
+        s = load_settings(nats_url=server.url, store_dir=store)
+        assert s.nats_user in (None, "worker") and s.nats_password is not None
+        worker = await nats.connect(s.nats_urls[0], max_reconnect_attempts=0)
+        try:
+            await prepare(worker, load_settings().topology())
+        finally:
+            await worker.close()
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc).lower())
+
+        client_nc = await nats.connect(
+            url_as(server.url, store, "client"), error_cb=on_error, max_reconnect_attempts=0
+        )
+        try:
+            kv = await client_nc.jetstream(timeout=2).key_value(STATE_BUCKET)
+            with pytest.raises(NatsError):
+                await kv.put("session.s1", b"forged")
+            await client_nc.flush()
+            assert any(
+                "permissions violation" in e and f"$kv.{STATE_BUCKET}.session.s1" in e
+                for e in errors
+            ), errors
+        finally:
+            await client_nc.close()
+    finally:
+        server.stop()
+
+
+async def test_a_worker_whose_connection_closes_exits(tmp_path: Path) -> None:
+    """Issue 13, finding 1: nats-py never reopens a connection the server closed with an
+    error (here: the worker's password was rotated and the server reloaded its config, so it
+    drops the connection with 'Authorization Violation'). The worker must not stay up doing
+    nothing: it logs why and exits non-zero, so its supervisor starts a fresh one."""
+    store = tmp_path / "store"
+    store.mkdir()
+    conf = tmp_path / "reloadable.conf"
+
+    def write_reloadable() -> None:
+        # nats-server reloads a config only if it names the server as the command line does.
+        config = json.loads(write_config(store).read_text())
+        conf.write_text(json.dumps({**config, "server_name": "jetloop"}))
+
+    write_reloadable()
+    users = make_users(store)
+    server = EmbeddedServer(
+        tmp_path / "srv", port=free_port(), config_file=conf, auth=("worker", users["worker"])
+    )
+    server.start()
+    try:
+        nc = await nats.connect(url_as(server.url, store), max_reconnect_attempts=0)
+        try:
+            await prepare(nc, load_settings().topology())
+        finally:
+            await nc.close()
+        env = {k: v for k, v in env_without_key().items() if k not in NO_CREDENTIALS}
+        w = WorkerProcess(
+            server.url,
+            "tests.apps:app",
+            tmp_path / "w.log",
+            worker_id="wc",
+            env={**env, "JETLOOP_STORE_DIR": str(store), "JETLOOP_SEAL_KEY": "0f" * 32},
+        ).start()
+        await w.wait_for("worker.started", timeout=30)
+
+        rotated = {**users, "worker": "rotated-" + users["worker"]}
+        (store / "nats-users.json").write_text(json.dumps(rotated))
+        write_reloadable()
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGHUP)  # reload: the old password is no longer valid
+
+        async def exited() -> bool:
+            return not w.alive()
+
+        await until(exited, timeout=20)
+        assert w.proc is not None and w.proc.returncode not in (0, None), w.tail()
+        assert w.find("worker.connection_closed"), w.tail()
+    finally:
+        server.stop()

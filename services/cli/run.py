@@ -128,6 +128,34 @@ def topology(nats_url: str | None, replicas: int | None, app: str | None) -> Non
 
 @main.command()
 @click.option(
+    "--store-dir",
+    type=click.Path(file_okay=False),
+    help="where to keep them (default JETLOOP_STORE_DIR, .jetloop)",
+)
+def credentials(store_dir: str | None) -> None:
+    """Make the store's secrets once (the seal key, a NATS password per role) and write the
+    nats-server config that gives each role its permissions: for servers started elsewhere
+    (compose.yaml, a cluster). Prints where they are, never the secrets."""
+    from services.natsauth import write_config
+    from services.settings import make_seal_key
+
+    s = _settings(store_dir=store_dir)
+    try:
+        s.store_dir.mkdir(parents=True, exist_ok=True)
+        make_seal_key(s.store_dir)
+        conf = write_config(s.store_dir)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"setting JETLOOP_STORE_DIR / --store-dir: {exc}") from None
+    click.echo(f"seal key and NATS users in {s.store_dir} (0600, made once)")
+    click.echo(f"start every nats-server with: --config {conf}")
+    click.echo(
+        f"processes with JETLOOP_STORE_DIR={s.store_dir} seal with the key and connect as "
+        "worker; give programs elsewhere the client or operator password (docs/security.md)"
+    )
+
+
+@main.command()
+@click.option(
     "--mode",
     "modes",
     multiple=True,

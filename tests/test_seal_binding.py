@@ -201,6 +201,12 @@ async def test_a_session_edited_by_a_raw_put_runs_nothing(
     start(workers)
     first = await strict.send("tester", "sess", script([call("write", name="first")]))
     await strict.wait(first, timeout=30)
+
+    async def first_done() -> bool:  # the session record moved past the first turn
+        snap = await strict.snapshot("sess")
+        return snap is not None and snap.turns_done == 1
+
+    await until(first_done, timeout=10)
     sk = session_key("sess")
     record = msgpack.unpackb(await raw(strict, sk))
     record["approval_overrides"] = {"pay": False}

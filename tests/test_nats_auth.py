@@ -21,6 +21,8 @@ from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
 
+from consumers.control import ControlError
+from consumers.snapshot import SessionSnapshot
 from demo.vendor import Vendor
 from services.client import Client
 from services.embedded import EmbeddedServer, free_port
@@ -28,7 +30,7 @@ from services.natsauth import make_users, url_as, write_config
 from services.settings import SettingsError, load_settings
 from streams.seal import Sealer, key_bytes
 from streams.topology import STATE_BUCKET, STEPS_STREAM
-from tests.conftest import prepare, until
+from tests.conftest import WorkerFactory, body, call, prepare, script, until
 from tests.test_seal_key import Up, cancelled_then_next_completes, env_without_key, waiting_turn
 from tests.test_up import wait_ready
 from tooling.trials.harness import WorkerProcess
@@ -250,6 +252,50 @@ async def test_no_worker_to_decide_is_one_line(nats_ready: EmbeddedServer, tmp_p
         "Error: no worker serves the control API: start one (jetloop up, or jetloop worker "
         "with the session pool); nobody answered jl.control.approve"
     ], out.stderr
+
+
+async def test_every_decision_goes_through_the_workers_without_the_key(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """A Python client without a sealer asks the workers for every decision (reject, answer,
+    approval policy, cancel, reconcile): the records they write verify under the workers'
+    key, the decider is the one the request names, and a refusal is the direct path's
+    ControlError (status, title, detail)."""
+    workers.start()
+    bare = Client(client.nc)  # the same connection, no seal key
+
+    policy = await bare.set_approval("kp", "pay", True, agent="tester")
+    assert policy.approval_overrides == {"pay": True}
+
+    h = await client.send("tester", "kr", script([call("guarded", name="g")]))
+    snap = await until(lambda: held(client, "kr", "approvals"))
+    rejected = await bare.reject("kr", snap.approvals[0].approval_id, by="dave", reason="no")
+    assert (rejected.status, rejected.decided_by, rejected.reason) == ("rejected", "dave", "no")
+    res = await client.wait(h, timeout=30)
+    assert body(res.text)["seen"][0]["status"] == "denied", res.text
+
+    h = await client.send("tester", "kq", script([call("ask_user", question="Which?")]))
+    snap = await until(lambda: held(client, "kq", "questions"))
+    answered = await bare.answer("kq", snap.questions[0].question_id, "blue", by="erin")
+    assert (answered.answer, answered.answered_by) == ("blue", "erin")
+    res = await client.wait(h, timeout=30)
+    assert body(res.text)["seen"][0]["result"] == {"answer": "blue"}, res.text
+
+    for session in ("kp", "kr", "kq"):  # what the workers wrote verifies under their key
+        snap = await client.snapshot(session)
+        assert snap is not None and snap.untrusted == [], snap
+
+    with pytest.raises(ControlError) as refused:
+        await bare.cancel("kr")
+    assert (refused.value.status, refused.value.title) == (409, "no running turn")
+    with pytest.raises(ControlError) as refused:
+        await bare.reconcile("kr.t.1.0", True, result={"ok": 1})
+    assert (refused.value.status, refused.value.title) == (404, "no such call")
+
+
+async def held(c: Client, session: str, what: str) -> SessionSnapshot | None:
+    snap = await c.snapshot(session)
+    return snap if snap is not None and getattr(snap, what) else None
 
 
 def test_a_user_without_a_password_is_named(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 from pydantic import BaseModel
 
 from agents.agent import Trigger
@@ -57,6 +57,22 @@ R = TypeVar("R", bound=BaseModel)
 
 # How long one control request over NATS waits for a worker's reply before it is repeated.
 CONTROL_TIMEOUT = 5.0
+
+
+def control_reply(subject: str, data: bytes) -> Any:
+    """The result of a control reply (``services.control``), or its error as the
+    ``ControlError`` the direct path raises."""
+    try:
+        reply = json.loads(data)
+        if reply.get("ok") is True:
+            return reply["result"]
+        err = reply["error"]
+        status, title, detail = int(err["status"]), str(err["title"]), str(err["detail"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise ControlError(
+            502, "not a control reply", f"{subject} answered {data[:200]!r}"
+        ) from None
+    raise ControlError(status, title, detail)
 
 
 async def publish_trigger(js: Any, agent: str, trigger: Trigger) -> None:
@@ -326,12 +342,25 @@ class Client:
             raise ControlError(422, "invalid request", f"not JSON: {exc}") from None
         subject = f"{CONTROL_PREFIX}.{op}"
         timeout = min(CONTROL_TIMEOUT, self.retry_for)
+        unavailable: list[ControlError] = []
+
+        async def ask() -> Any:
+            msg = await self.nc.request(subject, data, timeout=timeout)
+            try:
+                return control_reply(subject, msg.data)
+            except ControlError as exc:
+                if exc.status != 503:
+                    raise
+                # The worker could not reach the servers just then: repeat it, as a timeout.
+                unavailable[:] = [exc]
+                raise ServiceUnavailableError(description=exc.detail) from None
+
         try:
-            msg = await retrying(
-                lambda: self.nc.request(subject, data, timeout=timeout),
-                self.retry_for,
-                "control request",
-            )
+            return await retrying(ask, self.retry_for, "control request")
+        except ServiceUnavailableError:
+            if unavailable:
+                raise unavailable[0] from None
+            raise
         except (NoRespondersError, NatsTimeoutError, TimeoutError):
             raise ControlError(
                 503,
@@ -339,17 +368,6 @@ class Client:
                 f"start one (jetloop up, or jetloop worker with the session pool); "
                 f"nobody answered {subject}",
             ) from None
-        try:
-            reply = json.loads(msg.data)
-            if reply.get("ok") is True:
-                return reply["result"]
-            err = reply["error"]
-            status, title, detail = int(err["status"]), str(err["title"]), str(err["detail"])
-        except (ValueError, TypeError, KeyError, AttributeError):
-            raise ControlError(
-                502, "not a control reply", f"{subject} answered {msg.data[:200]!r}"
-            ) from None
-        raise ControlError(status, title, detail)
 
     async def approve(
         self, session_id: str, approval_id: str, by: str = "python", reason: str | None = None

@@ -14,16 +14,19 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
 
 from consumers.control import ControlError
 from consumers.snapshot import SessionSnapshot
 from demo.vendor import Vendor
+from schemas import ApprovalRecord
 from services.client import Client
 from services.embedded import EmbeddedServer, free_port
 from services.natsauth import make_users, url_as, write_config
@@ -291,6 +294,44 @@ async def test_every_decision_goes_through_the_workers_without_the_key(
     with pytest.raises(ControlError) as refused:
         await bare.reconcile("kr.t.1.0", True, result={"ok": 1})
     assert (refused.value.status, refused.value.title) == (404, "no such call")
+
+
+async def test_a_busy_worker_is_asked_again(client: Client) -> None:
+    """A worker that could not reach the servers just then answers 503: the client repeats
+    the (idempotent) request while it may, then says so as the control path's error. Here
+    the test answers in the workers' place on a server without permissions."""
+    asked: list[dict[str, Any]] = []
+    record = {
+        "approval_id": "a1",
+        "session_id": "s1",
+        "turn_id": "t1",
+        "model_step": 1,
+        "call_index": 0,
+        "call_key": "s1.t1.1.0",
+        "tool": "guarded",
+        "status": "approved",
+        "requested_at": 1.0,
+        "decided_by": "gil",
+    }
+    busy = {"ok": False, "error": {"status": 503, "title": "NATS unavailable", "detail": "x"}}
+
+    async def answer(msg: Msg) -> None:
+        asked.append(json.loads(msg.data))
+        reply = (
+            busy if len(asked) == 1 or asked[-1]["by"] == "hal" else {"ok": True, "result": record}
+        )
+        await msg.respond(json.dumps(reply).encode())
+
+    sub = await client.nc.subscribe("jl.control.approve", cb=answer)
+    try:
+        got = await Client(client.nc).approve("s1", "a1", by="gil")
+        assert got == ApprovalRecord.model_validate(record)
+        assert [a["by"] for a in asked] == ["gil", "gil"]
+        with pytest.raises(ControlError) as refused:
+            await Client(client.nc, retry_for=0.5).approve("s1", "a1", by="hal")
+        assert (refused.value.status, refused.value.title) == (503, "NATS unavailable")
+    finally:
+        await sub.unsubscribe()
 
 
 async def held(c: Client, session: str, what: str) -> SessionSnapshot | None:

@@ -17,11 +17,14 @@ from typing import Any, TypeVar
 
 from nats.aio.client import Client as Nats
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
+from pydantic import BaseModel
 
 from agents.agent import Trigger
-from consumers.control import Control
+from consumers.control import Control, ControlError
 from consumers.snapshot import SessionSnapshot, snapshot, with_workers
 from schemas import (
     ApprovalRecord,
@@ -39,6 +42,7 @@ from schemas import (
     turn_id_for,
     validate_name,
 )
+from services.control import PREFIX as CONTROL_PREFIX
 from streams import topology
 from streams.blobs import BlobStore
 from streams.bus import Bus
@@ -49,6 +53,26 @@ from streams.seal import Sealer
 from streams.state import StateStore
 
 T = TypeVar("T")
+R = TypeVar("R", bound=BaseModel)
+
+# How long one control request over NATS waits for a worker's reply before it is repeated.
+CONTROL_TIMEOUT = 5.0
+
+
+def control_reply(subject: str, data: bytes) -> Any:
+    """The result of a control reply (``services.control``), or its error as the
+    ``ControlError`` the direct path raises."""
+    try:
+        reply = json.loads(data)
+        if reply.get("ok") is True:
+            return reply["result"]
+        err = reply["error"]
+        status, title, detail = int(err["status"]), str(err["title"]), str(err["detail"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise ControlError(
+            502, "not a control reply", f"{subject} answered {data[:200]!r}"
+        ) from None
+    raise ControlError(status, title, detail)
 
 
 async def publish_trigger(js: Any, agent: str, trigger: Trigger) -> None:
@@ -106,7 +130,9 @@ class Client:
         self, nc: Nats, own: bool = False, retry_for: float = 30.0, sealer: Sealer | None = None
     ) -> None:
         self.nc = nc
-        # Writes of turn and call records (cancel, reconcile) are sealed like a worker's.
+        # With a sealer, decisions (approve, answer, cancel, reconcile, policies) write their
+        # records sealed, as a worker does; without one they are asked of the workers over
+        # NATS (jl.control.*), which is all the `client` NATS role may do.
         self.sealer = sealer
         self.js = nc.jetstream()
         self._own = own
@@ -291,33 +317,100 @@ class Client:
     async def _control(self) -> Control:
         return Control(await self._state(), Bus(self.js, retry_for=self.retry_for))
 
-    async def _retry(self, op: Callable[[Control], Awaitable[T]]) -> T:
-        """Control operations are idempotent: repeat one the servers could not answer."""
-        control = await self._control()
-        return await retrying(lambda: op(control), self.retry_for, "control")
+    async def _decide(
+        self,
+        op: str,
+        body: dict[str, Any],
+        record: type[R],
+        direct: Callable[[Control], Awaitable[R]],
+    ) -> R:
+        """One control operation (all are idempotent: one the servers could not answer is
+        repeated). With the seal key the client writes the records itself, as a worker
+        does; without it, it asks the workers over NATS (``jl.control.<op>``, served by
+        ``services.control``): that needs only the ``client`` role, and the workers seal."""
+        if self.sealer is not None:
+            control = await self._control()
+            return await retrying(lambda: direct(control), self.retry_for, "control")
+        return record.model_validate(await self._request(op, body))
+
+    async def _request(self, op: str, body: dict[str, Any]) -> Any:
+        """A control request over NATS; a refusal is the ``ControlError`` the direct path
+        raises, and nobody answering is one, too (503)."""
+        try:
+            data = json.dumps(body).encode()
+        except (TypeError, ValueError) as exc:
+            raise ControlError(422, "invalid request", f"not JSON: {exc}") from None
+        subject = f"{CONTROL_PREFIX}.{op}"
+        timeout = min(CONTROL_TIMEOUT, self.retry_for)
+        unavailable: list[ControlError] = []
+
+        async def ask() -> Any:
+            msg = await self.nc.request(subject, data, timeout=timeout)
+            try:
+                return control_reply(subject, msg.data)
+            except ControlError as exc:
+                if exc.status != 503:
+                    raise
+                # The worker could not reach the servers just then: repeat it, as a timeout.
+                unavailable[:] = [exc]
+                raise ServiceUnavailableError(description=exc.detail) from None
+
+        try:
+            return await retrying(ask, self.retry_for, "control request")
+        except ServiceUnavailableError:
+            if unavailable:
+                raise unavailable[0] from None
+            raise
+        except (NoRespondersError, NatsTimeoutError, TimeoutError):
+            raise ControlError(
+                503,
+                "no worker serves the control API",
+                f"start one (jetloop up, or jetloop worker with the session pool); "
+                f"nobody answered {subject}",
+            ) from None
 
     async def approve(
         self, session_id: str, approval_id: str, by: str = "python", reason: str | None = None
     ) -> ApprovalRecord:
         """Approve a held call; the first decision wins and a repeat returns it."""
-        return await self._retry(lambda c: c.decide(session_id, approval_id, True, by, reason))
+        return await self._decide(
+            "approve",
+            {"session_id": session_id, "approval_id": approval_id, "by": by, "reason": reason},
+            ApprovalRecord,
+            lambda c: c.decide(session_id, approval_id, True, by, reason),
+        )
 
     async def reject(
         self, session_id: str, approval_id: str, by: str = "python", reason: str | None = None
     ) -> ApprovalRecord:
         """Reject a held call: the model sees it denied, with the reason."""
-        return await self._retry(lambda c: c.decide(session_id, approval_id, False, by, reason))
+        return await self._decide(
+            "reject",
+            {"session_id": session_id, "approval_id": approval_id, "by": by, "reason": reason},
+            ApprovalRecord,
+            lambda c: c.decide(session_id, approval_id, False, by, reason),
+        )
 
     async def answer(
         self, session_id: str, question_id: str, answer: str, by: str = "python"
     ) -> QuestionRecord:
-        return await self._retry(lambda c: c.answer(session_id, question_id, answer, by))
+        return await self._decide(
+            "answer",
+            {"session_id": session_id, "question_id": question_id, "answer": answer, "by": by},
+            QuestionRecord,
+            lambda c: c.answer(session_id, question_id, answer, by),
+        )
 
     async def cancel(
         self, session_id: str, turn_id: str | None = None, by: str = "python"
     ) -> TurnRecord:
         """Cancel the session's running turn (or the given one)."""
-        return await self._retry(lambda c: c.cancel(session_id, turn_id, by))
+        return await self._decide(
+            "cancel",
+            {"session_id": session_id, "turn_id": turn_id, "by": by},
+            TurnRecord,
+            lambda c: c.cancel(session_id, turn_id, by),
+        )
 
     async def reconcile(
         self,
@@ -328,13 +421,29 @@ class Client:
         error: str | None = None,
     ) -> CallRecord:
         """Settle an ``outcome_unknown`` call as succeeded (with a result) or failed."""
-        return await self._retry(lambda c: c.reconcile(call_key, succeeded, by, result, error))
+        return await self._decide(
+            "reconcile",
+            {
+                "call_key": call_key,
+                "succeeded": succeeded,
+                "by": by,
+                "result": result,
+                "error": error,
+            },
+            CallRecord,
+            lambda c: c.reconcile(call_key, succeeded, by, result, error),
+        )
 
     async def set_approval(
         self, session_id: str, tool: str, required: bool | None, agent: str | None = None
     ) -> SessionRecord:
         """Require (True) or waive (False) approval of a tool in one session; None resets."""
-        return await self._retry(lambda c: c.set_approval(session_id, tool, required, agent))
+        return await self._decide(
+            "approval_policy",
+            {"session_id": session_id, "tool": tool, "required": required, "agent": agent},
+            SessionRecord,
+            lambda c: c.set_approval(session_id, tool, required, agent),
+        )
 
     async def call(
         self, session_id: str, turn_id: str, model_step: int, index: int

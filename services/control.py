@@ -7,7 +7,9 @@ Requests and replies are JSON, so the NATS CLI can drive it:
 
 Subjects: ``jl.control.{approve,reject,answer,cancel,reconcile,approval_policy,snapshot}``.
 A reply is ``{"ok": true, "result": …}`` or ``{"ok": false, "error": {"status", "title",
-"detail"}}``; a malformed request gets an error reply and changes nothing.
+"detail"}}``; a malformed request gets an error reply and changes nothing, and a request
+the servers could not serve just then (an election, a restart) gets 503, to be repeated.
+The Python client (``services.client``) asks here when it has no seal key.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from consumers.control import Control, ControlError, dump
 from consumers.snapshot import snapshot, with_workers
 from streams.blobs import BlobStore
+from streams.connection import TRANSIENT
 from streams.history import HistoryReader
 from streams.registry import Registry
 from streams.state import StateStore
@@ -122,6 +125,17 @@ class ControlService:
             reply = {
                 "ok": False,
                 "error": {"status": exc.status, "title": exc.title, "detail": exc.detail},
+            }
+        except TRANSIENT as exc:
+            # Mid-election or restarting: the caller may repeat the (idempotent) request.
+            log.warning("control.unavailable", op=op, error=type(exc).__name__)
+            reply = {
+                "ok": False,
+                "error": {
+                    "status": 503,
+                    "title": "NATS unavailable",
+                    "detail": f"{type(exc).__name__}: try again",
+                },
             }
         except Exception as exc:
             log.exception("control.error", op=op)

@@ -1,6 +1,7 @@
 """`jetloop up` serves NATS with users and roles (services.natsauth): the CLI beside it
 finds the worker credentials in the store directory; a client credential starts and reads
-turns but cannot write state or publish a step; no credential is refused."""
+turns, and decides (approve, cancel) through the workers' control API, but cannot write
+state or publish a step; no credential is refused."""
 
 from __future__ import annotations
 
@@ -13,21 +14,27 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
 
+from consumers.control import ControlError
+from consumers.snapshot import SessionSnapshot
+from demo.vendor import Vendor
+from schemas import ApprovalRecord
 from services.client import Client
 from services.embedded import EmbeddedServer, free_port
 from services.natsauth import make_users, url_as, write_config
 from services.settings import SettingsError, load_settings
 from streams.seal import Sealer, key_bytes
 from streams.topology import STATE_BUCKET, STEPS_STREAM
-from tests.conftest import prepare, until
-from tests.test_seal_key import Up, env_without_key
+from tests.conftest import WorkerFactory, body, call, prepare, script, until
+from tests.test_seal_key import Up, cancelled_then_next_completes, env_without_key, waiting_turn
 from tests.test_up import wait_ready
 from tooling.trials.harness import WorkerProcess
 
@@ -147,6 +154,189 @@ async def test_roles_of_the_embedded_server(up: Up) -> None:
         assert any("jl.turn.demo.s3" in e for e in errors), errors
     finally:
         await nc.close()
+
+
+def cli_elsewhere(
+    url: str, cwd: Path, *args: str, **extra_env: str
+) -> subprocess.CompletedProcess[str]:
+    """The CLI where no store directory is, with no seal key in its environment."""
+    assert not (cwd / ".jetloop").exists()
+    env = {k: v for k, v in env_without_key().items() if k not in NO_CREDENTIALS}
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args, "--nats", url],
+        cwd=cwd,
+        env={**env, **extra_env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_a_client_without_the_seal_key_decides_through_the_workers(
+    up: Up, tmp_path: Path
+) -> None:
+    """Issue 13, finding 4: a program elsewhere with the `client` credential and no seal
+    key approves and cancels with the CLI (the workers' control API does the writes and
+    seals them; the decider is the `--by` it names), and still cannot put to `jl_state`."""
+    store = up.cwd / ".jetloop"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    as_client = {
+        "JETLOOP_NATS_USER": "client",
+        "JETLOOP_NATS_PASSWORD": make_users(store)["client"],
+    }
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    nc = await nats.connect(
+        url_as(up.url, store, "client"), error_cb=on_error, max_reconnect_attempts=0
+    )
+    c = Client(nc)  # no sealer: a program without the key
+    try:
+        h = await c.send("demo", "ap", "close T-1")
+
+        async def held() -> str | None:
+            snap = await c.snapshot("ap")
+            pending = [a for a in snap.approvals if a.status == "pending"] if snap else []
+            return pending[0].approval_id if pending else None
+
+        approval_id = await until(held)
+        out = await asyncio.to_thread(
+            cli_elsewhere,
+            up.url,
+            elsewhere,
+            "approve",
+            "ap",
+            approval_id,
+            "--by",
+            "carol",
+            **as_client,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == f"{approval_id}: approved by carol", out.stdout
+        res = await c.wait(h, timeout=30)
+        assert res.text is not None and "closed" in res.text, res
+        closes = await Vendor(up.cwd / "vendor.sqlite").request_counts("close_ticket")
+        assert list(closes.values()) == [1], closes  # the approved tool ran once
+
+        # A refusal is the control path's error, in one line.
+        out = await asyncio.to_thread(
+            cli_elsewhere, up.url, elsewhere, "approve", "ap", "nope", **as_client
+        )
+        assert out.returncode == 1, out
+        assert out.stderr.strip().splitlines() == ["Error: no such approval: ap/nope"], out.stderr
+
+        turn_id = await waiting_turn(c, "cx")
+        out = await asyncio.to_thread(cli_elsewhere, up.url, elsewhere, "cancel", "cx", **as_client)
+        assert out.returncode == 0, out.stderr
+        assert f"turn {turn_id}: cancelled" in out.stdout, out.stdout
+        await cancelled_then_next_completes(c, "cx", turn_id)
+
+        # The same credential still cannot write state itself.
+        kv = await nc.jetstream(timeout=2).key_value(STATE_BUCKET)
+        with pytest.raises(NatsError):
+            await kv.put("session.ap", b"forged")
+        await nc.flush()
+        assert any(
+            "permissions violation" in e and f"$kv.{STATE_BUCKET}.session.ap" in e for e in errors
+        ), errors
+    finally:
+        await nc.close()
+
+
+async def test_no_worker_to_decide_is_one_line(nats_ready: EmbeddedServer, tmp_path: Path) -> None:
+    """Without the seal key and with no worker serving jl.control.*, a decision is one
+    line that says to start one, never a traceback."""
+    out = await asyncio.to_thread(cli_elsewhere, nats_ready.url, tmp_path, "approve", "s1", "a1")
+    assert out.returncode == 1, out
+    assert out.stderr.strip().splitlines() == [
+        "Error: no worker serves the control API: start one (jetloop up, or jetloop worker "
+        "with the session pool); nobody answered jl.control.approve"
+    ], out.stderr
+
+
+async def test_every_decision_goes_through_the_workers_without_the_key(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """A Python client without a sealer asks the workers for every decision (reject, answer,
+    approval policy, cancel, reconcile): the records they write verify under the workers'
+    key, the decider is the one the request names, and a refusal is the direct path's
+    ControlError (status, title, detail)."""
+    workers.start()
+    bare = Client(client.nc)  # the same connection, no seal key
+
+    policy = await bare.set_approval("kp", "pay", True, agent="tester")
+    assert policy.approval_overrides == {"pay": True}
+
+    h = await client.send("tester", "kr", script([call("guarded", name="g")]))
+    snap = await until(lambda: held(client, "kr", "approvals"))
+    rejected = await bare.reject("kr", snap.approvals[0].approval_id, by="dave", reason="no")
+    assert (rejected.status, rejected.decided_by, rejected.reason) == ("rejected", "dave", "no")
+    res = await client.wait(h, timeout=30)
+    assert body(res.text)["seen"][0]["status"] == "denied", res.text
+
+    h = await client.send("tester", "kq", script([call("ask_user", question="Which?")]))
+    snap = await until(lambda: held(client, "kq", "questions"))
+    answered = await bare.answer("kq", snap.questions[0].question_id, "blue", by="erin")
+    assert (answered.answer, answered.answered_by) == ("blue", "erin")
+    res = await client.wait(h, timeout=30)
+    assert body(res.text)["seen"][0]["result"] == {"answer": "blue"}, res.text
+
+    for session in ("kp", "kr", "kq"):  # what the workers wrote verifies under their key
+        snap = await client.snapshot(session)
+        assert snap is not None and snap.untrusted == [], snap
+
+    with pytest.raises(ControlError) as refused:
+        await bare.cancel("kr")
+    assert (refused.value.status, refused.value.title) == (409, "no running turn")
+    with pytest.raises(ControlError) as refused:
+        await bare.reconcile("kr.t.1.0", True, result={"ok": 1})
+    assert (refused.value.status, refused.value.title) == (404, "no such call")
+
+
+async def test_a_busy_worker_is_asked_again(client: Client) -> None:
+    """A worker that could not reach the servers just then answers 503: the client repeats
+    the (idempotent) request while it may, then says so as the control path's error. Here
+    the test answers in the workers' place on a server without permissions."""
+    asked: list[dict[str, Any]] = []
+    record = {
+        "approval_id": "a1",
+        "session_id": "s1",
+        "turn_id": "t1",
+        "model_step": 1,
+        "call_index": 0,
+        "call_key": "s1.t1.1.0",
+        "tool": "guarded",
+        "status": "approved",
+        "requested_at": 1.0,
+        "decided_by": "gil",
+    }
+    busy = {"ok": False, "error": {"status": 503, "title": "NATS unavailable", "detail": "x"}}
+
+    async def answer(msg: Msg) -> None:
+        asked.append(json.loads(msg.data))
+        reply = (
+            busy if len(asked) == 1 or asked[-1]["by"] == "hal" else {"ok": True, "result": record}
+        )
+        await msg.respond(json.dumps(reply).encode())
+
+    sub = await client.nc.subscribe("jl.control.approve", cb=answer)
+    try:
+        got = await Client(client.nc).approve("s1", "a1", by="gil")
+        assert got == ApprovalRecord.model_validate(record)
+        assert [a["by"] for a in asked] == ["gil", "gil"]
+        with pytest.raises(ControlError) as refused:
+            await Client(client.nc, retry_for=0.5).approve("s1", "a1", by="hal")
+        assert (refused.value.status, refused.value.title) == (503, "NATS unavailable")
+    finally:
+        await sub.unsubscribe()
+
+
+async def held(c: Client, session: str, what: str) -> SessionSnapshot | None:
+    snap = await c.snapshot(session)
+    return snap if snap is not None and getattr(snap, what) else None
 
 
 def test_a_user_without_a_password_is_named(tmp_path: Path) -> None:

@@ -6,14 +6,15 @@ nats-server with ``<store dir>/nats-server.conf`` (0600, written at every start 
 users file), in which each user has the subject permissions of its role:
 
 - ``worker``: everything. Every process of ``up`` and every local command (the CLI, which
-  also writes state for cancel, approve and reconcile) connects as ``worker``: whoever can
-  read the store directory can read the seal key too, so a smaller role would protect
-  nothing there.
+  with the store's seal key writes state itself for cancel, approve and reconcile) connects
+  as ``worker``: whoever can read the store directory can read the seal key too, so a
+  smaller role would protect nothing there.
 - ``client``: for a program elsewhere that starts turns and watches them. It may publish
   turn requests (``jl.turn.>``), make control requests (``jl.control.>``) and read streams
   and buckets through the JetStream API; it may not write any bucket or the object store,
   publish steps, events or dead letters, pull or ack the work queues, or change streams and
-  consumers.
+  consumers. Without the seal key, the CLI and the Python client take decisions through the
+  workers' control API (``jl.control.*``), which this role may use.
 - ``operator``: read-only: stream and consumer information, direct and message gets, and
   consumers on the streams that are not work queues.
 

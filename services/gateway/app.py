@@ -389,7 +389,8 @@ async def _nats(app: web.Application) -> AsyncIterator[None]:
     nc = await connect(list(urls), name="jetloop-gateway", closed_cb=on_closed)
     config = app[CONFIG]
     if config.sealer is None:
-        # Workers that seal refuse the decisions, answers and cancels this gateway writes.
+        # Without the key the client sends decisions, answers and cancels to the workers'
+        # control API (jl.control.*), and the state it reads for snapshots is not verified.
         log.warning("gateway.unsealed", hint="set JETLOOP_SEAL_KEY to the workers' key")
     app[CLIENT] = Client(nc, retry_for=config.nats_retry_seconds, sealer=config.sealer)
     try:

@@ -5,9 +5,11 @@ a turn waits), then applies the failure of the column:
 
 - worker_kill: SIGKILL the worker; a new worker starts.
 - server_restart: SIGKILL nats-server and restart it on its store directory; the worker
-  keeps running (it is released from its hold only once the server is back).
-- takeover: a 3-node cluster (R3 streams and KV); SIGKILL the node leading ``JL_STEPS``;
-  the worker keeps running.
+  keeps running (it is released from its hold once the server is back, or, in the write
+  rows, right as it dies: a write is in flight, see ``in_flight``).
+- takeover: a 3-node cluster (R3 streams and KV); SIGKILL the node leading ``KV_jl_state``
+  (where the fences live), which ``JL_STEPS``'s leadership is moved to first; the worker
+  keeps running.
 
 Every test is judged from state and from the vendor's log. ``docs/crash-matrix.md`` names
 these tests cell by cell; ``tests/test_matrix_doc.py`` keeps the two in step.

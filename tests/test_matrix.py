@@ -17,6 +17,7 @@ these tests cell by cell; ``tests/test_matrix_doc.py`` keeps the two in step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -118,13 +119,20 @@ class Rig:
         return self.mode == "worker_kill"
 
 
-async def colocate(cluster: Any, tries: int = 10) -> int:
+async def colocate(cluster: Any, tries: int = 5) -> int:
     """Move ``JL_STEPS``'s leadership to the node leading ``KV_jl_state`` (a leader stepdown
     with that node preferred), so one SIGKILL takes both leaders; returns that node."""
-    target = await cluster.wait_leader(STATE_STREAM)
+    target = int(await cluster.wait_leader(STATE_STREAM))
+
+    async def there() -> bool:
+        try:
+            return bool(await cluster.stream_leader(topology.STEPS_STREAM, 0.5) == target)
+        except Exception:
+            return False  # mid-election
+
     for _ in range(tries):
-        if await cluster.wait_leader(topology.STEPS_STREAM) == target:
-            return int(target)
+        if await there():
+            return target
         nc = await connect(cluster.urls, "test-stepdown")
         try:
             await nc.request(
@@ -134,6 +142,8 @@ async def colocate(cluster: Any, tries: int = 10) -> int:
             )
         finally:
             await nc.close()
+        with contextlib.suppress(TimeoutError):
+            await until(there, timeout=5)
     raise AssertionError(f"{topology.STEPS_STREAM} would not move to {cluster.names[target]}")
 
 

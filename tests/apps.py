@@ -61,15 +61,30 @@ class Slow(BaseModel):
     seconds: float
 
 
+async def latch(op: str, ctx: ToolContext) -> None:
+    """With ``TEST_LATCH`` set (a file path), a request is opened at the vendor (logged as op
+    ``<op>.open``) and held open until that file exists: a test fails the servers while the
+    call is at the vendor, then lets it through, so the commit goes out during the outage."""
+    path = os.environ.get("TEST_LATCH")
+    if not path:
+        return
+    await vendor().note(f"{op}.open", ctx.idempotency_key, {"attempt": ctx.attempt})
+    # Polls a file the test process creates (as consumers/faults.py does): a stat, no I/O wait.
+    while not Path(path).exists():  # noqa: ASYNC110, ASYNC240
+        await asyncio.sleep(0.02)
+
+
 @tool(effect=Effect.IDEMPOTENT_WRITE)
 async def write(args: Named, ctx: ToolContext) -> dict[str, Any]:
     """An idempotent write: the vendor dedupes on the key."""
+    await latch("write", ctx)
     return await vendor().write("write", ctx.idempotency_key, {"name": args.name})
 
 
 @tool(effect=Effect.NON_IDEMPOTENT_WRITE)
 async def once(args: Named, ctx: ToolContext) -> dict[str, Any]:
     """A single-attempt write at a vendor that does not dedupe."""
+    await latch("once", ctx)
     return await vendor().write("once", ctx.idempotency_key, {"name": args.name}, dedupe=False)
 
 

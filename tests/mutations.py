@@ -120,6 +120,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         (
             cell("worker_kill", "single_attempt-while-running"),
             cell("worker_kill", "single_attempt-after-mark"),
+            cell("server_restart", "single_attempt-while-running"),
+            cell("server_restart", "single_attempt-after-mark"),
+            cell("takeover", "single_attempt-while-running"),
         ),
     ),
     Mutation(

@@ -5,9 +5,11 @@ a turn waits), then applies the failure of the column:
 
 - worker_kill: SIGKILL the worker; a new worker starts.
 - server_restart: SIGKILL nats-server and restart it on its store directory; the worker
-  keeps running (it is released from its hold only once the server is back).
-- takeover: a 3-node cluster (R3 streams and KV); SIGKILL the node leading ``JL_STEPS``;
-  the worker keeps running.
+  keeps running (it is released from its hold once the server is back, or, in the write
+  rows, right as it dies: a write is in flight, see ``in_flight``).
+- takeover: a 3-node cluster (R3 streams and KV); SIGKILL the node leading ``KV_jl_state``
+  (where the fences live), which ``JL_STEPS``'s leadership is moved to first; the worker
+  keeps running.
 
 Every test is judged from state and from the vendor's log. ``docs/crash-matrix.md`` names
 these tests cell by cell; ``tests/test_matrix_doc.py`` keeps the two in step.
@@ -15,6 +17,7 @@ these tests cell by cell; ``tests/test_matrix_doc.py`` keeps the two in step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -35,6 +38,9 @@ from tooling.trials.harness import WorkerProcess
 MODES = ("worker_kill", "server_restart", "takeover")
 
 
+STATE_STREAM = f"KV_{topology.STATE_BUCKET}"
+
+
 @dataclass
 class Rig:
     mode: str
@@ -42,14 +48,20 @@ class Rig:
     vendor: Vendor
     workers: WorkerFactory
     release: Path
+    latch: Path
     server: EmbeddedServer | None = None
     cluster: Any = None  # tooling.trials.cluster.LocalCluster
+    killed: int = -1  # the node the takeover column killed
 
-    def worker(self, hold: str | None = None) -> WorkerProcess:
-        return self.workers.start(hold=hold, release_file=self.release if hold else None)
+    def worker(self, hold: str | None = None, **env: str) -> WorkerProcess:
+        return self.workers.start(hold=hold, release_file=self.release if hold else None, env=env)
 
-    async def fail(self, victim: WorkerProcess | None) -> None:
-        """Apply this column's failure to the system as it stands."""
+    async def fail(self, victim: WorkerProcess | None, in_flight: bool = False) -> None:
+        """Apply this column's failure to the system as it stands.
+
+        In the server columns a held worker is released once the servers are back, or, with
+        ``in_flight``, right as they fail: it then sends its next request (the mark, the
+        fence check, the commit) to servers that are going or gone."""
         if self.mode == "worker_kill":
             if victim is not None:
                 victim.kill()
@@ -57,21 +69,82 @@ class Rig:
                 for w in self.workers.procs:
                     w.kill()
             self.workers.start("survivor")
-        elif self.mode == "server_restart":
+            return
+        if in_flight:
+            self.release.touch()
+        await self.down()
+        await self.up()
+        self.release.touch()
+
+    async def down(self) -> None:
+        """The server columns' failure begins: nats-server gets SIGKILL, or the node leading
+        ``KV_jl_state`` (where the fences live) and ``JL_STEPS`` does."""
+        if self.mode == "server_restart":
             assert self.server is not None
             self.server.kill()
+            return
+        leader = await colocate(self.cluster)
+        # The servers' own view, just before the kill: this node leads both.
+        for stream in (STATE_STREAM, topology.STEPS_STREAM):
+            info = await self.client.js.stream_info(stream)
+            assert info.cluster is not None and info.cluster.leader == self.cluster.names[leader]
+        self.cluster.kill(leader)
+        self.killed = leader
+
+    async def up(self) -> None:
+        """The failure ends: the server is back on its store, or both streams have a new
+        leader and the servers report the killed node as a replica that is not current."""
+        if self.mode == "server_restart":
+            assert self.server is not None
             self.server.start()
             await self.server.wait_jetstream()
-            self.release.touch()
-        else:
-            leader = await self.cluster.stream_leader(topology.STEPS_STREAM)
-            self.cluster.kill(leader)
-            await self.cluster.wait_leader(topology.STEPS_STREAM, not_node=leader)
-            self.release.touch()
+            return
+        gone = self.cluster.names[self.killed]
+        for stream in (STATE_STREAM, topology.STEPS_STREAM):
+            await self.cluster.wait_leader(stream, not_node=self.killed)
+
+        async def servers_agree() -> bool:
+            try:
+                info = await self.client.js.stream_info(STATE_STREAM)
+            except Exception:
+                return False  # mid-election
+            assert info.cluster is not None
+            behind = {p.name for p in info.cluster.replicas or [] if not p.current}
+            return info.cluster.leader not in (None, gone) and gone in behind
+
+        await until(servers_agree, timeout=20)
 
     @property
     def worker_killed(self) -> bool:
         return self.mode == "worker_kill"
+
+
+async def colocate(cluster: Any, tries: int = 5) -> int:
+    """Move ``JL_STEPS``'s leadership to the node leading ``KV_jl_state`` (a leader stepdown
+    with that node preferred), so one SIGKILL takes both leaders; returns that node."""
+    target = int(await cluster.wait_leader(STATE_STREAM))
+
+    async def there() -> bool:
+        try:
+            return bool(await cluster.stream_leader(topology.STEPS_STREAM, 0.5) == target)
+        except Exception:
+            return False  # mid-election
+
+    for _ in range(tries):
+        if await there():
+            return target
+        nc = await connect(cluster.urls, "test-stepdown")
+        try:
+            await nc.request(
+                f"$JS.API.STREAM.LEADER.STEPDOWN.{topology.STEPS_STREAM}",
+                json.dumps({"placement": {"preferred": cluster.names[target]}}).encode(),
+                timeout=5,
+            )
+        finally:
+            await nc.close()
+        with contextlib.suppress(TimeoutError):
+            await until(there, timeout=5)
+    raise AssertionError(f"{topology.STEPS_STREAM} would not move to {cluster.names[target]}")
 
 
 @pytest.fixture(params=MODES)
@@ -107,9 +180,20 @@ async def rig(
             await prepare(nc, cfg)
         finally:
             await nc.close()
+        if cluster is not None:
+            await colocate(cluster)
         client = await Client.connect(urls)
         try:
-            yield Rig(mode, client, vendor, workers, release, server=server, cluster=cluster)
+            yield Rig(
+                mode,
+                client,
+                vendor,
+                workers,
+                release,
+                tmp_path / "latch",
+                server=server,
+                cluster=cluster,
+            )
         finally:
             await client.close()
     finally:
@@ -137,6 +221,47 @@ async def held(rig: Rig, point: str, text: str, session: str = "m") -> tuple[Any
     h = await rig.client.send("tester", session, text)
     await victim.wait_for("fault.hold", point=point)
     return h, victim
+
+
+async def in_flight(rig: Rig, tool: str) -> Any:
+    """The server columns' write in flight: a worker makes ``tool`` and holds its request open
+    at the vendor (``TEST_LATCH``, tests/apps.py); the servers fail with the request open; the
+    latch opens during the outage, so the vendor applies the write and the worker sends its
+    commit to servers that are down; then they come back."""
+    rig.worker(TEST_LATCH=str(rig.latch))
+    h = await rig.client.send("tester", "m", script([call(tool, name="x")]))
+
+    async def opened() -> bool:
+        return await count(rig.vendor, f"{tool}.open") == 1
+
+    await until(opened)
+    await marked(rig, h.turn_id)
+    await rig.down()
+    rig.latch.touch()
+
+    async def applied() -> bool:
+        return await count(rig.vendor, tool) == 1
+
+    await until(applied)
+    await rig.up()
+    return h
+
+
+async def marked(rig: Rig, turn_id: str) -> None:
+    """A write's first attempt is marked in doubt before its tool is made."""
+    rec = await rig.client.call("m", turn_id, 0, 0)
+    assert rec is not None and rec.state == "in_doubt", rec
+    assert rec.attempt is not None and rec.attempt.no == 1 and rec.attempts == 1
+
+
+async def resumes(rig: Rig, turn_id: str, step: str = "m0.c0") -> list[Any]:
+    """The audited resumes (``agent.run.crash_resumed``) of one step of a turn."""
+    key = f"m.{turn_id}.{step}"
+    return [
+        e
+        async for e in _events_until_done(rig.client, "m")
+        if e.type == "agent.run.crash_resumed" and e.data["step"] == key
+    ]
 
 
 # --- the rows --------------------------------------------------------------------------
@@ -169,34 +294,46 @@ async def run_model_after_output(rig: Rig) -> None:
 
 async def idempotent_write_before_mark(rig: Rig) -> None:
     h, v = await held(rig, "call_tool.before_mark", script([call("write", name="x")]))
+    assert await rig.client.call("m", h.turn_id, 0, 0) is None, "no mark before the hold"
     await rig.fail(v)
     await rig.client.wait(h, timeout=90)
     assert await count(rig.vendor, "write") == 1
     assert await rig.vendor.effect_count("write") == 1
+    # No attempt was marked before the failure: nothing was lost, the call is attempt 1.
+    rec = await rig.client.call("m", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == "succeeded" and rec.attempts == 1
+    assert await resumes(rig, h.turn_id) == []
 
 
 async def idempotent_write_while_running(rig: Rig) -> None:
-    h, v = await held(rig, "call_tool.before_commit", script([call("write", name="x")]))
-    await rig.fail(v)
+    if rig.worker_killed:
+        h, v = await held(rig, "call_tool.before_commit", script([call("write", name="x")]))
+        await marked(rig, h.turn_id)
+        await rig.fail(v)
+    else:
+        h = await in_flight(rig, "write")
     res = await rig.client.wait(h, timeout=90)
     keys = await rig.vendor.request_counts("write")
     assert len(keys) == 1, "the same idempotency key on every attempt"
     assert await rig.vendor.effect_count("write") == 1
     rec = await rig.client.call("m", h.turn_id, 0, 0)
     assert rec is not None and rec.state == "succeeded" and rec.outcome is not None
-    # Every attempt the call records reached the vendor: a lost one was made again, not
-    # recorded as made. A server failure need not cost the attempt.
-    assert sum(keys.values()) == rec.attempts
-    assert rec.attempts == 2 if rig.worker_killed else rec.attempts in (1, 2)
     assert rec.outcome.result == {"op": "write", "name": "x"}
     assert body(res.text)["seen"][0]["result"] == rec.outcome.result
-    if rec.attempts == 2:
-        resumed = [
-            e
-            async for e in _events_until_done(rig.client, "m")
-            if e.type == "agent.run.crash_resumed"
-        ]
-        assert [e.data["settled"] for e in resumed] == [{rec.key: "made again"}]
+    resumed = [e.data["settled"] for e in await resumes(rig, h.turn_id)]
+    # A lost attempt is audited and made again with the same key: every attempt the call
+    # records reached the vendor (a lost one was made again, not recorded as made).
+    # The worker's attempt is lost when its worker dies; under a server failure it goes on
+    # and commits once the servers are back (one attempt, one request), unless the outage
+    # outlasted its lease: then exactly the worker-kill outcome (two, the second deduped).
+    assert rec.attempts == 1 + len(resumed)
+    assert resumed == [{rec.key: "made again"}] * (rec.attempts - 1)
+    assert list(keys.values()) == [rec.attempts]
+    if rig.worker_killed:
+        assert rec.attempts == 2
+    else:
+        assert rec.attempts in (1, 2)
+        assert list((await rig.vendor.request_counts("write.open")).values()) == [rec.attempts]
 
 
 async def read_while_running(rig: Rig) -> None:
@@ -250,38 +387,66 @@ async def every_attempt_write(rig: Rig) -> None:
 
 async def single_attempt_before_mark(rig: Rig) -> None:
     h, v = await held(rig, "call_tool.before_mark", script([call("once", name="x")]))
+    assert await rig.client.call("m", h.turn_id, 0, 0) is None, "no mark before the hold"
     await rig.fail(v)
     res = await rig.client.wait(h, timeout=90)
     # No attempt reached the in-doubt mark: the tool provably did not run, so it is made.
     assert body(res.text)["seen"][0]["status"] == "ok"
     assert await count(rig.vendor, "once") == 1
+    rec = await rig.client.call("m", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == "succeeded" and rec.attempts == 1
+    assert await resumes(rig, h.turn_id) == []
 
 
 async def single_attempt_after_mark(rig: Rig) -> None:
     h, v = await held(rig, "call_tool.in_tool", script([call("once", name="x")]))
-    await rig.fail(v)
+    await marked(rig, h.turn_id)
+    # Server columns: released right as the servers fail, so the fence check and the call
+    # run into the outage.
+    await rig.fail(v, in_flight=True)
     res = await rig.client.wait(h, timeout=90)
-    status = body(res.text)["seen"][0]["status"]
-    made = await count(rig.vendor, "once")
+    await settled_at_most_once(rig, h, res, made_by_lost=not rig.worker_killed)
     if rig.worker_killed:
-        assert (status, made) == ("outcome_unknown", 0)
-    else:
-        # The attempt goes on after the failure and records what the call did. If the outage
-        # outlasted its lease, the redelivery settles the call `outcome_unknown` instead; the
-        # attempt it took over may already have passed its fence and made the call. Either
-        # way the call is made at most once, and "ok" is only ever recorded for a made call.
-        assert made <= 1, "a single-attempt write never runs twice"
-        assert status in ("ok", "outcome_unknown")
-        assert status != "ok" or made == 1
+        assert await count(rig.vendor, "once") == 0, "the killed attempt never made the call"
 
 
 async def single_attempt_while_running(rig: Rig) -> None:
-    h, v = await held(rig, "call_tool.before_commit", script([call("once", name="x")]))
-    await rig.fail(v)
+    if rig.worker_killed:
+        h, v = await held(rig, "call_tool.before_commit", script([call("once", name="x")]))
+        await marked(rig, h.turn_id)
+        await rig.fail(v)
+    else:
+        h = await in_flight(rig, "once")
     res = await rig.client.wait(h, timeout=90)
-    status = body(res.text)["seen"][0]["status"]
+    # The attempt the failure hit had made the call (the vendor applied it before the
+    # servers came back, or before the worker died): it is never made again.
     assert await count(rig.vendor, "once") == 1, "a single-attempt write never runs twice"
-    assert status == "outcome_unknown" if rig.worker_killed else status in ("ok", "outcome_unknown")
+    await settled_at_most_once(rig, h, res, made_by_lost=True)
+
+
+async def settled_at_most_once(rig: Rig, h: Any, res: Any, made_by_lost: bool) -> None:
+    """A single-attempt write whose attempt a failure hit after its in-doubt mark: exactly
+    one of two outcomes, each matching the vendor's records. The attempt went on and
+    recorded what the call did (``ok``: made once, nothing resumed); or it was lost (a worker
+    kill, an outage past the lease) and the redelivery settled the call ``outcome_unknown``
+    without making it (audited; the vendor saw at most the lost attempt's one request)."""
+    status = body(res.text)["seen"][0]["status"]
+    rec = await rig.client.call("m", h.turn_id, 0, 0)
+    assert rec is not None and rec.attempts == 1
+    made = await count(rig.vendor, "once")
+    resumed = [e.data["settled"] for e in await resumes(rig, h.turn_id)]
+    if rig.worker_killed or resumed:
+        assert resumed == [{rec.key: "outcome_unknown"}]
+        assert (status, rec.state, rec.settlement) == (
+            "outcome_unknown",
+            "outcome_unknown",
+            "outcome_unknown",
+        )
+        assert made <= (1 if made_by_lost else 0)
+    else:
+        assert (status, rec.state) == ("ok", "succeeded")
+        assert rec.outcome is not None and rec.outcome.result == {"op": "once", "name": "x"}
+        assert made == 1
 
 
 async def approval_while_waiting(rig: Rig) -> None:
@@ -436,21 +601,17 @@ async def after_wait_while_moving_on(rig: Rig) -> None:
 
 async def after_result_before_commit(rig: Rig) -> None:
     h, v = await held(rig, "call_tool.before_commit", script([call("write", name="x")]))
-    await rig.fail(v)
+    await marked(rig, h.turn_id)
+    # Server columns: released right as the servers fail, so the commit is in flight.
+    await rig.fail(v, in_flight=True)
     await rig.client.wait(h, timeout=90)
     rec = await rig.client.call("m", h.turn_id, 0, 0)
     assert rec is not None and rec.state == "succeeded"
     # The held attempt had made the write. It is made again (same key) exactly when the
     # attempt was lost, which is audited; a server failure within the lease costs nothing.
-    step = f"m.{h.turn_id}.m0.c0"
-    resumed = [
-        e
-        async for e in _events_until_done(rig.client, "m")
-        if e.type == "agent.run.crash_resumed" and e.data["step"] == step
-    ]
-    if rig.worker_killed:
-        assert len(resumed) == 1
-    assert rec.attempts == 1 + len(resumed)
+    resumed = [e.data["settled"] for e in await resumes(rig, h.turn_id)]
+    assert resumed == [{rec.key: "made again"}] * (rec.attempts - 1)
+    assert rec.attempts == 2 if rig.worker_killed else rec.attempts in (1, 2)
     assert list((await rig.vendor.request_counts("write")).values()) == [rec.attempts]
     assert await rig.vendor.effect_count("write") == 1
 

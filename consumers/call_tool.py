@@ -64,8 +64,16 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
     turn = turn_v.value
     current = turn.model_step == n and turn.phase == TurnPhase.CALLS and not turn.status.terminal
     if rec_v is not None and rec_v.value.done:
+        # The outcome is committed; its worker may have died before what follows went out.
+        # Sent again from state, under the same message ids (it lands once): the event
+        # always, whatever the turn's state now (the audit stream and the read model need
+        # every outcome); the join only while the turn is at this step, so a turn that
+        # moved on is never moved again.
+        follow = call_done(turn, n, i, rec_v.value)
         if current:
-            await call_done(turn, n, i, rec_v.value).publish(rt.bus)
+            await follow.publish(rt.bus)
+        else:
+            await rt.bus.publish(follow.records)
         return
     if not current:
         # The turn moved on, ended or was cancelled: nothing to make.

@@ -190,6 +190,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         (cell("worker_kill", "run_model-after-output"),),
     ),
     Mutation(
+        "no-outcome-event-once-the-turn-moved-on",
+        "consumers/call_tool.py",
+        "            await rt.bus.publish(follow.records)\n",
+        "            pass\n",
+        "a redelivered call whose outcome is committed re-emits nothing once the turn moved on",
+        (
+            "tests/test_resume.py::"
+            "test_outcome_committed_before_its_worker_died_is_told_after_the_turn_moved_on",
+        ),
+    ),
+    Mutation(
         "seal-not-checked",
         "streams/state.py",
         "            raise SealBroken(key, why)\n",
@@ -241,6 +252,7 @@ CI_SUBSET: tuple[str, ...] = (
     "idempotency-key-per-attempt",
     "no-attempt-exhaustion",
     "no-read-back-of-a-lost-reply",
+    "no-outcome-event-once-the-turn-moved-on",
     "seal-not-checked",
     "seal-not-bound-to-key",
     "seal-time-not-checked",

@@ -9,10 +9,12 @@ import msgpack
 import pytest
 
 from demo.vendor import Vendor
-from schemas import TurnPhase
+from schemas import TurnPhase, call_key
 from services.client import Client, TurnFailed
+from streams import topology
 from streams.state import turn_key
 from tests.conftest import SEAL_KEY, WorkerFactory, body, call, script, until
+from tests.test_crash import last_seqs
 
 
 async def events_of(client: Client, session: str, until_types: tuple[str, ...]) -> list[object]:
@@ -222,3 +224,58 @@ async def test_join_lost_before_publishing_is_published_again(
     asked = await vendor.payload_counts("model_call")
     assert sorted(json.loads(p)["step"] for p, n in asked.items() for _ in range(n)) == [0, 1]
     assert await vendor.effect_count("write") == 1
+
+
+async def pending_question(client: Client, session: str) -> str:
+    async def check() -> str | None:
+        snap = await client.snapshot(session)
+        return snap.questions[0].question_id if snap and snap.questions else None
+
+    found: str = await until(check)
+    return found
+
+
+async def stored(client: Client, stream: str, after: int = 0) -> list[dict[str, str]]:
+    """The headers of every message stored in a stream after sequence ``after``, in order."""
+    info = await client.js.stream_info(stream)
+    out = []
+    for seq in range(max(after + 1, info.state.first_seq), info.state.last_seq + 1):
+        msg = await client.js.get_msg(stream, seq)
+        out.append(dict(msg.headers or {}))
+    return out
+
+
+async def test_outcome_committed_before_its_worker_died_is_told_after_the_turn_moved_on(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """A worker killed after committing call 0's outcome and before publishing what follows,
+    while call 1 moved the turn on (and the turn completed) elsewhere: the redelivery of
+    call 0 publishes its ``call.outcome`` from state, once, and nothing else (no join, no
+    next step, no history entry, no event twice)."""
+    held_w = workers.start("held", hold="call_tool.after_commit")
+    calls = [call("read", name="r"), call("ask_user", question="go on?")]
+    h = await client.send("tester", "ro", script(calls))
+    held = await held_w.wait_for("fault.hold", point="call_tool.after_commit")
+    question = await pending_question(client, "ro")
+    taker = workers.start("taker")
+    await client.answer("ro", question, "yes")
+    await client.wait(h, timeout=30)
+    before = await last_seqs(client, "ro")
+    outcome = f"call.{call_key('ro', h.turn_id, 0, 0)}.outcome"
+    ids_before = [m["Nats-Msg-Id"] for m in await stored(client, topology.EVENTS_STREAM)]
+    assert outcome not in ids_before
+
+    held_w.kill()
+    await taker.wait_for("step.acked", step=held["step"])
+    ids = [m["Nats-Msg-Id"] for m in await stored(client, topology.EVENTS_STREAM)]
+    assert ids == [*ids_before, outcome], "call 0's outcome is told once, and only it"
+    assert len(set(ids)) == len(ids), "no event or history entry is stored twice"
+    # Only call 0's own step may be sent again (to hand it to a live worker); nothing that
+    # would move the turn (a join, a model step) is.
+    again = await stored(client, topology.STEPS_STREAM, before[topology.STEPS_STREAM])
+    assert [m["Jl-Step"] for m in again if m["Jl-Step"] != held["step"]] == []
+    after = await last_seqs(client, "ro")
+    moved = {topology.EVENTS_STREAM, topology.STEPS_STREAM}
+    assert {k: v for k, v in after.items() if k not in moved} == {
+        k: v for k, v in before.items() if k not in moved
+    }

@@ -110,11 +110,16 @@ class TurnFailed(Exception):
 
 @dataclass(frozen=True)
 class TurnHandle:
+    """A sent request's turn. ``duplicate``: the request id was sent before (its turn
+    exists, or its first request is still queued); ``status``: that turn's status, when
+    it exists (None for a new request, or a duplicate not accepted yet)."""
+
     agent: str
     session_id: str
     request_id: str
     turn_id: str
     duplicate: bool
+    status: TurnStatus | None = None
 
 
 @dataclass(frozen=True)
@@ -208,7 +213,15 @@ class Client:
     async def send(
         self, agent: str, session_id: str, text: str, request_id: str | None = None
     ) -> TurnHandle:
-        """Publish a user message; the request id (``Nats-Msg-Id``) makes a resend harmless.
+        """Publish a user message; the request id makes a resend harmless.
+
+        A repeat is told from state: the turn id is derived from the request id, so a turn
+        record that exists means the request was accepted before; it is not published
+        again, and the handle says ``duplicate`` with the turn's status. Otherwise the
+        request is published with its ``Nats-Msg-Id``, and the PubAck's ``duplicate`` says
+        whether an earlier send of it is still queued. The stream's dedupe window is only
+        an optimisation (a work queue forgets the id of an accepted request at a restart):
+        the session handler creates the turn only if absent, so nothing runs twice.
 
         Raises ``UnknownAgent`` when no worker has ever served ``agent`` (a request for an
         agent whose workers are only down is accepted: it waits for them).
@@ -219,6 +232,15 @@ class Client:
         if not await retrying(lambda: reg.known(agent), self.retry_for, "agent lookup"):
             raise UnknownAgent(agent)
         rid = request_id or uuid.uuid4().hex
+        tid = turn_id_for(session_id, rid)
+        if request_id is not None:
+            state = await self._state()
+            # Existence and status only, so a client with another seal key can send too.
+            earlier = await retrying(
+                lambda: state.turn(session_id, tid, verify=False), self.retry_for, "read"
+            )
+            if earlier is not None:
+                return TurnHandle(agent, session_id, rid, tid, True, earlier.value.status)
         body = TurnRequest(text=text)
         data = text.encode()
         if len(data) > self.inline_text_limit:
@@ -243,7 +265,7 @@ class Client:
             self.retry_for,
             "send",
         )
-        return TurnHandle(agent, session_id, rid, turn_id_for(session_id, rid), bool(ack.duplicate))
+        return TurnHandle(agent, session_id, rid, tid, bool(ack.duplicate))
 
     async def add_trigger(self, agent: str, trigger: Trigger) -> None:
         """Start (or replace) a cron trigger: a message schedule on jl.cron.<agent>.<name>."""

@@ -143,6 +143,13 @@ async def test_send_with_idempotency_key_snapshot_and_list(
     )
     assert waited["status"] == "completed" and waited["turn_id"] == first["turn_id"]
     assert body(waited["text"])["seen"][0]["status"] == "ok"
+    # A repeat of an ended turn is told from its record: a duplicate, with the turn's status.
+    late = await ok(await api.post(url, json=msg, headers={**WRITE, "Idempotency-Key": "k-1"}), 202)
+    assert (late["duplicate"], late["status"], late["turn_id"]) == (
+        True,
+        "completed",
+        first["turn_id"],
+    )
 
     # The turn's end is told before the session moves on: wait for the session too.
     await snapshot_when(api, "s1", lambda s: s["status"] == "idle")

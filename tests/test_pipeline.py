@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from demo.vendor import Vendor
-from schemas import EventType
+from schemas import EventType, TurnStatus
 from services.client import Client
+from services.embedded import EmbeddedServer
+from streams import topology
 from tests.conftest import WorkerFactory, call, script
 
 
@@ -55,6 +58,35 @@ async def test_duplicate_request_is_dropped(
     assert sorted((await vendor.payload_counts("model_call")).values()) == [1, 1]
     events = await collect(client, "s2", 1)
     assert events.count(("turn.completed", h1.turn_id)) == 1
+
+
+async def test_duplicate_is_told_from_state_after_the_stream_forgot_the_id(
+    client: Client, workers: WorkerFactory, vendor: Vendor, nats_ready: EmbeddedServer
+) -> None:
+    """A repeat while the first request is still queued is a duplicate by its PubAck; a
+    repeat after the turn completed and the server restarted (the work queue has forgotten
+    the id) is a duplicate by the turn record, with its status, and is not published: the
+    turn ran once and the turn stream holds nothing new."""
+    text = script([call("write", name="dup")])
+    h1 = await client.send("tester", "fd", text, request_id="req-f")
+    h2 = await client.send("tester", "fd", text, request_id="req-f")
+    assert (h1.duplicate, h1.status) == (False, None)
+    assert (h2.duplicate, h2.status, h2.turn_id) == (True, None, h1.turn_id)
+    workers.start()
+    await client.wait(h1, timeout=30)
+    await asyncio.to_thread(nats_ready.stop)  # graceful: the deletion of the request is kept
+    await asyncio.to_thread(nats_ready.start)
+    await nats_ready.wait_jetstream()
+    turns = (await client.js.stream_info(topology.TURNS_STREAM)).state.last_seq
+
+    h3 = await client.send("tester", "fd", text, request_id="req-f")
+    assert (h3.duplicate, h3.status, h3.turn_id) == (True, TurnStatus.COMPLETED, h1.turn_id)
+    assert (await client.js.stream_info(topology.TURNS_STREAM)).state.last_seq == turns
+    assert (await client.wait(h3, timeout=30)).status == TurnStatus.COMPLETED
+    assert await vendor.effect_count("write") == 1
+    assert sorted((await vendor.payload_counts("model_call")).values()) == [1, 1]
+    snap = await client.snapshot("fd")
+    assert snap is not None and snap.turns_done == 1
 
 
 async def test_two_messages_run_in_order(client: Client, workers: WorkerFactory) -> None:

@@ -42,26 +42,20 @@ def send(
     text: str,
 ) -> None:
     """Send a message to a session, print its events and the answer."""
-    from schemas import turn_id_for, validate_name
+    from schemas import validate_name
     from services.client import TurnFailed
 
     async def body(jl: Client) -> None:
         try:
             validate_name("session id", session_id)
-            # JL_TURNS is a work queue: once a request ran, its message is gone and the
-            # server forgets its id at a restart (or after the dedupe window), so the
-            # PubAck alone may not say "duplicate". The turn record does: read it first.
-            earlier = (
-                await jl.turn(session_id, turn_id_for(session_id, request_id))
-                if request_id
-                else None
-            )
+            # Client.send tells a repeat from the turn record (state), not only from the
+            # PubAck, whose id a work queue forgets: the note below holds after a restart.
             h = await jl.send(agent, session_id, text, request_id=request_id)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
         note = ""
-        if earlier is not None:
-            note = f" — duplicate request (the turn is {earlier.status.value}), showing it"
+        if h.status is not None:
+            note = f" — duplicate request (the turn is {h.status.value}), showing it"
         elif h.duplicate:
             note = " — duplicate request (the first is still queued), showing its turn"
         click.echo(f"turn {h.turn_id} (request {h.request_id}){note}")

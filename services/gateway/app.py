@@ -161,7 +161,7 @@ async def send_message(request: web.Request) -> web.Response:
         turn_id=h.turn_id,
         request_id=h.request_id,
         duplicate=h.duplicate,
-        status="accepted",
+        status=h.status.value if h.status else "accepted",
     )
     where = {"Location": f"/v1/sessions/{session}"}
     if not query.wait:
@@ -293,7 +293,7 @@ async def receive_webhook(request: web.Request) -> web.Response:
         turn_id=h.turn_id,
         request_id=h.request_id,
         duplicate=h.duplicate,
-        status="accepted",
+        status=h.status.value if h.status else "accepted",
         trigger=name,
         webhook_id=delivery.id,
     )

@@ -15,9 +15,9 @@ Two schemes, both checked on the raw body bytes with ``hmac.compare_digest``:
   (GitHub always sends it) and is logged, but decides nothing.
 
 The delivery id becomes the turn's request id (``<trigger>:<id>``), and the ``{id}`` of the
-templates: a replay inside the turn stream's dedupe window is a JetStream duplicate
-(``Nats-Msg-Id``; the answer says ``duplicate: true``) and, after it, names the same turn
-id, which the session's state already holds, so no second turn runs. For GitHub the
+templates: a replay names the same turn id, which the session's state already holds, so no
+second turn runs, and the answer says ``duplicate: true`` (told from the turn record;
+before the first is accepted, from the turn stream's ``Nats-Msg-Id`` dedupe). For GitHub the
 "window" is therefore as long as the session keeps that turn: the same body never starts two
 turns. GitHub's bodies carry ids and timestamps of their own, so two real events do not share
 one; a redelivery from GitHub's settings page sends the same body and is the same turn.

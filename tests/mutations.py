@@ -85,6 +85,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "no-fence-check-before-the-model-call",
+        "consumers/run_model.py",
+        "    if not await d.still_ours(fresh_for=rt.lease_seconds / 4):\n",
+        "    if False:\n",
+        "the fence check before the model call is removed (a stalled worker asks the model again)",
+        ("tests/test_crash.py::test_stalled_worker_makes_no_model_call_after_a_takeover",),
+    ),
+    Mutation(
+        "model-call-not-cancelled-when-lost",
+        "consumers/runtime.py",
+        '                paid.cancel("the step was taken over")\n',
+        "                pass\n",
+        "a heartbeat that finds the claim lost lets the model call in flight run on",
+        (
+            "tests/test_crash.py::test_model_call_in_flight_is_cancelled_when_the_claim_is_found_lost",
+        ),
+    ),
+    Mutation(
         "approval-gate-passes-while-pending",
         "consumers/approvals.py",
         "    if approval.status == Decision.PENDING:\n",
@@ -235,6 +253,8 @@ CI_SUBSET: tuple[str, ...] = (
     "dispatch-acks-when-lost",
     "dispatch-settles-taken-over",
     "no-fence-check-before-the-tool",
+    "no-fence-check-before-the-model-call",
+    "model-call-not-cancelled-when-lost",
     "approval-gate-passes-while-pending",
     "lost-write-recorded-succeeded",
     "single-attempt-write-marked-running",

@@ -158,6 +158,7 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
         )
         if not await d.still_ours(fresh_for=rt.lease_seconds / 4):
             raise TakenOver(ckey)  # stalled past the lease: the summary is another's to pay for
+        log.debug("model.call", attempt=attempt.no, purpose="summary")
         try:
             async with d.cancelled_when_lost():
                 text = (await agent.model.complete(request)).text

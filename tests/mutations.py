@@ -93,6 +93,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_crash.py::test_stalled_worker_makes_no_model_call_after_a_takeover",),
     ),
     Mutation(
+        "no-fence-check-before-the-summary-call",
+        "consumers/compact.py",
+        "        if not await d.still_ours(fresh_for=rt.lease_seconds / 4):\n",
+        "        if False:\n",
+        "the fence check before a compaction's summary call is removed",
+        ("tests/test_crash.py::test_stalled_worker_makes_no_summary_call_after_a_takeover",),
+    ),
+    Mutation(
         "model-call-not-cancelled-when-lost",
         "consumers/runtime.py",
         '                paid.cancel("the step was taken over")\n',

@@ -24,7 +24,7 @@ from services.embedded import EmbeddedServer
 from streams import topology
 from streams.connection import connect
 from streams.state import StateStore, session_key
-from tests.conftest import WorkerFactory, call, script, until
+from tests.conftest import WorkerFactory, body, call, script, until
 from tests.fakes import FakeOpenAIChat, Reply, Stall
 from tests.test_models_engine import model_env
 from tooling.trials.harness import WorkerProcess
@@ -339,3 +339,36 @@ async def test_model_call_in_flight_is_cancelled_when_the_claim_is_found_lost(
     assert tap.settled(seq, delivery) == [], "the stale delivery must not be settled"
     assert await last_seqs(client, "pf2") == before, "nothing new in the streams"
     assert await client.turn("pf2", h.turn_id) == turn
+
+
+async def test_stalled_worker_makes_no_summary_call_after_a_takeover(
+    client: Client, workers: WorkerFactory, vendor: Vendor, tap: AckTap, tmp_path: Path
+) -> None:
+    """The same for a context compaction: a worker paused past its lease after claiming the
+    summary and before asking the model for it, resumed once another worker compacted and
+    finished the turn, asks for no summary and settles nothing."""
+    release = tmp_path / "release"
+    stalled = workers.start("stalled", hold="compact_context.in_call", release_file=release)
+    h1 = await client.send("compactor", "pc", script(answer="padding " * 60))
+    await client.wait(h1, timeout=30)
+    h2 = await client.send("compactor", "pc", script(answer="after"))
+    held = await stalled.wait_for("fault.hold", point="compact_context.in_call")
+    seq, delivery = held["seq"], held["delivery"]
+    stalled.pause()
+    workers.start("taker")
+    res = await client.wait(h2, timeout=30)
+    assert body(res.text)["summaries"] == ["SUMMARY of 2 messages"]
+    assert sum((await vendor.payload_counts("summary_call")).values()) == 1
+    before = await last_seqs(client, "pc")
+
+    stalled.resume()
+    release.touch()
+    await handled(stalled, held)
+    await tap.nc.flush()
+    after_hold = stalled.lines()
+    after_hold = after_hold[after_hold.index(held) :]
+    assert not [ln for ln in after_hold if ln["event"] == "model.call"], "a summary call"
+    assert stalled.find("step.taken_over", seq=seq, delivery=delivery)
+    assert sum((await vendor.payload_counts("summary_call")).values()) == 1
+    assert tap.settled(seq, delivery) == [], "the stale delivery must not be settled"
+    assert await last_seqs(client, "pc") == before, "nothing new in the streams"

@@ -262,7 +262,6 @@ CI_SUBSET: tuple[str, ...] = (
     "dispatch-settles-taken-over",
     "no-fence-check-before-the-tool",
     "no-fence-check-before-the-model-call",
-    "model-call-not-cancelled-when-lost",
     "approval-gate-passes-while-pending",
     "lost-write-recorded-succeeded",
     "single-attempt-write-marked-running",

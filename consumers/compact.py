@@ -14,7 +14,7 @@ import structlog
 
 from agents import Agent, Message, ModelRequest, rough_tokens
 from consumers.conversation import conversation
-from consumers.errors import RetryLater
+from consumers.errors import RetryLater, TakenOver
 from consumers.followers import Followers, finished
 from consumers.losses import record_loss, tell_resumed
 from consumers.runtime import Delivery, Runtime
@@ -156,8 +156,14 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
             attempt=attempt.no,
             purpose="summary",
         )
+        if not await d.still_ours(fresh_for=rt.lease_seconds / 4):
+            raise TakenOver(ckey)  # stalled past the lease: the summary is another's to pay for
+        log.debug("model.call", attempt=attempt.no, purpose="summary")
         try:
-            text = (await agent.model.complete(request)).text
+            async with d.cancelled_when_lost():
+                text = (await agent.model.complete(request)).text
+        except TakenOver:
+            raise
         except Exception as exc:
             log.warning("compact.call_failed", error=str(exc))
             await d.commit(comp.model_copy(update={"attempt": None, "error": str(exc)}))

@@ -2,8 +2,10 @@
 
 Rules kept: state first (a step already answered is never asked again, only re-emitted);
 claim then work then commit with CAS (a lost CAS is a takeover: nothing more is written,
-published or acked); write ahead (the answer and every call it plans are committed before
-any call is made); commit, publish, ack.
+published or acked); nothing is paid for after a takeover (the fence is checked right before
+the model call, and a heartbeat that finds it lost cancels the call in flight); write ahead
+(the answer and every call it plans are committed before any call is made); commit,
+publish, ack.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from agents.adapters import MalformedToolCall, ProviderRejected, ProviderRetryab
 from consumers import metrics
 from consumers.compact import compact_first, compaction_needed
 from consumers.conversation import conversation
-from consumers.errors import DeadLetter, RetryLater
+from consumers.errors import DeadLetter, RetryLater, TakenOver
 from consumers.followers import answer, finished
 from consumers.losses import loss_id, lost_event, lost_reason, tell_resumed
 from consumers.runtime import Delivery, Runtime
@@ -131,8 +133,16 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         attempt=attempt.no,
     )
     await rt.faults.point("run_model.in_call")
+    if not await d.still_ours(fresh_for=rt.lease_seconds / 4):
+        # Stalled past the lease since the claim: another attempt owns the step, and a model
+        # call now would be paid for and thrown away (or ask again what was answered).
+        raise TakenOver(turn_key(sid, tid))
+    log.debug("model.call", attempt=attempt.no)
     try:
-        response = await _complete(rt, agent, request, sid, tid, attempt.no)
+        async with d.cancelled_when_lost():
+            response = await _complete(rt, agent, request, sid, tid, attempt.no)
+    except TakenOver:
+        raise
     except ProviderRejected as exc:
         # The provider refused the request itself (a 4xx): trying again cannot help.
         log.warning("model.rejected", error=str(exc))

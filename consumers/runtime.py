@@ -2,7 +2,8 @@
 
 ``Delivery.claim`` and ``Delivery.commit`` are the fence of rule 2: the claim records the
 attempt with a CAS, every later write expects the revision written last, and a lost CAS
-raises ``TakenOver``. The heartbeat sends an in-progress ack only while the fence holds.
+raises ``TakenOver``. The heartbeat sends an in-progress ack only while the fence holds, and
+a heartbeat that finds it lost cancels the paid work in flight (``cancelled_when_lost``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
@@ -67,6 +70,9 @@ class Delivery:
         # Writes and the heartbeat's check never overlap, or a check could read the
         # revision of a write whose answer has not reached us yet and think we lost.
         self._lock = asyncio.Lock()
+        # The task in a ``cancelled_when_lost`` block, and whether a loss cancelled it.
+        self._paid: asyncio.Task[object] | None = None
+        self._cancelled_for_loss = False
 
     @property
     def num_delivered(self) -> int:
@@ -79,7 +85,7 @@ class Delivery:
             try:
                 rev = await self.rt.state.write(key, value, revision)
             except Conflict as exc:
-                self.lost = True
+                self._lose()
                 raise TakenOver(key) from exc
             self.fence_key, self.fence_rev = key, rev
             self.fenced_at = time.monotonic()
@@ -94,7 +100,7 @@ class Delivery:
             try:
                 rev = await self.rt.state.write(self.fence_key, value, self.fence_rev)
             except Conflict as exc:
-                self.lost = True
+                self._lose()
                 raise TakenOver(self.fence_key) from exc
             self.fence_rev = rev
             self.fenced_at = time.monotonic()
@@ -115,8 +121,39 @@ class Delivery:
                 return True
             current = await self.rt.state.revision(self.fence_key)
             if current != self.fence_rev:
-                self.lost = True
+                self._lose()
             return not self.lost
+
+    def _lose(self) -> None:
+        """The fence is lost: stop the paid work in flight, if another task found it."""
+        self.lost = True
+        paid = self._paid
+        if paid is not None and paid is not asyncio.current_task():
+            if not self._cancelled_for_loss:
+                self._cancelled_for_loss = True
+                paid.cancel("the step was taken over")
+
+    @asynccontextmanager
+    async def cancelled_when_lost(self) -> AsyncIterator[None]:
+        """Run paid work (a model call and its stream) so that a heartbeat finding the fence
+        lost cancels it at once; the block then raises ``TakenOver``, so the step commits,
+        publishes and acks nothing. It only arms the cancel: check the fence right before
+        (``still_ours``), since a loss found before the block does not cancel it."""
+        task = asyncio.current_task()
+        assert task is not None, "cancelled_when_lost outside a task"
+        self._paid = task
+        try:
+            yield
+        except asyncio.CancelledError:
+            # Ours only if nobody else (a shutdown past its drain) cancelled the task too.
+            if self._cancelled_for_loss and task.uncancel() == 0:
+                raise TakenOver(self.fence_key or "?") from None
+            raise
+        finally:
+            self._paid = None
+        if self._cancelled_for_loss:
+            # The answer came in the same instant the loss was found: it is not ours to use.
+            raise TakenOver(self.fence_key or "?")
 
     async def heartbeat(self) -> None:
         """Extend the lease, unless another attempt has taken the step over."""

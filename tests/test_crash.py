@@ -24,7 +24,9 @@ from services.embedded import EmbeddedServer
 from streams import topology
 from streams.connection import connect
 from streams.state import StateStore, session_key
-from tests.conftest import WorkerFactory, call, script, until
+from tests.conftest import WorkerFactory, body, call, script, until
+from tests.fakes import FakeOpenAIChat, Reply, Stall
+from tests.test_models_engine import model_env
 from tooling.trials.harness import WorkerProcess
 
 
@@ -252,3 +254,121 @@ async def test_write_whose_reply_was_lost_is_read_back(nats_ready: EmbeddedServe
         assert entry.value == store._encode(key, moved)
     finally:
         await nc.close()
+
+
+async def test_stalled_worker_makes_no_model_call_after_a_takeover(
+    client: Client, workers: WorkerFactory, tap: AckTap, tmp_path: Path
+) -> None:
+    """A worker paused past its lease after claiming a model step and before calling the
+    model, resumed once another worker took the step over and finished the turn, calls no
+    model (the fence is checked right before the call): the provider sees the taker's request
+    only, and the stale attempt writes, publishes and acks nothing."""
+    async with FakeOpenAIChat() as fake:
+        fake.script(Reply(text="The one answer."))
+        env = model_env(fake, "openai:gpt-test")
+        release = tmp_path / "release"
+        stalled = workers.start(
+            "stalled", app="demo.agent:app", env=env, hold="run_model.in_call", release_file=release
+        )
+        h = await client.send("demo", "pf1", "hello")
+        held = await stalled.wait_for("fault.hold", point="run_model.in_call")
+        seq, delivery = held["seq"], held["delivery"]
+        stalled.pause()
+        workers.start("taker", app="demo.agent:app", env=env)
+        res = await client.wait(h, timeout=30)
+        assert res.text == "The one answer."
+        assert len(fake.received) == 1
+        turn = await client.turn("pf1", h.turn_id)
+        before = await last_seqs(client, "pf1")
+
+        stalled.resume()
+        release.touch()
+        await handled(stalled, held)
+        await tap.nc.flush()
+        after_hold = stalled.lines()
+        after_hold = after_hold[after_hold.index(held) :]
+        assert not [ln for ln in after_hold if ln["event"] == "model.call"], "a model call"
+        assert stalled.find("step.taken_over", seq=seq, delivery=delivery)
+        assert len(fake.received) == 1, "the provider was asked again"
+    assert tap.settled(seq, delivery) == [], "the stale delivery must not be settled"
+    assert await last_seqs(client, "pf1") == before, "nothing new in the streams"
+    assert await client.turn("pf1", h.turn_id) == turn
+
+
+async def test_model_call_in_flight_is_cancelled_when_the_claim_is_found_lost(
+    client: Client, workers: WorkerFactory, tap: AckTap, tmp_path: Path
+) -> None:
+    """A worker paused past its lease while its model call is in flight, resumed after
+    another worker took the step over and finished the turn: its first heartbeat finds the
+    claim lost and cancels the call (the provider sees the client leave, unanswered), and
+    the stale attempt writes, publishes and acks nothing."""
+    async with FakeOpenAIChat() as fake:
+        fake.script(Stall(), Reply(text="The one answer."))
+        env = model_env(fake, "openai:gpt-test")
+        release = tmp_path / "release"
+        release.touch()  # the hold point only names the delivery; it does not wait
+        stalled = workers.start(
+            "stalled", app="demo.agent:app", env=env, hold="run_model.in_call", release_file=release
+        )
+        h = await client.send("demo", "pf2", "hello")
+        held = await stalled.wait_for("fault.hold", point="run_model.in_call")
+        seq, delivery = held["seq"], held["delivery"]
+
+        async def in_flight() -> bool:
+            return len(fake.received) >= 1
+
+        await until(in_flight)
+        stalled.pause()
+        workers.start("taker", app="demo.agent:app", env=env)
+        res = await client.wait(h, timeout=30)
+        assert res.text == "The one answer."
+        turn = await client.turn("pf2", h.turn_id)
+        before = await last_seqs(client, "pf2")
+        assert fake.abandoned == 0
+
+        stalled.resume()
+        # Within a heartbeat, while the provider still holds the request open.
+        await stalled.wait_for("step.taken_over", seq=seq, delivery=delivery, timeout=10)
+
+        async def left() -> bool:
+            return fake.abandoned == 1
+
+        await until(left, timeout=5)
+        assert len(fake.received) == 2
+    await tap.nc.flush()
+    assert tap.settled(seq, delivery) == [], "the stale delivery must not be settled"
+    assert await last_seqs(client, "pf2") == before, "nothing new in the streams"
+    assert await client.turn("pf2", h.turn_id) == turn
+
+
+async def test_stalled_worker_makes_no_summary_call_after_a_takeover(
+    client: Client, workers: WorkerFactory, vendor: Vendor, tap: AckTap, tmp_path: Path
+) -> None:
+    """The same for a context compaction: a worker paused past its lease after claiming the
+    summary and before asking the model for it, resumed once another worker compacted and
+    finished the turn, asks for no summary and settles nothing."""
+    release = tmp_path / "release"
+    stalled = workers.start("stalled", hold="compact_context.in_call", release_file=release)
+    h1 = await client.send("compactor", "pc", script(answer="padding " * 60))
+    await client.wait(h1, timeout=30)
+    h2 = await client.send("compactor", "pc", script(answer="after"))
+    held = await stalled.wait_for("fault.hold", point="compact_context.in_call")
+    seq, delivery = held["seq"], held["delivery"]
+    stalled.pause()
+    workers.start("taker")
+    res = await client.wait(h2, timeout=30)
+    assert body(res.text)["summaries"] == ["SUMMARY of 2 messages"]
+    assert sum((await vendor.payload_counts("summary_call")).values()) == 1
+    before = await last_seqs(client, "pc")
+
+    stalled.resume()
+    release.touch()
+    await handled(stalled, held)
+    await tap.nc.flush()
+    after_hold = stalled.lines()
+    after_hold = after_hold[after_hold.index(held) :]
+    assert not [ln for ln in after_hold if ln["event"] == "model.call"], "a summary call"
+    assert stalled.find("step.taken_over", seq=seq, delivery=delivery)
+    assert sum((await vendor.payload_counts("summary_call")).values()) == 1
+    assert tap.settled(seq, delivery) == [], "the stale delivery must not be settled"
+    assert await last_seqs(client, "pc") == before, "nothing new in the streams"

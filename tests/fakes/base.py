@@ -10,6 +10,7 @@ answering a broken one with the provider's own 400 error. ``received`` keeps eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from abc import ABC, abstractmethod
 from collections import deque
@@ -53,7 +54,8 @@ class Failure:
 
 @dataclass(frozen=True)
 class Stall:
-    """Hold the request unanswered until the server closes (the client's timeout fires)."""
+    """Hold the request unanswered until the server closes (the client's timeout fires) or
+    the client goes away (counted in ``abandoned``)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ class FakeProvider(ABC):
         # style of some OpenAI-compatible servers).
         self.id_style = id_style
         self.received: list[Received] = []
+        # Stalled requests whose client closed the connection before an answer: cancelled.
+        self.abandoned = 0
         self._outcomes: deque[Outcome] = deque()
         self._released = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -175,6 +179,21 @@ class FakeProvider(ABC):
             headers={"x-request-id": "req_fake", **(headers or {})},
         )
 
+    async def _stall(self, request: web.Request) -> None:
+        """Until the server closes, or the client closes the connection (looked at every
+        20 ms: aiohttp does not cancel a handler whose client left)."""
+        try:
+            while not self._released.is_set():
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    self.abandoned += 1
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._released.wait(), 0.02)
+        except asyncio.CancelledError:
+            self.abandoned += 1
+            raise
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
@@ -195,7 +214,7 @@ class FakeProvider(ABC):
         if isinstance(outcome, Raw):
             return web.json_response(outcome.body, status=outcome.status, headers=outcome.headers)
         if isinstance(outcome, Stall):
-            await self._released.wait()
+            await self._stall(request)
             return self.error(503, "the fake provider closed", "api_error")
         if not body.get("stream"):
             return web.json_response(self.render(outcome, body))

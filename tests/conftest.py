@@ -18,7 +18,7 @@ from services.client import Client
 from services.embedded import EmbeddedServer
 from services.settings import Settings
 from streams import topology
-from streams.connection import connect
+from streams.connection import connect, retrying
 from streams.registry import Registry
 from tests.apps import app as test_app
 from tooling.trials.harness import WorkerProcess
@@ -61,10 +61,16 @@ async def nats_ready(server: EmbeddedServer) -> EmbeddedServer:
 
 async def prepare(nc: Any, cfg: topology.TopologyConfig) -> None:
     """The topology, and the test apps' agents declared as a deploy does before its workers
-    run: a send to them is accepted (and waits for a worker) instead of refused as unknown."""
-    await topology.apply(nc.jetstream(), cfg)
-    registry = await Registry.open(nc.jetstream())
-    await registry.declare([*test_app.agents, *demo_app.agents], "tests")
+    run: a send to them is accepted (and waits for a worker) instead of refused as unknown.
+    Both are idempotent, so they are tried again while a new cluster's servers settle on a
+    meta leader (a create can meet "no responders" just after every node answered)."""
+
+    async def once() -> None:
+        await topology.apply(nc.jetstream(), cfg)
+        registry = await Registry.open(nc.jetstream())
+        await registry.declare([*test_app.agents, *demo_app.agents], "tests")
+
+    await retrying(once, 30.0, "test topology")
 
 
 @pytest.fixture

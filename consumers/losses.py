@@ -98,6 +98,7 @@ async def tell_resumed(
                         "losses": losses,
                         "lost_attempt": lost.no,
                         "lost_worker": lost.worker,
+                        "lost_incarnation": lost.incarnation,
                         "settled": settled,
                     },
                 )

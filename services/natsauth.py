@@ -18,8 +18,13 @@ users file), in which each user has the subject permissions of its role:
 - ``operator``: read-only: stream and consumer information, direct and message gets, and
   consumers on the streams that are not work queues.
 
-Neither ``client`` nor ``operator`` may subscribe to ``$JS.API.>`` or ``jl.control.>``
-(who subscribes to a request subject can answer it).
+Neither ``client`` nor ``operator`` may subscribe to ``$JS.API.>``, ``jl.control.>`` or
+``jl.alive.>`` (who subscribes to a request subject can answer it).
+
+One more user, ``watch``, lives in the server's *system account* (``SYS``): it may only
+subscribe to the connection-closed advisories (``$SYS.ACCOUNT.*.DISCONNECT``). Workers
+connect a second time as ``watch`` to learn at once that another worker's connection closed,
+and hand that worker's steps on without waiting for their leases (``services.rescue``).
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ import secrets
 import urllib.parse
 from pathlib import Path
 
-from services.settings import LOCAL_USER, NATS_USERS_FILE, write_once
+from services.settings import LOCAL_USER, NATS_USERS_FILE, WATCH_USER, write_once
 
 CONFIG_FILE = "nats-server.conf"
-ROLES = (LOCAL_USER, "client", "operator")
+ROLES = (LOCAL_USER, "client", "operator", WATCH_USER)
+# The roles of the account jetloop's streams live in (the global account).
+ACCOUNT_ROLES = (LOCAL_USER, "client", "operator")
 
 WORK_QUEUES = ("JL_TURNS", "JL_STEPS")
 
@@ -79,7 +86,15 @@ _READS = [
     "_INBOX.>",
 ]
 
-_SUBSCRIBE = {"allow": [">"], "deny": ["$JS.API.>", "jl.control.>"]}
+_SUBSCRIBE = {"allow": [">"], "deny": ["$JS.API.>", "jl.control.>", "jl.alive.>"]}
+
+# The system account's one user: it hears connections close, and nothing else.
+SYSTEM_ACCOUNT = "SYS"
+DISCONNECT_ADVISORIES = "$SYS.ACCOUNT.*.DISCONNECT"
+WATCH_PERMISSIONS = {
+    "publish": {"allow": ["_INBOX.>"]},
+    "subscribe": {"allow": [DISCONNECT_ADVISORIES, "_INBOX.>"]},
+}
 
 PERMISSIONS: dict[str, dict[str, dict[str, list[str]]] | None] = {
     LOCAL_USER: None,
@@ -92,39 +107,56 @@ PERMISSIONS: dict[str, dict[str, dict[str, list[str]]] | None] = {
 
 
 def make_users(store_dir: Path) -> dict[str, str]:
-    """``<store dir>/nats-users.json``: made once with a random password per role (0600)."""
+    """``<store dir>/nats-users.json``: made once with a random password per role (0600).
+    A file from before a role existed gets a password for it (the others are kept)."""
     path = store_dir / NATS_USERS_FILE
     if not path.exists():
         write_once(path, json.dumps({r: secrets.token_urlsafe(24) for r in ROLES}, indent=2))
     users = json.loads(path.read_text())
-    missing = [r for r in ROLES if not isinstance(users.get(r), str) or not users[r]]
+    missing = [r for r in ACCOUNT_ROLES if not isinstance(users.get(r), str) or not users[r]]
     if missing:
         raise ValueError(f"{path} has no password for {', '.join(missing)}: delete it")
+    if not isinstance(users.get(WATCH_USER), str) or not users[WATCH_USER]:
+        users[WATCH_USER] = secrets.token_urlsafe(24)
+        _replace(path, json.dumps(users, indent=2))
     return {r: users[r] for r in ROLES}
+
+
+def system_account(watch_password: str) -> dict[str, object]:
+    """The config that names the system account and gives it the ``watch`` user: a part of
+    every server's config that workers may watch (``server_config`` includes it)."""
+    watch = {"user": WATCH_USER, "password": watch_password, "permissions": WATCH_PERMISSIONS}
+    return {"accounts": {SYSTEM_ACCOUNT: {"users": [watch]}}, "system_account": SYSTEM_ACCOUNT}
 
 
 def server_config(users: dict[str, str]) -> str:
     """The ``authorization`` block of nats-server's config (JSON is valid config syntax)."""
     entries = []
-    for role in ROLES:
+    for role in ACCOUNT_ROLES:
         entry: dict[str, object] = {"user": role, "password": users[role]}
         perms = PERMISSIONS[role]
         if perms is not None:
             entry["permissions"] = perms
         entries.append(entry)
-    return json.dumps({"authorization": {"users": entries}}, indent=2) + "\n"
+    config = {"authorization": {"users": entries}, **system_account(users[WATCH_USER])}
+    return json.dumps(config, indent=2) + "\n"
 
 
 def write_config(store_dir: Path) -> Path:
     """Make the users if needed and write the server's config beside them (0600)."""
     text = server_config(make_users(store_dir))
     path = store_dir / CONFIG_FILE
-    draft = store_dir / f".{CONFIG_FILE}.{os.getpid()}"
+    _replace(path, text)
+    return path
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``path`` whole (0600) under another name, then move it in place."""
+    draft = path.parent / f".{path.name}.{os.getpid()}"
     fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(draft, path)
-    return path
 
 
 def url_as(url: str, store_dir: Path, role: str = LOCAL_USER) -> str:

@@ -56,6 +56,18 @@ class Settings(BaseSettings):
         validate_default=True,
         description="password of JETLOOP_NATS_USER",
     )
+    nats_watch_user: str = Field(
+        "watch",  # WATCH_USER
+        description="user of the NATS system account that may hear connections close "
+        "($SYS.ACCOUNT.*.DISCONNECT): with it a dead worker's steps move on at once",
+    )
+    nats_watch_password: SecretStr | None = Field(
+        None,
+        validate_default=True,
+        description="password of JETLOOP_NATS_WATCH_USER; unset: the watch user of "
+        "<store dir>/nats-users.json if it exists, else none (dead workers are then found by "
+        "their leases alone)",
+    )
     embedded_port: int = Field(4222, ge=0, le=65535, description="client port of `jetloop up`")
     app: str = Field("demo.agent:app", description="the agents a worker serves (module:attr)")
     lease_seconds: float = Field(
@@ -161,6 +173,28 @@ class Settings(BaseSettings):
         store = info.data.get("store_dir")
         return read_local_password(store) if store is not None else None
 
+    @field_validator("nats_watch_password", mode="after")
+    @classmethod
+    def _stored_watch_password(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        if v is not None:
+            return v
+        store = info.data.get("store_dir")
+        return read_watch_password(store) if store is not None else None
+
+    @property
+    def nats_watch_urls(self) -> list[str] | None:
+        """The server URLs as the system account's watch user, or None without its password."""
+        if self.nats_watch_password is None:
+            return None
+        user = urllib.parse.quote(self.nats_watch_user, safe="")
+        password = urllib.parse.quote(self.nats_watch_password.get_secret_value(), safe="")
+        out = []
+        for u in (u.strip() for u in self.nats_url.split(",") if u.strip()):
+            scheme, sep, rest = u.partition("://")
+            rest = rest.rpartition("@")[2]  # another user's credentials are not the watch's
+            out.append(f"{scheme}{sep}{user}:{password}@{rest}")
+        return out
+
     @property
     def nats_urls(self) -> list[str]:
         """The server URLs, with the user and password in each that has none (nats-py reads
@@ -230,6 +264,19 @@ def make_seal_key(store_dir: Path) -> str:
 NATS_USERS_FILE = "nats-users.json"
 # The user every local process connects as when the store directory's credentials are used.
 LOCAL_USER = "worker"
+# The system account's user that hears connections close (services.natsauth).
+WATCH_USER = "watch"
+
+
+def read_watch_password(store_dir: Path) -> SecretStr | None:
+    """The ``watch`` password of ``<store dir>/nats-users.json``, or None when there is none
+    (no file, or one from before that user existed)."""
+    try:
+        users = json.loads((store_dir / NATS_USERS_FILE).read_text())
+    except (OSError, ValueError):
+        return None  # read_local_password, validated first, names what is wrong
+    password = users.get(WATCH_USER) if isinstance(users, dict) else None
+    return SecretStr(password) if isinstance(password, str) and password else None
 
 
 def read_local_password(store_dir: Path) -> SecretStr | None:
@@ -250,7 +297,9 @@ def read_local_password(store_dir: Path) -> SecretStr | None:
 
 
 # Settings whose values are secrets: an error names them and never shows what was given.
-SECRET_SETTINGS = frozenset({"seal_key", "seal_old_keys", "model_api_key", "nats_password"})
+SECRET_SETTINGS = frozenset(
+    {"seal_key", "seal_old_keys", "model_api_key", "nats_password", "nats_watch_password"}
+)
 # Fields, at any depth, that hold a secret (a webhook's).
 SECRET_FIELDS = frozenset({"secret"})
 # Settings keyed by a secret: the key of JETLOOP_GATEWAY_TOKENS is the token itself.

@@ -34,7 +34,7 @@ from services.gateway.app import Gateway
 from services.gateway.config import GatewayConfig, exposure_error
 from services.natsauth import make_users, write_config
 from services.readmodel.projector import Projector
-from services.settings import LOCAL_USER, Settings, make_seal_key
+from services.settings import LOCAL_USER, WATCH_USER, Settings, make_seal_key
 from services.supervisor import Component, GaveUp, Supervisor, describe
 from services.worker import Worker
 
@@ -129,7 +129,8 @@ async def _run_up(settings: Settings, external: bool) -> None:
     if not external:
         # NATS authorization: users with the permissions of their roles (services.natsauth);
         # every part of `up` connects as the worker.
-        password = make_users(settings.store_dir)[LOCAL_USER]
+        users = make_users(settings.store_dir)
+        password = users[LOCAL_USER]
         server = EmbeddedServer(
             settings.store_dir,
             port=settings.embedded_port,  # 0: a free port, kept across restarts
@@ -142,6 +143,7 @@ async def _run_up(settings: Settings, external: bool) -> None:
                 "nats_url": server.url,
                 "nats_user": LOCAL_USER,
                 "nats_password": SecretStr(password),
+                "nats_watch_password": SecretStr(users[WATCH_USER]),
             }
         )
         stages.append([Component("nats-server", lambda: SupervisedServer(server), server_fatal)])

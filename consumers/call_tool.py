@@ -40,13 +40,19 @@ from consumers.calls import (
 )
 from consumers.errors import DeadLetter, RetryLater, TakenOver
 from consumers.followers import call_done
+from consumers.liveness import holder_lost
 from consumers.losses import record_loss, tell_resumed
 from consumers.runtime import Delivery
 from schemas import CallOutcome, CallState, StepMessage, TurnPhase, call_key
+from streams.state import call_state_key
 
 log = structlog.get_logger("jetloop.call_tool")
 
 __all__ = ["TOOL_CALL_NOT_RUN_ERROR_PREFIX", "on_call"]
+
+# The states an attempt holds a call in while it runs the tool: found by another delivery,
+# the attempt is lost once its holder is (consumers.liveness).
+LOSABLE = (CallState.IN_DOUBT, CallState.RUNNING)
 
 
 async def on_call(d: Delivery, step: StepMessage) -> None:
@@ -79,6 +85,10 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
         # The turn moved on, ended or was cancelled: nothing to make.
         log.info("call.stale_step", turn_step=turn.model_step, status=turn.status.value)
         return
+    held = rec_v.value.attempt if rec_v is not None else None
+    if held is not None and rec_v is not None and rec_v.value.state in LOSABLE:
+        # Another attempt claimed it: settled here only once that attempt is lost.
+        await holder_lost(d, call_state_key(ckey), held, rec_v.stored_at)
     if i >= len(turn.calls):
         raise DeadLetter(f"call index {i} is out of range for step {n} of turn {tid}")
     call = turn.calls[i]
@@ -153,8 +163,9 @@ async def run(env: CallEnv) -> None:
     effect = Effect(env.call.effect)
     args = tool.args_model.model_validate(env.call.args)
 
-    if rec.attempt is not None and rec.state in (CallState.IN_DOUBT, CallState.RUNNING):
-        # An attempt was lost (its lease lapsed): a takeover of the turn, counted once.
+    if rec.attempt is not None and rec.state in LOSABLE:
+        # An attempt was lost (its holder is gone, on_call checked): a takeover of the turn,
+        # counted once.
         lost = rec.attempt
         step_key = f"{env.turn.session_id}.{env.turn.turn_id}.m{env.n}.c{env.call.index}"
         losses = await record_loss(rt, env.turn.session_id, env.turn.turn_id, step_key, lost)

@@ -16,6 +16,7 @@ from agents import Agent, Message, ModelRequest, rough_tokens
 from consumers.conversation import conversation
 from consumers.errors import RetryLater, TakenOver
 from consumers.followers import Followers, finished
+from consumers.liveness import holder_lost
 from consumers.losses import record_loss, tell_resumed
 from consumers.runtime import Delivery, Runtime
 from schemas import (
@@ -131,8 +132,9 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
                 raise RetryLater(0.05, "turn changed") from None
             await finished(failed).publish(rt.bus)
             return
-        if comp.attempt is not None:
-            # The summary call's attempt before this one was lost: a takeover of the turn.
+        if comp.attempt is not None and comp_v is not None:
+            # Another attempt claimed the summary: taken over only once that attempt is lost.
+            await holder_lost(d, ckey, comp.attempt, comp_v.stored_at)
             step_key = step.step_key()
             losses = await record_loss(rt, sid, tid, step_key, comp.attempt)
             if losses is None:

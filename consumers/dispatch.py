@@ -224,6 +224,7 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
             log.exception("step.error", error=reason, retry_in=delay)
             await _quietly(msg.nak(delay=delay))
     finally:
+        d.release()
         if outcome != "error":
             FAILURES.forget(key)
         metrics.STEPS.labels(kind, outcome).inc()

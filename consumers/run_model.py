@@ -23,6 +23,7 @@ from consumers.compact import compact_first, compaction_needed
 from consumers.conversation import conversation
 from consumers.errors import DeadLetter, RetryLater, TakenOver
 from consumers.followers import answer, finished
+from consumers.liveness import holder_lost
 from consumers.losses import loss_id, lost_event, lost_reason, tell_resumed
 from consumers.runtime import Delivery, Runtime
 from schemas import (
@@ -67,6 +68,8 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     resumed = turn.attempt
     lost = list(turn.lost)
     if resumed is not None:
+        # Another attempt claimed this step: taken over only once that attempt is lost.
+        await holder_lost(d, turn_key(sid, tid), resumed, cur.stored_at)
         metrics.TAKEOVERS.inc()
         # The attempt before this one was lost (its lease lapsed): a takeover of the turn.
         lid = loss_id(resumed)

@@ -2,8 +2,10 @@
 
 ``Delivery.claim`` and ``Delivery.commit`` are the fence of rule 2: the claim records the
 attempt with a CAS, every later write expects the revision written last, and a lost CAS
-raises ``TakenOver``. The heartbeat sends an in-progress ack only while the fence holds, and
-a heartbeat that finds it lost cancels the paid work in flight (``cancelled_when_lost``).
+raises ``TakenOver``. The heartbeat writes the claimed record again (the same value, a CAS
+like any commit) and then sends an in-progress ack: the write proves the fence still holds
+and is the holder's sign of life that another delivery reads (``consumers.liveness``); a
+heartbeat that finds the fence lost cancels the paid work in flight (``cancelled_when_lost``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from streams.history import HistoryReader
 from streams.state import Conflict, StateStore
 
 
+def new_incarnation() -> str:
+    """A name for one worker process's life."""
+    return uuid.uuid4().hex[:12]
+
+
 @dataclass
 class Runtime:
     nc: Client
@@ -45,8 +52,10 @@ class Runtime:
     faults: Faults = field(default_factory=Faults)
     max_losses: int = 2
     # Names this process's life in its claims: a worker id can be reused after a restart.
-    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    incarnation: str = field(default_factory=lambda: new_incarnation())
     messages: MessageCache = field(default_factory=MessageCache)
+    # The state keys this process's deliveries have claimed and still work on.
+    holding: set[str] = field(default_factory=set)
 
     def new_attempt(self, no: int) -> Attempt:
         return Attempt(
@@ -62,6 +71,7 @@ class Delivery:
         self.msg = msg
         self.fence_key: str | None = None
         self.fence_rev: int | None = None
+        self.fence_value: BaseModel | None = None  # what this attempt wrote last
         self.fenced_at = 0.0  # monotonic time of the last fenced write that landed
         self.lost = False
         # Set by a call handler: the heartbeat then also notices a cancelled turn.
@@ -87,7 +97,10 @@ class Delivery:
             except Conflict as exc:
                 self._lose()
                 raise TakenOver(key) from exc
-            self.fence_key, self.fence_rev = key, rev
+            if self.fence_key is not None and self.fence_key != key:
+                self.rt.holding.discard(self.fence_key)
+            self.fence_key, self.fence_rev, self.fence_value = key, rev, value
+            self.rt.holding.add(key)
             self.fenced_at = time.monotonic()
             return rev
 
@@ -102,7 +115,7 @@ class Delivery:
             except Conflict as exc:
                 self._lose()
                 raise TakenOver(self.fence_key) from exc
-            self.fence_rev = rev
+            self.fence_rev, self.fence_value = rev, value
             self.fenced_at = time.monotonic()
             return rev
 
@@ -124,9 +137,16 @@ class Delivery:
                 self._lose()
             return not self.lost
 
+    def release(self) -> None:
+        """The delivery ended: this process no longer works on the key it claimed."""
+        if self.fence_key is not None:
+            self.rt.holding.discard(self.fence_key)
+
     def _lose(self) -> None:
         """The fence is lost: stop the paid work in flight, if another task found it."""
         self.lost = True
+        if self.fence_key is not None:
+            self.rt.holding.discard(self.fence_key)
         paid = self._paid
         if paid is not None and paid is not asyncio.current_task():
             if not self._cancelled_for_loss:
@@ -156,8 +176,14 @@ class Delivery:
             raise TakenOver(self.fence_key or "?")
 
     async def heartbeat(self) -> None:
-        """Extend the lease, unless another attempt has taken the step over."""
-        if await self.still_ours():
+        """Write the claimed record again and extend the lease, unless another attempt has
+        taken the step over (then the write's CAS fails and nothing is sent)."""
+        if self.fence_value is not None and not self.lost:
+            try:
+                await self.commit(self.fence_value)
+            except TakenOver:
+                pass  # lost: nothing more is sent on this message
+        if not self.lost:
             await self.msg.in_progress()
         if self.watch_turn is not None and not self.cancelled:
             turn = await self.rt.state.turn(*self.watch_turn)

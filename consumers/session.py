@@ -9,6 +9,7 @@ duplicate request is dropped however late it comes. ``turn_done`` moves the sess
 from __future__ import annotations
 
 import json
+from datetime import datetime
 
 import structlog
 from nats.js.errors import NotFoundError
@@ -129,20 +130,25 @@ async def on_turn_request(d: Delivery) -> None:
 
 
 def _request_id(d: Delivery) -> str:
-    """The client's ``Nats-Msg-Id``; for a trigger's fire, the trigger and its fire time."""
-    hdrs = d.msg.headers or {}
+    found = request_id_of(d.msg.headers or {}, d.msg.metadata.timestamp)
+    if found is None:
+        raise DeadLetter("turn request has no Nats-Msg-Id (the request id)")
+    return found
+
+
+def request_id_of(hdrs: dict[str, str], stored: datetime) -> str | None:
+    """The client's ``Nats-Msg-Id``; for a trigger's fire, the trigger and its fire time
+    (``stored``: when the server stored the message). None when the request has none."""
     if hdrs.get("Jl-Request-Id"):
         return hdrs["Jl-Request-Id"]  # jetloop's clients scope Nats-Msg-Id by session
     if hdrs.get("Nats-Msg-Id"):
         return hdrs["Nats-Msg-Id"]
     if hdrs.get("Nats-Scheduler"):
-        if hdrs.get("Jl-Request-Id"):
-            return hdrs["Jl-Request-Id"]  # a one-off trigger with a caller-given id
         trigger = hdrs.get("Jl-Trigger") or hdrs["Nats-Scheduler"]
         # The stored message's time: identical however often this fire is delivered.
-        fired = d.msg.metadata.timestamp.replace(microsecond=0)
+        fired = stored.replace(microsecond=0)
         return f"{trigger}@{fired:%Y-%m-%dT%H:%M:%SZ}"
-    raise DeadLetter("turn request has no Nats-Msg-Id (the request id)")
+    return None
 
 
 def _decode_request(data: bytes) -> TurnRequest:

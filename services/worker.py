@@ -12,10 +12,11 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 import structlog
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from prometheus_client import start_http_server
@@ -25,17 +26,21 @@ from consumers import Faults, Runtime, dispatch, route_step, route_turn
 from consumers.control import Control
 from consumers.dispatch import Handler
 from consumers.metrics import watch_lag
+from consumers.runtime import new_incarnation
 from services.client import publish_trigger
 from services.control import ControlService
 from services.lifecycle import Service
+from services.rescue import Rescuer, connection_name
 from services.settings import Settings
 from streams import topology
 from streams.blobs import BlobStore
 from streams.bus import Bus
-from streams.connection import ConnectionLost, connect
+from streams.connection import ConnectionLost, NotAuthorized, connect
 from streams.history import HistoryReader
+from streams.holds import Holds
 from streams.registry import Registry
 from streams.state import StateStore
+from streams.topology import alive_subject
 
 log = structlog.get_logger("jetloop.worker")
 
@@ -94,13 +99,19 @@ class Worker(Service):
                 lost.append(ConnectionLost(f"worker {self.worker_id}"))
                 self.stop_soon()
 
+        incarnation = new_incarnation()
         nc = await connect(
-            s.nats_urls, name=f"jetloop-worker-{self.worker_id}", closed_cb=on_closed
+            s.nats_urls, name=connection_name(self.worker_id, incarnation), closed_cb=on_closed
         )
         self._nc = nc
         js = nc.jetstream()
         try:
+            # Answered while this process lives: another worker asks before it takes over a
+            # step this one claimed (consumers.liveness).
+            await nc.subscribe(alive_subject(incarnation), cb=self._answer_alive)
             registry = await self._prepare(js)
+            holds = Holds(nc, incarnation, self.worker_id)
+            rescuer = Rescuer(nc, incarnation, self._stopping)
             rt = Runtime(
                 nc=nc,
                 js=js,
@@ -113,6 +124,7 @@ class Worker(Service):
                 lease_seconds=s.lease_seconds,
                 faults=self.faults,
                 max_losses=s.max_losses,
+                incarnation=incarnation,
             )
             for agent in self.app.agents.values():
                 for trigger in agent.triggers:
@@ -129,6 +141,12 @@ class Worker(Service):
                     nc, rt.state, Control(rt.state, rt.bus), rt.history, rt.blobs
                 )
                 await control.start()
+            try:
+                handed = await rescuer.sweep()
+                if handed:
+                    log.info("worker.rescued", messages=handed)
+            except Exception as exc:  # an outage: the leases bring those steps back
+                log.warning("worker.sweep_failed", error=str(exc))
             loops = []
             # One budget per pool, shared by the agents this worker serves.
             turn_slots = Slots(s.session_concurrency)
@@ -143,6 +161,7 @@ class Worker(Service):
                             topology.turn_consumer(name),
                             route_turn,
                             turn_slots,
+                            holds,
                         )
                     )
                 for pool in self.pools:
@@ -154,6 +173,7 @@ class Worker(Service):
                             topology.step_consumer(pool, name),
                             route_step,
                             pool_slots[pool],
+                            holds,
                         )
                     )
             log.info(
@@ -169,7 +189,10 @@ class Worker(Service):
                 for loop in loops:
                     tg.create_task(loop)
                 tg.create_task(watch_lag(js, self._stopping, self._consumers()))
-                tg.create_task(self._advertise(registry))
+                tg.create_task(self._advertise(registry, holds))
+                watch_urls = s.nats_watch_urls
+                if watch_urls is not None:
+                    tg.create_task(self._watch(rescuer, watch_urls))
             if not lost:
                 await registry.withdraw(self.worker_id)
             if control is not None:
@@ -191,14 +214,42 @@ class Worker(Service):
             for sc in topology.agent_consumers(agent, self.pools)
         ]
 
-    async def _advertise(self, registry: Registry) -> None:
-        """Presence for clients and people (``streams.registry``), until stopped."""
+    async def _advertise(self, registry: Registry, holds: Holds) -> None:
+        """Presence for clients and people (``streams.registry``), and the list of what this
+        process holds, kept fresh for a rescuer (``streams.holds``), until stopped."""
         while not self._stopping.is_set():
             await _first(asyncio.sleep(topology.PRESENCE_TTL / 3), self._stopping.wait())
             try:
                 await registry.advertise(self.worker_id, self.app.agents, self.pools, self._since)
+                if len(holds):
+                    await holds.publish()
             except Exception as exc:  # an outage: the next beat tries again
                 log.warning("worker.advertise_failed", error=str(exc))
+
+    async def _watch(self, rescuer: Rescuer, urls: list[str]) -> None:
+        """Hear other workers' connections close (``services.rescue``); a watch connection
+        that cannot be made (no system account, a wrong password) costs only the fast path."""
+        delay = 1.0
+        while not self._stopping.is_set():
+            try:
+                await rescuer.watch(urls)
+            except NotAuthorized:
+                log.warning(
+                    "worker.watch_failed",
+                    error="the server refused the watch user",
+                    hint="set JETLOOP_NATS_WATCH_USER / JETLOOP_NATS_WATCH_PASSWORD to a user "
+                    "of the server's system account (docs/design.md); until then a dead "
+                    "worker's steps wait for their leases",
+                    retry_in=delay,
+                )
+            except Exception as exc:
+                log.warning("worker.watch_failed", error=str(exc), retry_in=delay)
+            await _first(asyncio.sleep(delay), self._stopping.wait())
+            delay = min(delay * 2, 60.0)
+
+    async def _answer_alive(self, msg: Msg) -> None:
+        if msg.reply:
+            await msg.respond(self.worker_id.encode())
 
     async def _prepare(self, js: JetStreamContext) -> Registry:
         """The topology (unless told not to), this worker's per-agent consumers and its first
@@ -232,6 +283,7 @@ class Worker(Service):
         consumer: str,
         handler: Handler,
         slots: Slots,
+        holds: Holds,
     ) -> None:
         sub = await js.pull_subscribe_bind(durable=consumer, stream=stream)
         mine = slots.running
@@ -249,6 +301,10 @@ class Worker(Service):
                 log.warning("worker.fetch_failed", consumer=consumer, error=str(exc))
                 await _first(asyncio.sleep(0.5), self._stopping.wait())
                 continue
+            if msgs and not self._stopping.is_set():
+                for m in msgs:
+                    holds.add(m)
+                await _quietly(holds.publish(), "worker.holds_failed")
             for m in msgs:
                 if self._stopping.is_set():
                     # Not started: hand it back now, it costs no attempt.
@@ -258,9 +314,14 @@ class Worker(Service):
                 mine.add(task)
                 self._inflight.add(task)
 
-                def done(t: asyncio.Task[None], mine: set[asyncio.Task[None]] = mine) -> None:
+                def done(
+                    t: asyncio.Task[None],
+                    mine: set[asyncio.Task[None]] = mine,
+                    m: Msg = m,
+                ) -> None:
                     mine.discard(t)
                     self._inflight.discard(t)
+                    holds.drop(m)
                     slots.freed.set()
 
                 task.add_done_callback(done)
@@ -293,6 +354,13 @@ async def _first(*aws: object) -> None:
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def _quietly(op: Awaitable[None], event: str) -> None:
+    try:
+        await op
+    except Exception as exc:
+        log.warning(event, error=str(exc))
 
 
 async def _nak_quietly(m: object) -> None:

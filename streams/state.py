@@ -53,6 +53,9 @@ class Conflict(Exception):
 class Versioned(Generic[R]):
     value: R
     revision: int
+    # When the server stored this revision (unix seconds, the server's clock): how fresh a
+    # claim's last heartbeat is (``consumers.holders``).
+    stored_at: float = 0.0
 
 
 def session_key(session_id: str) -> str:
@@ -207,7 +210,7 @@ class StateStore:
     ) -> Versioned[R] | None:
         if raw is None:
             return None
-        return Versioned(self._decode(model, key, raw, verify), raw.revision)
+        return Versioned(self._decode(model, key, raw, verify), raw.revision, raw.stored_at)
 
     async def step_view(
         self, session_id: str, turn_id: str, call_key: str

@@ -101,6 +101,16 @@ def session_events_filter(session_id: str) -> str:
     return f"jl.event.{session_id}.>"
 
 
+def alive_subject(incarnation: str) -> str:
+    """Core NATS request subject a worker process answers while it lives (no stream)."""
+    return f"jl.alive.{incarnation}"
+
+
+def held_key(incarnation: str) -> str:
+    """The ``jl_workers`` key listing the messages one worker process holds."""
+    return f"held.{incarnation}"
+
+
 def dead_subject(original_subject: str) -> str:
     return f"jl.dead.{original_subject}"
 

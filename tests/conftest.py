@@ -16,6 +16,7 @@ from demo.agent import app as demo_app
 from demo.vendor import Vendor
 from services.client import Client
 from services.embedded import EmbeddedServer
+from services.natsauth import system_account
 from services.settings import Settings
 from streams import topology
 from streams.connection import connect, retrying
@@ -40,9 +41,27 @@ TEST_ENV = {"JETLOOP_LEASE_SECONDS": str(LEASE), "JETLOOP_DRAIN_SECONDS": "5"}
 _ids = itertools.count(1)
 
 
+# The servers run with a system account whose `watch` user hears connections close, as
+# `jetloop up`'s does: the workers hand a dead worker's steps on at once (services.rescue).
+WATCH_PASSWORD = "watch-" + "0f" * 8
+TEST_ENV["JETLOOP_NATS_WATCH_PASSWORD"] = WATCH_PASSWORD
+
+
+def server_config(directory: Path) -> Path:
+    """A nats-server config file with the system account and its watch user."""
+    path = directory / "nats-server.conf"
+    path.write_text(json.dumps(system_account(WATCH_PASSWORD)))
+    return path
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[EmbeddedServer]:
-    srv = EmbeddedServer(tmp_path / "store", port=0, log_file=tmp_path / "nats.log")
+    srv = EmbeddedServer(
+        tmp_path / "store",
+        port=0,
+        log_file=tmp_path / "nats.log",
+        config_file=server_config(tmp_path),
+    )
     srv.start()
     yield srv
     srv.kill()

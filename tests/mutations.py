@@ -264,6 +264,44 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_seal_binding.py::test_a_session_edited_by_a_raw_put_runs_nothing",
         ),
     ),
+    Mutation(
+        "live-holder-taken-over",
+        "consumers/liveness.py",
+        "    rt = d.rt\n    if held.incarnation == rt.incarnation:\n",
+        "    rt = d.rt\n    return\n    if held.incarnation == rt.incarnation:\n",
+        "another delivery of a step takes it over while the attempt holding it lives",
+        (
+            "tests/test_recovery.py::test_live_holder_is_never_taken_over",
+            "tests/test_recovery.py::test_a_holder_past_its_lease_but_beating_is_live",
+        ),
+    ),
+    Mutation(
+        "holder-lost-header-trusted",
+        "consumers/liveness.py",
+        "        if not await answers(rt.nc, held.incarnation):\n",
+        "        if True:\n",
+        "a copy whose header says the holder is dead is believed without asking the holder",
+        ("tests/test_recovery.py::test_live_holder_is_never_taken_over",),
+    ),
+    Mutation(
+        "heartbeat-only-reads",
+        "consumers/runtime.py",
+        "        if self.fence_value is not None and not self.lost:\n",
+        "        if False:\n",
+        "the heartbeat extends the lease but leaves no sign of life in state",
+        ("tests/test_recovery.py::test_a_holder_past_its_lease_but_beating_is_live",),
+    ),
+    Mutation(
+        "holds-not-published",
+        "streams/holds.py",
+        "        await self.nc.publish(subject, json.dumps(body).encode())\n",
+        "        return\n",
+        "nobody knows what a worker held: its steps wait for their leases when it dies",
+        (
+            "tests/test_recovery.py::test_dead_workers_step_moves_on_at_once",
+            "tests/test_recovery.py::test_restarted_worker_hands_on_what_its_predecessor_held",
+        ),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails
@@ -284,6 +322,7 @@ CI_SUBSET: tuple[str, ...] = (
     "seal-not-bound-to-key",
     "seal-time-not-checked",
     "only-checkpoints-sealed",
+    "live-holder-taken-over",
 )
 
 BY_NAME = {m.name: m for m in MUTATIONS}

@@ -1,0 +1,70 @@
+"""Is the attempt that claimed this step still alive? A new delivery asks before it takes over.
+
+A delivery that finds another attempt's unfinished claim (a call in doubt or running, a
+model step's or a summary's attempt) must not settle it while its holder lives: the delivery
+count says nothing about that (a nats-server restarted on its store may deliver a message a
+live worker still holds as delivery 1). The holder's own writes do: its claim, then a
+heartbeat every third of the lease, each rewrites the claimed record, so the time the server
+stored the record is the holder's last sign of life. The claim is lost when:
+
+- the record's last write is older than the lease (the holder died, stalled or was cut off
+  for longer than the lease: the rule of the lease, unchanged); or
+- the message was handed on by ``services.rescue`` after the server reported the holder's
+  connection closed (header ``Jl-Holder-Lost`` naming the holder's incarnation) and the
+  holder does not answer on ``jl.alive.<incarnation>`` — asked again here, so a forged or
+  stale header cannot take a live worker's step; or
+- the holder is this very process, which no longer works on the step (its delivery ended).
+
+Otherwise the delivery waits: ``RetryLater`` until the lease would lapse, then it looks again.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from consumers.errors import RetryLater
+from consumers.runtime import Delivery
+from schemas import Attempt
+from streams.topology import alive_subject
+
+log = structlog.get_logger("jetloop.liveness")
+
+H_HOLDER_LOST = "Jl-Holder-Lost"
+ASK_TIMEOUT = 0.5
+
+
+async def answers(nc: Client, incarnation: str, timeout: float = ASK_TIMEOUT) -> bool:
+    """Whether the worker process ``incarnation`` answers now. No responders means its
+    connection is gone; a timeout is not proof of death, so it counts as an answer."""
+    try:
+        await nc.request(alive_subject(incarnation), b"", timeout=timeout)
+    except NoRespondersError:
+        return False
+    except (NatsTimeoutError, TimeoutError):
+        return True
+    return True
+
+
+async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) -> None:
+    """Return when the attempt ``held`` (read from ``key``, stored at ``stored_at``) is lost
+    and may be taken over; raise ``RetryLater`` while its holder lives."""
+    rt = d.rt
+    if held.incarnation == rt.incarnation:
+        if key in rt.holding:
+            raise RetryLater(rt.lease_seconds / 2, f"this worker still runs attempt {held.no}")
+        return  # our own earlier delivery ended without finishing it
+    age = time.time() - stored_at
+    if age > rt.lease_seconds:
+        return
+    if (d.msg.headers or {}).get(H_HOLDER_LOST) == held.incarnation:
+        if not await answers(rt.nc, held.incarnation):
+            log.info("step.holder_gone", holder=held.worker, incarnation=held.incarnation)
+            return
+    wait = max(0.05, rt.lease_seconds - age + 0.05)
+    why = f"attempt {held.no} of worker {held.worker} is alive (its last beat {age:.1f}s ago)"
+    raise RetryLater(wait, why)

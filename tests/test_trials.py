@@ -1,8 +1,10 @@
-"""Kill trials at a reduced count: worker kills and server restarts lose no turn, double no write.
+"""Kill trials at a reduced count: worker kills and server restarts lose no turn and double no
+write; a worker kill takes no claim from a live worker.
 
 Marked ``slow``; CI runs two rounds of each mode (``JETLOOP_TRIALS`` sets more,
-``JETLOOP_KILL_SEED`` fixes the kill moments). The recovery-time target is reported by
-``jetloop trials``, not asserted here: on a shared CI machine it measures the machine.
+``JETLOOP_KILL_SEED`` fixes the kill moments). The timing targets (detection, completion) are
+reported by ``jetloop trials``, not asserted here: on a shared CI machine they measure the
+machine.
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from tooling.trials.measures import (
+    SeenEvent,
+    engine_detection,
+    false_takeovers,
+    targets,
+    worker_detection,
+)
 from tooling.trials.run import format_reports, percentile, run_trials
 
 ROUNDS = int(os.environ.get("JETLOOP_TRIALS", "2"))
@@ -28,12 +37,80 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([1.0, 5.0], 99) == 5.0
 
 
+def _resumed(turn: str, worker: str, at: float) -> SeenEvent:
+    data = {"lost_worker": worker, "lost_incarnation": "i1", "step": f"s.{turn}.m0"}
+    return SeenEvent("agent.run.crash_resumed", turn, at, at + 0.01, data)
+
+
+def test_detection_is_the_first_resume_of_the_killed_worker() -> None:
+    """After a worker kill, detection is the first resume naming it after the kill; resumes of
+    others, or before the kill, do not count; no resume gives no value."""
+    events = [
+        _resumed("t1", "survivor", 100.5),
+        _resumed("t1", "victim0", 99.0),
+        _resumed("t2", "victim0", 102.0),
+        _resumed("t1", "victim0", 101.5),
+    ]
+    assert worker_detection(events, "victim0", 100.0) == 1.5
+    assert worker_detection(events, "victim1", 100.0) is None
+
+
+def test_engine_detection_counts_events_made_after_the_kill_when_stored() -> None:
+    """With no worker dead, detection is when the first event of a turn in flight made after
+    the kill was stored; events of other turns, or made before the kill, do not count."""
+    events = [
+        SeenEvent("call.outcome", "t1", 99.9, 101.0, {}),  # made before, stored after
+        SeenEvent("call.outcome", "t9", 100.1, 100.2, {}),  # not in flight
+        SeenEvent("call.outcome", "t1", 100.3, 100.8, {}),
+    ]
+    assert engine_detection(events, {"t1"}, 100.0) == pytest.approx(0.8)
+    assert engine_detection(events, {"t2"}, 100.0) is None
+
+
+def test_false_takeovers_name_live_holders_once_per_loss() -> None:
+    """A loss of a live worker is false (once per turn and incarnation, from the record or the
+    event); the killed worker's loss is false only when resumed before the kill."""
+    losses = {"t1": ["survivor/i1", "victim0/i1"], "t2": ["victim0/i1"]}
+    events = [_resumed("t1", "survivor", 100.5), _resumed("t2", "victim0", 99.0)]
+    found = false_takeovers(losses, events, {"survivor"}, "victim0", 100.0)
+    assert found == [
+        "t1 lost survivor/i1: survivor was alive",
+        "t2 lost victim0/i1: resumed 1.00s before victim0 was killed",
+    ]
+    assert false_takeovers(losses, [], {"survivor", "victim0"}, None, 100.0) == [
+        "t1 lost survivor/i1: survivor was alive",
+        "t1 lost victim0/i1: victim0 was alive",
+        "t2 lost victim0/i1: victim0 was alive",
+    ]
+
+
+def test_targets_follow_issue_14() -> None:
+    """Worker kill: detection p99 ≤ 1 s and no false takeover; server restart: completion p99
+    ≤ restart p99 + 1 s; takeover: completion p99 ≤ election p99 + 1 s, false takeovers not
+    judged."""
+    row = {
+        "detection_p99": 1.2,
+        "completion_p99": 2.5,
+        "restart_p99": 0.05,
+        "election_p99": 1.6,
+        "false_takeovers": 0,
+    }
+    kill = {t.measure: t.met for t in targets("worker_kill", row)}
+    assert kill == {"detection p99": False, "false takeovers": True}
+    restart = {t.measure: (t.limit, t.met) for t in targets("server_restart", row)}
+    assert restart == {"completion p99": (1.05, False), "false takeovers": (0.0, True)}
+    takeover = targets("takeover", row)
+    assert [(t.measure, t.limit, t.met) for t in takeover] == [("completion p99", 2.6, True)]
+    assert targets("node_restart", row) == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["worker_kill", "server_restart"])
 async def test_kill_trials(mode: str, tmp_path: Path) -> None:
-    """Every turn caught by a kill ends, completed, and no vendor write applies twice; the
-    report names the turns caught in flight and their recovery times, also as JSON."""
+    """Every turn caught by a kill ends, completed, no vendor write applies twice, and a worker
+    kill takes over no live worker's claim; the report names the turns caught in flight and
+    their detection and completion times, also as JSON."""
     print(f"JETLOOP_KILL_SEED={SEED}")
     out = tmp_path / "report.json"
     report = await run_trials(mode, ROUNDS, SEED, out, work_dir=tmp_path / "run")
@@ -43,7 +120,17 @@ async def test_kill_trials(mode: str, tmp_path: Path) -> None:
     assert report.duplicates == [], report.duplicates
     assert report.stray_keys == [], "a write reached the vendor under a key no call owns"
     assert report.in_flight >= 1, "no turn was in flight at any kill"
-    assert report.recovery_p99 is not None and report.recovery_max is not None
+    if mode == "worker_kill":
+        assert report.false_takeovers == [], report.false_takeovers
+    # Not yet after a server restart: a live worker's claim is sometimes taken over there
+    # (1 round in 5, 1 in 20 in the runs of the change that added the count). Assert it for
+    # both modes once that is fixed; until then the report prints them as FALSE TAKEOVER.
+    assert report.completion_p99 is not None and report.completion_max is not None
+    # With no worker dead, a round with turns in flight sees the engine move again; after a
+    # worker kill there is nothing to detect when the victim held no step.
+    moved = [r for r in report.trials if r.failure != "worker_kill" and r.in_flight]
+    assert all(r.detection is not None for r in moved), [r.round for r in moved]
     saved = json.loads(out.read_text())
     assert saved["mode"] == mode and saved["rounds"] == ROUNDS
     assert len(saved["trials"]) == ROUNDS
+    assert {t["measure"] for t in saved["targets"]} >= {"false takeovers"}

@@ -173,7 +173,8 @@ def trials(
     out_json: str | None,
     keep: str | None,
 ) -> None:
-    """Kill trials: random SIGKILLs of workers, servers or leaders, judged from state."""
+    """Kill trials: random SIGKILLs of workers, servers or leaders, judged from state: lost
+    turns, duplicates, detection and completion times, false takeovers."""
     from pathlib import Path
 
     from tooling.trials.run import main as run

@@ -4,4 +4,5 @@
 - ``cluster``  a local 3-node JetStream cluster on loopback: leaders, SIGKILL, restart
 - ``servers``  the servers a trial kills and restarts (one, or a cluster)
 - ``run``      ``jetloop trials``: random kills, every turn judged from state
+- ``measures`` detection, false takeovers and the targets, read from the events stream
 """

@@ -4,7 +4,8 @@
 each other, so a test can create R3 streams, SIGKILL the node that leads one, watch the raft
 election and restart the node on its old store. Each node gets its own client port, route
 port, ``server_name`` and store directory (NATS-NOTES: a cluster on one host needs all four
-distinct), and logs to ``<base_dir>/<name>.log``.
+distinct), and logs to ``<base_dir>/<name>.log``. A ``config_file`` (nats-server's ``-c``, say
+one naming a system account) is given to every node; the command-line flags override it.
 
     cluster = LocalCluster(tmp_path, "jl-test")
     cluster.start()
@@ -92,11 +93,18 @@ async def _quiet_error_cb(exc: Exception) -> None:
 class LocalCluster:
     """Several nats-server processes with JetStream, routed into one cluster on 127.0.0.1."""
 
-    def __init__(self, base_dir: Path, cluster_name: str = "jetloop", size: int = 3) -> None:
+    def __init__(
+        self,
+        base_dir: Path,
+        cluster_name: str = "jetloop",
+        size: int = 3,
+        config_file: Path | None = None,
+    ) -> None:
         if size < 1:
             raise ValueError("a cluster needs at least one node")
         self.base_dir = Path(base_dir)
         self.cluster_name = cluster_name
+        self.config_file = config_file
         ports = _distinct_free_ports(2 * size)
         self.nodes = [
             ClusterNode(
@@ -138,8 +146,10 @@ class LocalCluster:
 
     def _args(self, node: ClusterNode) -> list[str]:
         routes = ",".join(n.route_url for n in self.nodes if n is not node)
+        config = ["-c", str(self.config_file)] if self.config_file is not None else []
         args = [
             server_binary(),
+            *config,
             "--jetstream",
             "--store_dir",
             str(node.store_dir),

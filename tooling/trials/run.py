@@ -1,7 +1,8 @@
 """Kill trials: real processes killed at random moments, judged from state.
 
-One module on purpose (~650 lines): a round's driver, its judge and its report share the
-turn records they build, and read as one story of a trial.
+One module on purpose: a round's driver, its judge and its report share the turn records
+they build, and read as one story of a trial; what is measured beyond lost turns and
+duplicates (detection, false takeovers, the targets) is read in ``tooling.trials.measures``.
 
 Each round starts a fresh *victim* worker beside a *survivor* that runs throughout, keeps a
 few sessions busy with turns that mix reads, idempotent writes, single-attempt writes (with
@@ -15,13 +16,32 @@ moment 0.2–4 s after the victim is up applies the mode's failure:
 - ``mixed``: on the 3-node cluster, each round picks a worker kill, a node restart (a random
   node, restarted at once), a takeover, or a worker kill and a takeover together.
 
-Every turn is judged from state (``Client.turn``, call records) and from the vendor's SQLite
-log, never from worker logs: a turn is *lost* if it does not end within the deadline or ends
-failed or cancelled (``outcome_unknown`` for a single-attempt write in doubt is a legitimate
-end); a *duplicate* is a vendor write applied twice for one idempotency key, or a
-single-attempt write requested twice with one key; *recovery* is the time from the kill to
-the end of every turn that was in flight when it came. Targets: no lost turn, no duplicate,
-recovery p99 within the lease plus 2 s.
+Every turn is judged from state (``Client.turn``, call records, the events stream) and from
+the vendor's SQLite log, never from worker logs. Per failure the report gives:
+
+- *lost* turns: a turn that does not end within the deadline or ends failed or cancelled
+  (``outcome_unknown`` for a single-attempt write in doubt is a legitimate end);
+- *duplicates*: a vendor write applied twice for one idempotency key, or a single-attempt
+  write requested twice with one key;
+- *detection*: from the kill until the engine noticed. After a worker kill, until another
+  worker resumed a step the dead one held (its ``agent.run.crash_resumed`` event); rounds in
+  which the victim held no step have none and are counted "n/a". When no worker died (a
+  server restart, a takeover, a node restart), until the first event of a turn in flight
+  made after the kill was stored: the engine moving again;
+- *completion*: from the kill to the end of every turn that was in flight when it came;
+- *false takeovers*: losses a turn recorded (or resumes) of a worker that was alive: the
+  survivor at any time, the victim when the round did not kill it or before it was killed;
+- the *restart time* of a server (kill until it accepts connections again) and the
+  *election time* of a takeover (kill until ``JL_STEPS`` has a new leader).
+
+Targets: no lost turn, no duplicate; worker kill detection p99 ≤ 1 s; server restart
+completion p99 ≤ the p99 restart time + 1 s; takeover completion p99 ≤ the p99 election
+time + 1 s; no false takeover after a worker kill or a server restart. p50/p99 are nearest
+rank over every value measured (rounds for detection, turns in flight for completion).
+
+Every server knows the system account and its ``watch`` user (``tooling.trials.servers``),
+and every worker is given the password (``JETLOOP_NATS_WATCH_PASSWORD``), so a worker that
+watches for closed connections can hand a dead worker's steps on before its lease lapses.
 
 This module only wires processes together (STYLE rule 1): the engine is driven through the
 public client, the harness (``WorkerProcess``; ``EmbeddedServer`` and ``LocalCluster``
@@ -65,6 +85,15 @@ from streams import topology
 from streams.connection import connect
 from streams.seal import Sealer, key_bytes
 from tooling.trials.harness import WorkerProcess
+from tooling.trials.measures import (
+    VICTIM_KILLED,
+    Target,
+    engine_detection,
+    false_takeovers,
+    read_events,
+    targets,
+    worker_detection,
+)
 from tooling.trials.servers import Cluster, Servers, SingleServer
 
 MODES = ("worker_kill", "server_restart", "takeover", "mixed")
@@ -77,7 +106,8 @@ LEASE_SECONDS = 2.0
 SEAL_KEY = "5e" * 32
 KILL_WINDOW = (0.2, 4.0)
 SESSIONS_PER_ROUND = 4
-# How often the harness reads a turn record: the resolution of a measured recovery.
+# How often the harness reads a turn record: the resolution of a completion measured
+# without its end event.
 POLL_SECONDS = 0.05
 # From the kill, how long a turn in flight may take to end before it counts as lost.
 DEADLINES = {
@@ -112,7 +142,8 @@ class TurnTrial:
     error: str | None = None
     calls: dict[str, int] = field(default_factory=dict)
     in_flight: bool = False
-    recovery: float | None = None
+    completion: float | None = None  # seconds from the kill to its end, if in flight
+    lost: list[str] = field(default_factory=list)  # the record's losses: worker/incarnation
 
 
 @dataclass
@@ -123,7 +154,12 @@ class RoundTrial:
     failure: str
     kill_after: float
     kill_at: float
+    victim: str
+    kill_wall: float = math.inf  # time.time() of the kill, the clock events carry
     election: float | None = None  # seconds from the kill to a new JL_STEPS leader
+    restart: float | None = None  # seconds from the kill until the server accepted clients
+    detection: float | None = None  # seconds from the kill until the engine noticed
+    false_takeovers: list[str] = field(default_factory=list)
     turns: list[TurnTrial] = field(default_factory=list)
 
     @property
@@ -149,33 +185,39 @@ class Report:
     rounds: int
     seed: int
     lease_seconds: float
-    recovery_target: float
     turns: int
     in_flight: int
     lost: list[str]
     duplicates: list[Duplicate]
     stray_keys: list[str]
     call_states: dict[str, int]
-    recovery_p50: float | None
-    recovery_p99: float | None
-    recovery_max: float | None
+    # Over every round of the run, whatever its failure (``by_failure`` splits them).
+    detection_p50: float | None
+    detection_p99: float | None
+    detection_max: float | None
+    detection_na: int  # rounds without a detection value (the victim held no step)
+    completion_p50: float | None
+    completion_p99: float | None
+    completion_max: float | None
+    false_takeovers: list[str]
     by_failure: dict[str, dict[str, Any]]
+    targets: list[Target]
     wall_seconds: float
     machine: dict[str, str]
     trials: list[RoundTrial]
 
     @property
-    def recovery_ok(self) -> bool:
-        return self.recovery_p99 is None or self.recovery_p99 <= self.recovery_target
+    def targets_ok(self) -> bool:
+        return all(t.met for t in self.targets)
 
     @property
     def ok(self) -> bool:
-        return not self.lost and not self.duplicates and self.recovery_ok
+        return not self.lost and not self.duplicates and self.targets_ok
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["ok"] = self.ok
-        data["recovery_ok"] = self.recovery_ok
+        data["targets_ok"] = self.targets_ok
         return data
 
 
@@ -270,6 +312,8 @@ class Trials:
             "JETLOOP_REPLICAS": str(self.servers.replicas),
             "JETLOOP_DRAIN_SECONDS": "5",
             "JETLOOP_LOG_LEVEL": "info",
+            # The system account's watch user (the user name is the default, ``watch``).
+            "JETLOOP_NATS_WATCH_PASSWORD": self.servers.watch_password,
         }
         return WorkerProcess(
             self.servers.url, APP, self.base / f"{name}.log", worker_id=name, env=env
@@ -317,22 +361,30 @@ class Trials:
         self.victims.append(victim)
         await victim.wait_for("worker.started", timeout=WORKER_START_SECONDS)
         start = time.monotonic()
-        trial = RoundTrial(round=r, failure=failure, kill_after=kill_after, kill_at=math.inf)
+        trial = RoundTrial(
+            round=r,
+            failure=failure,
+            kill_after=kill_after,
+            kill_at=math.inf,
+            victim=victim.worker_id,
+        )
         stop_sending = asyncio.Event()
         deadline: list[float] = []  # set at the kill: [monotonic deadline]
+        sids = [f"{self.mode[:2]}{r}s{s}" for s in range(SESSIONS_PER_ROUND)]
 
         async with asyncio.TaskGroup() as tg:
-            for s in range(SESSIONS_PER_ROUND):
-                sid = f"{self.mode[:2]}{r}s{s}"
+            for s, sid in enumerate(sids):
                 tg.create_task(
                     self._session(sid, plans[s], start, stop_sending, deadline, trial.turns)
                 )
             # The random kill moment is the point of the trial, not a wait for a condition.
             await asyncio.sleep(kill_after)
             stop_sending.set()
-            kill_at = await self.servers.fail(failure, victim, self.rng)
-            trial.kill_at = kill_at - start
-            deadline.append(kill_at + DEADLINES[failure])
+            kill = await self.servers.fail(failure, victim, self.rng)
+            trial.kill_at = kill.at - start
+            trial.kill_wall = kill.wall
+            trial.restart = kill.restart
+            deadline.append(kill.at + DEADLINES[failure])
         trial.election = await self.servers.heal()
         victim.kill()
         for t in trial.turns:
@@ -340,8 +392,23 @@ class Trials:
                 t.ended_at is None or t.ended_at > trial.kill_at
             )
             if t.in_flight and t.ended_at is not None:
-                t.recovery = t.ended_at - trial.kill_at
+                t.completion = t.ended_at - trial.kill_at
+        await self._judge_from_events(trial, sids)
         return trial
+
+    async def _judge_from_events(self, trial: RoundTrial, sids: list[str]) -> None:
+        """Detection and false takeovers, from the round's events and turn records."""
+        assert self.client is not None and self.survivor is not None
+        events = await read_events(self.client.js, sids)
+        killed = trial.victim if trial.failure in VICTIM_KILLED else None
+        if killed is not None:
+            trial.detection = worker_detection(events, killed, trial.kill_wall)
+        else:
+            in_flight = {t.turn_id for t in trial.in_flight}
+            trial.detection = engine_detection(events, in_flight, trial.kill_wall)
+        alive = {self.survivor.worker_id} | ({trial.victim} if killed is None else set())
+        losses = {t.turn_id: t.lost for t in trial.turns}
+        trial.false_takeovers = false_takeovers(losses, events, alive, killed, trial.kill_wall)
 
     async def _session(
         self,
@@ -395,6 +462,8 @@ class Trials:
                 # A read sent just before a server died waits out its own timeout; a short
                 # one here sends a fresh read instead.
                 turn = await asyncio.wait_for(self.client.turn(t.session_id, t.turn_id), 1.0)
+                if turn is not None:
+                    t.lost = list(turn.lost)
                 if turn is not None and turn.status.terminal:
                     t.ended_at = await self._end_time(t, turn.status.value, start)
                     t.status = turn.status.value
@@ -523,7 +592,6 @@ async def run_trials(
         finally:
             servers.close()
     turns = [t for rnd in done for t in rnd.turns]
-    recoveries = [t.recovery for t in turns if t.recovery is not None]
     lost = [
         f"round {rnd.round} {t.session_id}/{t.turn_id} {t.status or 'not ended'}: {t.error}"
         for rnd in done
@@ -534,36 +602,35 @@ async def run_trials(
     for t in turns:
         states.update(t.calls)
     by_failure: dict[str, dict[str, Any]] = {}
+    judged: list[Target] = []
     for failure in sorted({rnd.failure for rnd in done}):
-        rounds_of = [rnd for rnd in done if rnd.failure == failure]
-        rec = [t.recovery for rnd in rounds_of for t in rnd.turns if t.recovery is not None]
-        elections = [rnd.election for rnd in rounds_of if rnd.election is not None]
-        by_failure[failure] = {
-            "rounds": len(rounds_of),
-            "in_flight": sum(len(rnd.in_flight) for rnd in rounds_of),
-            "lost": sum(1 for rnd in rounds_of for t in rnd.turns if t.status != "completed"),
-            "recovery_p50": percentile(rec, 50),
-            "recovery_p99": percentile(rec, 99),
-            "recovery_max": max(rec) if rec else None,
-            "election_p50": percentile(elections, 50),
-            "election_max": max(elections) if elections else None,
-        }
+        row = summarize([rnd for rnd in done if rnd.failure == failure])
+        by_failure[failure] = row
+        judged += targets(failure, row)
+    whole = summarize(done)
     report = Report(
         mode=mode,
         rounds=rounds,
         seed=seed,
         lease_seconds=LEASE_SECONDS,
-        recovery_target=LEASE_SECONDS + 2.0,
         turns=len(turns),
         in_flight=sum(1 for t in turns if t.in_flight),
         lost=lost,
         duplicates=dups,
         stray_keys=stray,
         call_states=dict(states),
-        recovery_p50=percentile(recoveries, 50),
-        recovery_p99=percentile(recoveries, 99),
-        recovery_max=max(recoveries) if recoveries else None,
+        detection_p50=whole["detection_p50"],
+        detection_p99=whole["detection_p99"],
+        detection_max=whole["detection_max"],
+        detection_na=whole["detection_na"],
+        completion_p50=whole["completion_p50"],
+        completion_p99=whole["completion_p99"],
+        completion_max=whole["completion_max"],
+        false_takeovers=[
+            f"round {rnd.round} {what}" for rnd in done for what in rnd.false_takeovers
+        ],
         by_failure=by_failure,
+        targets=judged,
         wall_seconds=time.monotonic() - began,
         machine=info,
         trials=done,
@@ -574,6 +641,31 @@ async def run_trials(
     return report
 
 
+def _spread(name: str, values: list[float]) -> dict[str, float | None]:
+    return {
+        f"{name}_p50": percentile(values, 50),
+        f"{name}_p99": percentile(values, 99),
+        f"{name}_max": max(values) if values else None,
+    }
+
+
+def summarize(rounds: Sequence[RoundTrial]) -> dict[str, Any]:
+    """The numbers of some rounds: counts, and p50/p99/max of each measured time."""
+    completions = [t.completion for rnd in rounds for t in rnd.turns if t.completion is not None]
+    detections = [rnd.detection for rnd in rounds if rnd.detection is not None]
+    return {
+        "rounds": len(rounds),
+        "in_flight": sum(len(rnd.in_flight) for rnd in rounds),
+        "lost": sum(1 for rnd in rounds for t in rnd.turns if t.status != "completed"),
+        **_spread("detection", detections),
+        "detection_na": len(rounds) - len(detections),
+        **_spread("completion", completions),
+        "false_takeovers": sum(len(rnd.false_takeovers) for rnd in rounds),
+        **_spread("restart", [rnd.restart for rnd in rounds if rnd.restart is not None]),
+        **_spread("election", [rnd.election for rnd in rounds if rnd.election is not None]),
+    }
+
+
 # --- printing ------------------------------------------------------------------------------
 
 
@@ -581,11 +673,17 @@ def _s(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}s"
 
 
+def _three(row: dict[str, Any], name: str) -> str:
+    p50, p99, top = row[f"{name}_p50"], row[f"{name}_p99"], row[f"{name}_max"]
+    return f"p50 {_s(p50)} p99 {_s(p99)} max {_s(top)}"
+
+
 def format_reports(reports: Sequence[Report]) -> str:
-    """The summary table of one or more runs, then each run's rounds."""
+    """The summary table of one or more runs, then each run's failures, targets and rounds."""
     head = (
         f"{'mode':<15}{'rounds':>7}{'turns':>7}{'in flight':>10}{'lost':>6}{'dup':>5}"
-        f"{'unknown':>9}{'rec p50':>9}{'rec p99':>9}{'rec max':>9}{'target':>8}  verdict"
+        f"{'unknown':>9}{'false':>7}{'det p50':>9}{'det p99':>9}{'det max':>9}{'n/a':>5}"
+        f"{'end p50':>9}{'end p99':>9}{'end max':>9}  verdict"
     )
     lines = [head, "-" * len(head)]
     for rep in reports:
@@ -593,35 +691,55 @@ def format_reports(reports: Sequence[Report]) -> str:
         lines.append(
             f"{rep.mode:<15}{rep.rounds:>7}{rep.turns:>7}{rep.in_flight:>10}{len(rep.lost):>6}"
             f"{len(rep.duplicates):>5}{rep.call_states.get('outcome_unknown', 0):>9}"
-            f"{_s(rep.recovery_p50):>9}{_s(rep.recovery_p99):>9}{_s(rep.recovery_max):>9}"
-            f"{'≤' + format(rep.recovery_target, 'g') + 's':>8}  {verdict}"
+            f"{len(rep.false_takeovers):>7}"
+            f"{_s(rep.detection_p50):>9}{_s(rep.detection_p99):>9}{_s(rep.detection_max):>9}"
+            f"{rep.detection_na:>5}"
+            f"{_s(rep.completion_p50):>9}{_s(rep.completion_p99):>9}{_s(rep.completion_max):>9}"
+            f"  {verdict}"
         )
+    lines.append(
+        "det = detection (kill → the lost step claimed again, or the engine moving again);"
+        " end = completion (kill → the turn ends); false = false takeovers;"
+        " n/a = rounds without detection"
+    )
     for rep in reports:
         lines.append("")
         lines.append(f"{rep.mode} (seed {rep.seed}, {rep.wall_seconds:.0f}s)")
         for failure, f in rep.by_failure.items():
-            election = ""
-            if f["election_p50"] is not None:
-                election = (
-                    f"  new leader after p50 {_s(f['election_p50'])} max {_s(f['election_max'])}"
-                )
             lines.append(
                 f"  {failure:<22} rounds {f['rounds']:>3}  in flight {f['in_flight']:>3}"
-                f"  lost {f['lost']}  recovery p50 {_s(f['recovery_p50'])}"
-                f" p99 {_s(f['recovery_p99'])}{election}"
+                f"  lost {f['lost']}  false takeovers {f['false_takeovers']}"
             )
+            lines.append(f"    detection  {_three(f, 'detection')}  n/a {f['detection_na']} rounds")
+            lines.append(f"    completion {_three(f, 'completion')}")
+            if f["restart_p50"] is not None:
+                lines.append(f"    restart    {_three(f, 'restart')}")
+            if f["election_p50"] is not None:
+                lines.append(f"    election   {_three(f, 'election')}")
+        for target in rep.targets:
+            lines.append(f"  target {target.text()}")
+        if rep.lost or rep.duplicates:
+            lines.append("  target no lost turn, no duplicate: NOT MET")
         for rnd in rep.trials:
-            rec = [t.recovery for t in rnd.in_flight if t.recovery is not None]
+            rec = [t.completion for t in rnd.in_flight if t.completion is not None]
+            server = ""
+            if rnd.restart is not None:
+                server = f"  restart {_s(rnd.restart)}"
+            if rnd.election is not None:
+                server = f"  new leader after {_s(rnd.election)}"
             lines.append(
                 f"  round {rnd.round:>3} {rnd.failure:<22} kill at {rnd.kill_after:4.2f}s"
                 f"  turns {len(rnd.turns):>3}  in flight {len(rnd.in_flight):>2}"
-                f"  recovery max {_s(max(rec) if rec else None)}"
-                + (f"  new leader after {_s(rnd.election)}" if rnd.election is not None else "")
+                f"  detection {_s(rnd.detection) if rnd.detection is not None else 'n/a'}"
+                f"  completion max {_s(max(rec) if rec else None)}"
+                f"  false {len(rnd.false_takeovers)}{server}"
             )
         for what in rep.lost:
             lines.append(f"  LOST {what}")
         for d in rep.duplicates:
             lines.append(f"  DUPLICATE {d.op} {d.idempotency_key} x{d.applied} ({d.call})")
+        for what in rep.false_takeovers:
+            lines.append(f"  FALSE TAKEOVER {what}")
         if rep.stray_keys:
             lines.append(f"  stray vendor keys (no planned call): {len(rep.stray_keys)}")
     return "\n".join(lines)

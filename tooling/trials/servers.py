@@ -4,38 +4,73 @@
 server restart; ``Cluster`` (``LocalCluster``, R3) takes a worker kill, a node restart, a
 takeover (SIGKILL of the node leading ``JL_STEPS``) or a worker kill and a takeover at once,
 and heals after each round: the killed node restarted on its store, every replica caught up.
-Used by ``tooling.trials.run``.
+
+Every server starts with a config file naming the system account (``SYS``) and its ``watch``
+user, with a password made for the run (``services.natsauth.system_account``): workers may
+hear other workers' connections close (``JETLOOP_NATS_WATCH_PASSWORD``, from
+``watch_password``). Anonymous connections to the global account work beside it, so the
+harness and the workers connect as before. Used by ``tooling.trials.run``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
+import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from nats.errors import Error as NatsError
 
 from services.embedded import EmbeddedServer
+from services.natsauth import system_account
 from streams import topology
 from streams.connection import connect
 from tooling.trials.cluster import LocalCluster
 from tooling.trials.harness import WorkerProcess
 
 
+@dataclass(frozen=True)
+class Kill:
+    """When a failure struck, on both clocks, and how long a restarted server took."""
+
+    at: float  # time.monotonic() of the kill
+    wall: float  # time.time() of the same moment: workers stamp events with this clock
+    restart: float | None = None  # seconds until a killed server accepted connections again
+
+    @classmethod
+    def now(cls) -> Kill:
+        return cls(at=time.monotonic(), wall=time.time())
+
+
+def write_server_config(path: Path, watch_password: str) -> Path:
+    """nats-server's config (JSON is valid config syntax): the system account, the ``watch``
+    user; readable by this user only, as ``jetloop up`` writes its own."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(system_account(watch_password), indent=2) + "\n")
+    return path
+
+
 class Servers(Protocol):
     """The NATS side of a trial run: one server or a cluster, and the failures it can take."""
 
     replicas: int
+    # The system account's ``watch`` password on every server of the run.
+    watch_password: str
 
     @property
     def url(self) -> str: ...
 
     async def start(self) -> None: ...
 
-    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> float:
-        """Apply ``failure``; return the ``time.monotonic()`` of the kill."""
+    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> Kill:
+        """Apply ``failure``; return when it struck (and a restart's duration)."""
         ...
 
     async def heal(self) -> float | None:
@@ -52,7 +87,11 @@ class SingleServer:
     replicas = 1
 
     def __init__(self, base: Path) -> None:
-        self.server = EmbeddedServer(base / "store", port=0, log_file=base / "nats.log")
+        self.watch_password = secrets.token_urlsafe(24)
+        config = write_server_config(base / "nats-server.conf", self.watch_password)
+        self.server = EmbeddedServer(
+            base / "store", port=0, log_file=base / "nats.log", config_file=config
+        )
 
     @property
     def url(self) -> str:
@@ -62,17 +101,18 @@ class SingleServer:
         await asyncio.to_thread(self.server.start)
         await self.server.wait_jetstream()
 
-    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> float:
+    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> Kill:
         if failure == "worker_kill":
-            at = time.monotonic()
+            kill = Kill.now()
             victim.kill()
-            return at
+            return kill
         if failure == "server_restart":
-            at = time.monotonic()
+            kill = Kill.now()
             self.server.kill()
             # start() waits for the port with blocking sleeps: keep the event loop free.
+            # nats-server opens its client port after it has recovered JetStream's store.
             await asyncio.to_thread(self.server.start)
-            return at
+            return Kill(kill.at, kill.wall, restart=time.monotonic() - kill.at)
         raise ValueError(f"a single server cannot take the failure {failure!r}")
 
     async def heal(self) -> float | None:
@@ -89,7 +129,9 @@ class Cluster:
     replicas = 3
 
     def __init__(self, base: Path) -> None:
-        self.cluster = LocalCluster(base / "cluster", "jl-trials")
+        self.watch_password = secrets.token_urlsafe(24)
+        config = write_server_config(base / "nats-server.conf", self.watch_password)
+        self.cluster = LocalCluster(base / "cluster", "jl-trials", config_file=config)
         self._healing: asyncio.Task[float | None] | None = None
 
     @property
@@ -100,26 +142,26 @@ class Cluster:
         self.cluster.start()
         await self.cluster.wait_ready(timeout=60)
 
-    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> float:
+    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> Kill:
         if failure == "worker_kill":
-            at = time.monotonic()
+            kill = Kill.now()
             victim.kill()
-            return at
+            return kill
         if failure == "node_restart":
             i = rng.randrange(len(self.cluster.nodes))
-            at = time.monotonic()
+            kill = Kill.now()
             self.cluster.kill(i)
             self.cluster.start_node(i)
             self._healing = asyncio.create_task(self._restarted(i))
-            return at
+            return kill
         if failure in ("takeover", "worker_kill+takeover"):
             leader = await self._leader(topology.STEPS_STREAM)
-            at = time.monotonic()
+            kill = Kill.now()
             if failure == "worker_kill+takeover":
                 victim.kill()
             self.cluster.kill(leader)
-            self._healing = asyncio.create_task(self._restart_after_election(leader, at))
-            return at
+            self._healing = asyncio.create_task(self._restart_after_election(leader, kill.at))
+            return kill
         raise ValueError(f"a cluster does not take the failure {failure!r}")
 
     async def _leader(self, stream: str) -> int:

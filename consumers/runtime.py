@@ -179,12 +179,24 @@ class Delivery:
         """Write the claimed record again and extend the lease, unless another attempt has
         taken the step over (then the write's CAS fails and nothing is sent)."""
         if self.fence_value is not None and not self.lost:
-            try:
-                await self.commit(self.fence_value)
-            except TakenOver:
-                pass  # lost: nothing more is sent on this message
+            await self._rewrite()
         if not self.lost:
             await self.msg.in_progress()
+
+    async def _rewrite(self) -> None:
+        """Write what this attempt wrote last once more, as it is *when the lock is ours*: a
+        value read before waiting for the lock could be older than a commit that held it, and
+        writing it would undo that commit."""
+        async with self._lock:
+            if self.lost or self.fence_key is None or self.fence_value is None:
+                return
+            try:
+                rev = await self.rt.state.write(self.fence_key, self.fence_value, self.fence_rev)
+            except Conflict:
+                self._lose()
+                return
+            self.fence_rev = rev
+            self.fenced_at = time.monotonic()
         if self.watch_turn is not None and not self.cancelled:
             turn = await self.rt.state.turn(*self.watch_turn)
             if turn is not None and turn.value.status == "cancelled":

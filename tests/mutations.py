@@ -286,10 +286,21 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "heartbeat-only-reads",
         "consumers/runtime.py",
-        "        if self.fence_value is not None and not self.lost:\n",
-        "        if False:\n",
+        "            await self._rewrite()\n",
+        "            pass\n",
         "the heartbeat extends the lease but leaves no sign of life in state",
         ("tests/test_recovery.py::test_a_holder_past_its_lease_but_beating_is_live",),
+    ),
+    Mutation(
+        "heartbeat-rewrites-a-value-read-before-the-lock",
+        "consumers/runtime.py",
+        "        if self.fence_value is not None and not self.lost:\n",
+        "        if self.fence_value is not None and not self.lost:\n"
+        "            await self.commit(self.fence_value)\n"
+        "        if False:\n",
+        "a heartbeat that waited behind a commit writes the record as it was before: the "
+        "commit is undone",
+        ("tests/test_heartbeat.py::test_a_heartbeat_behind_a_slow_commit_writes_the_commit",),
     ),
     Mutation(
         "holds-not-published",
@@ -323,6 +334,7 @@ CI_SUBSET: tuple[str, ...] = (
     "seal-time-not-checked",
     "only-checkpoints-sealed",
     "live-holder-taken-over",
+    "heartbeat-rewrites-a-value-read-before-the-lock",
 )
 
 BY_NAME = {m.name: m for m in MUTATIONS}

@@ -1,0 +1,88 @@
+"""The heartbeat's write of the claim never undoes a commit it waited behind.
+
+A heartbeat writes the claimed record again (consumers/runtime.py). When a commit is slow —
+the server stalls, as through a restart — the heartbeat waits for the delivery's lock behind
+it; what it then writes must be the record as the commit left it, not the one it saw before
+waiting. (In a kill trial, a value read before the wait put a call back "in doubt" after its
+outcome was committed, and the turn never ended.) The server is paused with SIGSTOP here so
+the commit is in flight for as long as the test wants; everything is real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+
+import pytest
+from pydantic import BaseModel
+
+from consumers.runtime import Delivery, Runtime
+from services.embedded import EmbeddedServer
+from streams import topology
+from streams.blobs import BlobStore
+from streams.bus import Bus
+from streams.connection import connect
+from streams.history import HistoryReader
+from streams.state import StateStore
+from tests.apps import app as test_app
+
+
+class Note(BaseModel):
+    text: str
+
+
+@pytest.fixture
+async def delivery(nats_ready: EmbeddedServer) -> AsyncIterator[Delivery]:
+    nc = await connect([nats_ready.url], "test-heartbeat")
+    js = nc.jetstream()
+    await js.add_stream(name="T_BEAT", subjects=["t.beat"])
+    await js.publish("t.beat", b"step")
+    sub = await js.pull_subscribe("t.beat", durable="beat", stream="T_BEAT")
+    [msg] = await sub.fetch(1, timeout=5)
+    rt = Runtime(
+        nc=nc,
+        js=js,
+        state=await StateStore.open(nc),
+        blobs=BlobStore(await js.object_store(topology.BLOB_BUCKET), 64 * 1024),
+        history=await HistoryReader.for_stream(nc),
+        bus=Bus(js),
+        app=test_app,
+        worker_id="beat",
+        lease_seconds=30.0,
+    )
+    yield Delivery(rt, msg)
+    await nc.close()
+
+
+async def test_a_heartbeat_behind_a_slow_commit_writes_the_commit(
+    delivery: Delivery, nats_ready: EmbeddedServer
+) -> None:
+    key = "test.beat.claim"
+    await delivery.claim(key, Note(text="claimed"), None)
+    assert nats_ready.proc is not None
+    os.kill(nats_ready.proc.pid, signal.SIGSTOP)
+    try:
+        commit = asyncio.create_task(delivery.commit(Note(text="committed")))
+        await asyncio.sleep(0.2)  # the commit holds the lock, its request unanswered
+        beat = asyncio.create_task(delivery.heartbeat())
+        await asyncio.sleep(0.2)  # the heartbeat waits for the lock
+    finally:
+        os.kill(nats_ready.proc.pid, signal.SIGCONT)
+    rev = await asyncio.wait_for(commit, 20)
+    await asyncio.wait_for(beat, 20)
+    assert not delivery.lost
+    current = await delivery.rt.state.kv.get(key)
+    assert current.revision > rev, "the heartbeat wrote after the commit"
+    assert Note.model_validate(_decoded(current.value)) == Note(text="committed")
+
+
+def _decoded(data: bytes | None) -> dict[str, object]:
+    import msgpack
+
+    assert data is not None
+    out = msgpack.unpackb(data, raw=False)
+    assert isinstance(out, dict)
+    out.pop("seal", None)
+    return out

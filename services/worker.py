@@ -9,10 +9,12 @@ unstarted past its lease.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
 from collections.abc import Awaitable, Sequence
+from typing import Any
 
 import structlog
 from nats.aio.client import Client
@@ -72,6 +74,14 @@ class Worker(Service):
         self._nc: Client | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._since = time.time()
+        # Done at each reconnect (and replaced): a fetch waiting on a server that went away
+        # waits for nothing, so the pull loops ask again at once instead of at its timeout.
+        self._reconnected: asyncio.Future[None] | None = None
+
+    def _on_reconnected(self) -> None:
+        if self._reconnected is not None and not self._reconnected.done():
+            self._reconnected.set_result(None)
+        self._reconnected = None
 
     def _concurrency(self, pool: str) -> int:
         s = self.settings
@@ -101,7 +111,10 @@ class Worker(Service):
 
         incarnation = new_incarnation()
         nc = await connect(
-            s.nats_urls, name=connection_name(self.worker_id, incarnation), closed_cb=on_closed
+            s.nats_urls,
+            name=connection_name(self.worker_id, incarnation),
+            closed_cb=on_closed,
+            reconnected_cb=self._on_reconnected,
         )
         self._nc = nc
         js = nc.jetstream()
@@ -112,10 +125,14 @@ class Worker(Service):
             registry = await self._prepare(js)
             holds = Holds(nc, incarnation, self.worker_id)
             rescuer = Rescuer(nc, incarnation, self._stopping)
+            state = await StateStore.open(nc, s.sealer())
+            # A heartbeat's write lost with a restarting server is sent again well within
+            # the lease, so the claim's sign of life does not lapse (consumers.liveness).
+            state.write_timeout = min(5.0, s.lease_seconds / 4)
             rt = Runtime(
                 nc=nc,
                 js=js,
-                state=await StateStore.open(nc, s.sealer()),
+                state=state,
                 blobs=BlobStore(await js.object_store(topology.BLOB_BUCKET), s.blob_threshold),
                 history=await HistoryReader.for_stream(nc),
                 bus=Bus(js),
@@ -294,7 +311,7 @@ class Worker(Service):
                 await _first(slots.freed.wait(), self._stopping.wait())
                 continue
             try:
-                msgs = await sub.fetch(free, timeout=1.0)
+                msgs = await self._fetch(sub, free)
             except (NatsTimeoutError, TimeoutError):
                 continue
             except Exception as exc:  # an outage: reconnect happens underneath
@@ -326,6 +343,22 @@ class Worker(Service):
 
                 task.add_done_callback(done)
         await sub.unsubscribe()
+
+    async def _fetch(self, sub: JetStreamContext.PullSubscription, n: int) -> list[Msg]:
+        """Up to ``n`` messages within a second; given up at once (a timeout) when the
+        connection is made again, since the server that had the request may be gone."""
+        if self._reconnected is None:
+            self._reconnected = asyncio.get_running_loop().create_future()
+        reconnected = self._reconnected
+        fetch: asyncio.Future[list[Msg]] = asyncio.ensure_future(sub.fetch(n, timeout=1.0))
+        waits: set[asyncio.Future[Any]] = {fetch, reconnected}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not fetch.done():
+            fetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await fetch
+            raise TimeoutError("reconnected: fetch again")
+        return fetch.result()
 
     async def _drain(self) -> None:
         if not self._inflight:

@@ -24,6 +24,7 @@ async def connect(
     *,
     give_up_after: float | None = None,
     closed_cb: Callable[[], Awaitable[None]] | None = None,
+    reconnected_cb: Callable[[], None] | None = None,
 ) -> Client:
     """Every server URL, unlimited reconnects, short waits, pings well under 120 s.
 
@@ -53,6 +54,8 @@ async def connect(
 
     async def on_reconnect() -> None:
         log.info("nats.reconnected")
+        if reconnected_cb is not None:
+            reconnected_cb()
 
     wait, attempts, connect_timeout = 0.5, -1, 5.0
     if give_up_after is not None:

@@ -130,6 +130,11 @@ class StateStore:
         self.sealer = sealer
         self.retry_for = retry_for
         self.direct = direct
+        # How long one try of a write waits for its answer before it reads the key back and
+        # tries again. An answer lost with a restarting server is otherwise waited for 5 s
+        # (nats-py's default), and a worker whose heartbeat write waits that long looks dead
+        # to the others: a worker sets this to a quarter of its lease.
+        self.write_timeout = 5.0
         self._stream = f"KV_{bucket}"
         self._prefix = f"$KV.{bucket}."
 
@@ -265,14 +270,16 @@ class StateStore:
 
     async def _create_raw(self, key: str, data: bytes) -> int:
         try:
-            rev: int = await self.kv.create(key, data)
+            rev: int = await asyncio.wait_for(self.kv.create(key, data), self.write_timeout)
         except KeyWrongLastSequenceError as exc:
             raise Conflict(key, None) from exc
         return rev
 
     async def _update_raw(self, key: str, data: bytes, revision: int) -> int:
         try:
-            rev: int = await self.kv.update(key, data, last=revision)
+            rev: int = await asyncio.wait_for(
+                self.kv.update(key, data, last=revision), self.write_timeout
+            )
         except KeyWrongLastSequenceError as exc:
             raise Conflict(key, revision) from exc
         return rev

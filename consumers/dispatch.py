@@ -192,15 +192,18 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
                 await beat
         if d.lost:
             raise TakenOver(d.fence_key or "?")
+        await _let_go(rt, msg)
         await msg.ack_sync(timeout=5)
         outcome = "acked"
         log.debug("step.acked")
     except TakenOver as exc:
         outcome = "taken_over"
         log.warning("step.taken_over", key=exc.key)
+        await _let_go(rt, msg)  # another attempt owns the step now
     except RetryLater as exc:
         outcome = "retry_later"
         log.info("step.retry_later", delay=exc.delay, reason=exc.reason)
+        await _let_go(rt, msg)
         await _quietly(msg.nak(delay=exc.delay))
     except (DeadLetter, DecodeError) as exc:
         outcome = "dead_letter"
@@ -208,6 +211,8 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
         await _dead_letter(rt, msg, reason)
     except asyncio.CancelledError:
         # Shutdown past the drain timeout: hand the work back now rather than at ack-wait.
+        # (Still listed as held: if this process dies before the next list, a rescuer hands
+        # the step on at once; the nak does the same while it lives.)
         if not d.lost:
             await _quietly(msg.nak())
         raise
@@ -222,6 +227,7 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
             await _dead_letter(rt, msg, reason)
         else:
             log.exception("step.error", error=reason, retry_in=delay)
+            await _let_go(rt, msg)
             await _quietly(msg.nak(delay=delay))
     finally:
         d.release()
@@ -230,6 +236,13 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
         metrics.STEPS.labels(kind, outcome).inc()
         metrics.STEP_SECONDS.labels(kind).observe(time.perf_counter() - started)
         structlog.contextvars.clear_contextvars()
+
+
+async def _let_go(rt: Runtime, msg: Msg) -> None:
+    """This process is about to settle ``msg``: take it off the list a rescuer would read
+    first, so a settled step is never handed on as if it were held (``streams.holds``)."""
+    if rt.holds is not None:
+        await rt.holds.let_go(msg)
 
 
 async def _dead_letter(rt: Runtime, msg: Msg, reason: str) -> None:
@@ -241,6 +254,7 @@ async def _dead_letter(rt: Runtime, msg: Msg, reason: str) -> None:
         log.error("step.dead_letter_failed", error=str(pub_exc))
         await _quietly(msg.nak(delay=backoff(msg.metadata.num_delivered)))
     else:
+        await _let_go(rt, msg)
         await _quietly(msg.term())
 
 

@@ -30,6 +30,7 @@ from schemas import Attempt
 from streams.blobs import BlobStore
 from streams.bus import Bus
 from streams.history import HistoryReader
+from streams.holds import Holds
 from streams.state import Conflict, StateStore
 
 
@@ -56,6 +57,8 @@ class Runtime:
     messages: MessageCache = field(default_factory=MessageCache)
     # The state keys this process's deliveries have claimed and still work on.
     holding: set[str] = field(default_factory=set)
+    # The messages this process holds, as a rescuer finds them if it dies (services.worker).
+    holds: Holds | None = None
 
     def new_attempt(self, no: int) -> Attempt:
         return Attempt(
@@ -182,6 +185,10 @@ class Delivery:
             await self._rewrite()
         if not self.lost:
             await self.msg.in_progress()
+        if self.watch_turn is not None and not self.cancelled:
+            turn = await self.rt.state.turn(*self.watch_turn)
+            if turn is not None and turn.value.status == "cancelled":
+                self.cancelled = True
 
     async def _rewrite(self) -> None:
         """Write what this attempt wrote last once more, as it is *when the lock is ours*: a
@@ -197,7 +204,3 @@ class Delivery:
                 return
             self.fence_rev = rev
             self.fenced_at = time.monotonic()
-        if self.watch_turn is not None and not self.cancelled:
-            turn = await self.rt.state.turn(*self.watch_turn)
-            if turn is not None and turn.value.status == "cancelled":
-                self.cancelled = True

@@ -94,7 +94,9 @@ class Rescuer:
                 continue
             inc = key.removeprefix("held.")
             if inc != self.incarnation and not await answers(self.nc, inc):
-                handed += await self.rescue(inc)
+                n = await self.rescue(inc)
+                log.info("rescue.swept", incarnation=inc, messages=n)
+                handed += n
         return handed
 
     async def watch(self, urls: list[str]) -> None:

@@ -142,6 +142,7 @@ class Worker(Service):
                 faults=self.faults,
                 max_losses=s.max_losses,
                 incarnation=incarnation,
+                holds=holds,
             )
             for agent in self.app.agents.values():
                 for trigger in agent.triggers:
@@ -196,6 +197,7 @@ class Worker(Service):
             log.info(
                 "worker.started",
                 worker=self.worker_id,
+                incarnation=incarnation,
                 pools=list(self.pools),
                 agents=sorted(self.app.agents),
             )

@@ -2,19 +2,19 @@
 
 A worker that fetches step or turn messages lists them — stream and sequence, nothing else —
 under ``held.<incarnation>`` in ``jl_workers``. The list is published without waiting for an
-answer (a core publish into the bucket's stream: no round trip on the step's path) at once
-each time the worker fetches, at most ``SETTLE_SECONDS`` after messages are let go (acked,
-nak'd, given back), and again with each presence refresh, so the bucket's TTL keeps it only
-while the process lives. Whoever reads the list checks that each message is still in its
-stream (a work queue deletes a message once it is acked); the prompt update after a let-go
-keeps a message nak'd for later (a wait for an approval, a timer) from being handed on early.
+answer (a core publish into the bucket's stream: no round trip on the step's path) each time
+the worker fetches, each time it lets a message go — *before* the ack, nak or term, so the
+list never names a message this process already settled (``JL_STEPS`` keeps acked messages:
+a rescuer could not tell them apart) — and again with each presence refresh, so the bucket's
+TTL keeps it only while the process lives. A process that dies between the update and the
+settle leaves that one message to its lease. Whoever reads the list still checks that each
+message is in its stream (``JL_TURNS`` is a work queue and deletes what was acked).
 
 Who reads it: ``services.rescue``, when the server says the process's connection closed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, field
 
@@ -25,8 +25,6 @@ from nats.js.kv import KeyValue
 
 from streams.topology import WORKERS_BUCKET, held_key
 
-SETTLE_SECONDS = 0.05
-
 
 @dataclass
 class Holds:
@@ -36,22 +34,19 @@ class Holds:
     incarnation: str
     worker_id: str
     _held: dict[tuple[str, int], None] = field(default_factory=dict)
-    _update: asyncio.Task[None] | None = None
 
     def add(self, msg: Msg) -> None:
         self._held[(msg.metadata.stream, msg.metadata.sequence.stream)] = None
 
     def drop(self, msg: Msg) -> None:
-        """The message is let go; the list says so shortly (one update for many let-gos)."""
         self._held.pop((msg.metadata.stream, msg.metadata.sequence.stream), None)
-        if self._update is None or self._update.done():
-            self._update = asyncio.ensure_future(self._publish_soon())
 
-    async def _publish_soon(self) -> None:
-        await asyncio.sleep(SETTLE_SECONDS)
+    async def let_go(self, msg: Msg) -> None:
+        """The message is about to be settled: say so first (never raises)."""
+        self.drop(msg)
         try:
             await self.publish()
-        except Exception:  # a lost update: the next one, or the presence refresh, sends it
+        except Exception:  # a lost update: a rescuer copies a settled step, state decides
             pass
 
     def __len__(self) -> int:

@@ -60,8 +60,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "dispatch-acks-when-lost",
         "consumers/dispatch.py",
         '        if d.lost:\n            raise TakenOver(d.fence_key or "?")\n'
-        "        await msg.ack_sync(timeout=5)\n",
-        "        await msg.ack_sync(timeout=5)\n",
+        "        await _let_go(rt, msg)\n",
+        "        await _let_go(rt, msg)\n",
         "dispatch acks a step whose lease was lost (d.lost ignored)",
         ("tests/test_crash.py::test_stalled_worker_after_its_commit_acks_nothing",),
     ),

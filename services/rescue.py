@@ -161,7 +161,7 @@ class Rescuer:
         """Publish a copy of every message ``inc`` held that is still in its stream."""
         kv = await self.js.key_value(WORKERS_BUCKET)
         handed = 0
-        for stream, seq in await read_holds(kv, inc):
+        for stream, seq in await read_holds(self.js, inc):
             try:
                 raw = await self.js.get_msg(stream, seq)
             except NotFoundError:

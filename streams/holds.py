@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError
-from nats.js.kv import KeyValue
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from streams.topology import WORKERS_BUCKET, held_key
 
@@ -60,16 +60,19 @@ class Holds:
         await self.nc.publish(subject, json.dumps(body).encode())
 
 
-async def read_holds(kv: KeyValue, incarnation: str) -> list[tuple[str, int]]:
-    """The messages ``incarnation`` last said it held (empty when it said nothing)."""
+async def read_holds(js: JetStreamContext, incarnation: str) -> list[tuple[str, int]]:
+    """The messages ``incarnation`` last said it held (empty when it said nothing). Read
+    from the stream's leader, not by a direct get: on R3 a follower may not have the list
+    its process sent a moment before it died."""
+    subject = f"$KV.{WORKERS_BUCKET}.{held_key(incarnation)}"
     try:
-        entry = await kv.get(held_key(incarnation))
-    except KeyNotFoundError:
+        raw = await js.get_msg(f"KV_{WORKERS_BUCKET}", subject=subject, direct=False)
+    except NotFoundError:
         return []
-    if not entry.value:
+    if not raw.data or (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
         return []
     try:
-        body = json.loads(entry.value)
+        body = json.loads(raw.data)
         return [(str(s), int(q)) for s, q in body.get("held", [])]
     except (ValueError, TypeError, AttributeError):
         return []  # not a list this code wrote: nothing to hand on

@@ -99,7 +99,7 @@ async def test_live_holder_is_never_taken_over(
     inc = rec.attempt.incarnation
 
     js = client.nc.jetstream()
-    holds = await read_holds(await js.key_value(topology.WORKERS_BUCKET), inc)
+    holds = await read_holds(js, inc)
     steps = [(s, q) for s, q in holds if s == topology.STEPS_STREAM]
     assert steps, f"the holder listed no step: {holds}"
     for stream, seq in steps:
@@ -188,7 +188,7 @@ async def test_a_holder_past_its_lease_but_beating_is_live(
     rec = await client.call("beat", h.turn_id, 0, 0)
     assert rec is not None and rec.attempt is not None
     js = client.nc.jetstream()
-    holds = await read_holds(await js.key_value(topology.WORKERS_BUCKET), rec.attempt.incarnation)
+    holds = await read_holds(js, rec.attempt.incarnation)
     [(stream, seq)] = [(s, q) for s, q in holds if s == topology.STEPS_STREAM]
     raw = await js.get_msg(stream, seq)
     assert raw.subject is not None and raw.data is not None

@@ -8,7 +8,10 @@ heartbeat every third of the lease, each rewrites the claimed record, so the tim
 stored the record is the holder's last sign of life. The claim is lost when:
 
 - the record's last write is older than the lease (the holder died, stalled or was cut off
-  for longer than the lease: the rule of the lease, unchanged); or
+  for longer than the lease: the rule of the lease) — unless the holder, asked on
+  ``jl.alive.<incarnation>`` with the key, answers that it still works on it: its heartbeat
+  writes are then waiting out an election or a restart, and it is given up to ``BEAT_GRACE``
+  more for one of them to land (a stalled holder does not answer in time); or
 - the message was handed on by ``services.rescue`` after the server reported the holder's
   connection closed (header ``Jl-Holder-Lost`` naming the holder's incarnation) and the
   holder does not answer on ``jl.alive.<incarnation>`` — asked again here, so a forged or
@@ -36,6 +39,10 @@ log = structlog.get_logger("jetloop.liveness")
 
 H_HOLDER_LOST = "Jl-Holder-Lost"
 ASK_TIMEOUT = 0.5
+# A request naming a key is answered HOLDING while this process works on that key.
+HOLDING = b"holding"
+# How long a holder's state writes are tried again through an outage (StateStore.retry_for).
+BEAT_GRACE = 15.0
 
 
 async def answers(nc: Client, incarnation: str, timeout: float = ASK_TIMEOUT) -> bool:
@@ -50,6 +57,16 @@ async def answers(nc: Client, incarnation: str, timeout: float = ASK_TIMEOUT) ->
     return True
 
 
+async def still_holds(nc: Client, incarnation: str, key: str) -> bool | None:
+    """Whether the process ``incarnation`` says it still works on ``key``: True or False as it
+    answers, None when it does not answer in time (gone, or stalled: SIGSTOP)."""
+    try:
+        reply = await nc.request(alive_subject(incarnation), key.encode(), timeout=ASK_TIMEOUT)
+    except (NoRespondersError, NatsTimeoutError, TimeoutError):
+        return None
+    return reply.data == HOLDING
+
+
 async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) -> None:
     """Return when the attempt ``held`` (read from ``key``, stored at ``stored_at``) is lost
     and may be taken over; raise ``RetryLater`` while its holder lives."""
@@ -60,6 +77,13 @@ async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) ->
         return  # our own earlier delivery ended without finishing it
     age = time.time() - stored_at
     if age > rt.lease_seconds:
+        # No sign of life within the lease. A holder that still works on the step and says so
+        # is waiting out an election or a restart (its writes are tried again for up to
+        # BEAT_GRACE): give its next beat a chance. One that is gone, stalled (no answer in
+        # time) or done with the step is lost, as the lease says.
+        if age < rt.lease_seconds + BEAT_GRACE and await still_holds(rt.nc, held.incarnation, key):
+            why = f"attempt {held.no} of worker {held.worker} still runs (its beats are late)"
+            raise RetryLater(rt.lease_seconds / 3, why)
         return
     if (d.msg.headers or {}).get(H_HOLDER_LOST) == held.incarnation:
         if not await answers(rt.nc, held.incarnation):

@@ -27,6 +27,7 @@ from agents import App
 from consumers import Faults, Runtime, dispatch, route_step, route_turn
 from consumers.control import Control
 from consumers.dispatch import Handler
+from consumers.liveness import HOLDING
 from consumers.metrics import watch_lag
 from consumers.runtime import new_incarnation
 from services.client import publish_trigger
@@ -77,6 +78,7 @@ class Worker(Service):
         # Done at each reconnect (and replaced): a fetch waiting on a server that went away
         # waits for nothing, so the pull loops ask again at once instead of at its timeout.
         self._reconnected: asyncio.Future[None] | None = None
+        self._rt: Runtime | None = None
 
     def _on_reconnected(self) -> None:
         if self._reconnected is not None and not self._reconnected.done():
@@ -144,6 +146,7 @@ class Worker(Service):
                 incarnation=incarnation,
                 holds=holds,
             )
+            self._rt = rt
             for agent in self.app.agents.values():
                 for trigger in agent.triggers:
                     await publish_trigger(js, agent.name, trigger)
@@ -267,7 +270,13 @@ class Worker(Service):
             delay = min(delay * 2, 60.0)
 
     async def _answer_alive(self, msg: Msg) -> None:
-        if msg.reply:
+        """Alive; asked about a state key, whether a delivery here still works on it."""
+        if not msg.reply:
+            return
+        if msg.data:
+            holding = self._rt is not None and msg.data.decode(errors="replace") in self._rt.holding
+            await msg.respond(HOLDING if holding else b"done")
+        else:
             await msg.respond(self.worker_id.encode())
 
     async def _prepare(self, js: JetStreamContext) -> Registry:

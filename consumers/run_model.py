@@ -113,6 +113,10 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         await finished(failed).publish(rt.bus)
         return
 
+    if messages is None:
+        # Read before the claim: a read that fails (an election) then leaves no claimed
+        # attempt behind, which the next delivery would have to count as lost.
+        messages = await conversation(rt, sid, session=session)
     attempt = rt.new_attempt(turn.attempts + 1)
     claimed = turn.model_copy(
         update={
@@ -131,7 +135,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     request = ModelRequest(
         agent=agent.name,
         instructions=agent.instructions,
-        messages=messages if messages is not None else await conversation(rt, sid, session=session),
+        messages=messages,
         tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in agent.tools],
         attempt=attempt.no,
     )

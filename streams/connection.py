@@ -178,6 +178,9 @@ TRANSIENT: tuple[type[BaseException], ...] = (
 )
 
 
+RETRY_DELAY_CAP = 0.5
+
+
 async def retrying(op: Callable[[], Awaitable[T]], seconds: float, what: str = "request") -> T:
     """Run an idempotent operation again while the servers are between leaders."""
     deadline = time.monotonic() + seconds
@@ -190,4 +193,5 @@ async def retrying(op: Callable[[], Awaitable[T]], seconds: float, what: str = "
                 raise
             log.info("nats.retry", what=what, error=type(exc).__name__, retry_in=delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            # Capped low: once the servers have a leader again, the next try comes soon.
+            delay = min(delay * 2, RETRY_DELAY_CAP)

@@ -135,6 +135,10 @@ class StateStore:
         # (nats-py's default), and a worker whose heartbeat write waits that long looks dead
         # to the others: a worker sets this to a quarter of its lease.
         self.write_timeout = 5.0
+        # The same for a read: a read sent while the bucket elects a leader may get no answer
+        # at all, and the step that waits for it stands still (5 s by default) after the
+        # election; given up sooner, the step is tried again once the leader is there.
+        self.read_timeout = 5.0
         self._stream = f"KV_{bucket}"
         self._prefix = f"$KV.{bucket}."
 
@@ -178,8 +182,9 @@ class StateStore:
 
     async def _raw(self, key: str) -> Stored | None:
         try:
-            msg = await self.js.get_msg(
-                self._stream, subject=self._prefix + key, direct=self.allow_direct
+            msg = await asyncio.wait_for(
+                self.js.get_msg(self._stream, subject=self._prefix + key, direct=self.allow_direct),
+                self.read_timeout,
             )
         except NotFoundError:
             return None
@@ -200,7 +205,7 @@ class StateStore:
     ) -> dict[str, Stored]:
         """One batched direct get of the last value of every key matching ``patterns``."""
         req = {"multi_last": [self._prefix + k for k in patterns], "batch": most}
-        found, _ = await direct_batch(nc, self._stream, req)
+        found, _ = await direct_batch(nc, self._stream, req, self.read_timeout)
         out: dict[str, Stored] = {}
         for m in found:
             if m.headers.get("KV-Operation") in ("DEL", "PURGE"):
@@ -298,7 +303,7 @@ class StateStore:
         tried = False
 
         async def landed() -> int | None:
-            entry = await self.kv.get(key)
+            entry = await asyncio.wait_for(self.kv.get(key), self.read_timeout)
             return entry.revision if entry.value in sent and entry.revision else None
 
         async def once() -> int:
@@ -327,7 +332,7 @@ class StateStore:
 
     async def revision(self, key: str) -> int | None:
         try:
-            entry = await self.kv.get(key)
+            entry = await asyncio.wait_for(self.kv.get(key), self.read_timeout)
         except KeyNotFoundError:
             return None
         return entry.revision

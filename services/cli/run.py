@@ -160,7 +160,7 @@ def credentials(store_dir: str | None) -> None:
     "modes",
     multiple=True,
     default=("worker_kill",),
-    type=click.Choice(["worker_kill", "server_restart", "takeover", "mixed"]),
+    type=click.Choice(["worker_kill", "server_restart", "takeover", "mixed", "control"]),
 )
 @click.option("--rounds", type=int, help="default JETLOOP_TRIALS (10)")
 @click.option("--seed", type=int, help="default JETLOOP_KILL_SEED (random)")

@@ -12,6 +12,7 @@ from schemas.ids import (
     call_key,
     idempotency_key,
     question_id_for,
+    scoped_msg_id,
     turn_id_for,
     validate_name,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "encode",
     "idempotency_key",
     "question_id_for",
+    "scoped_msg_id",
     "turn_id_for",
     "validate_name",
 ]

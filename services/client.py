@@ -39,6 +39,7 @@ from schemas import (
     call_key,
     decode,
     encode,
+    scoped_msg_id,
     turn_id_for,
     validate_name,
 )
@@ -256,7 +257,7 @@ class Client:
                 encode(body),
                 headers={
                     # The stream dedupes ids across all subjects: scope the id by session.
-                    "Nats-Msg-Id": f"{session_id}.{rid}",
+                    "Nats-Msg-Id": scoped_msg_id(session_id, rid),
                     "Jl-Request-Id": rid,
                     "Jl-Kind": "turn.request",
                     "Jl-Session": session_id,

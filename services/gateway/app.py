@@ -16,8 +16,8 @@ Routes (the OpenAPI 3.1 document is ``services.gateway.openapi``, served at
 
 Everything that changes something goes through ``services.client.Client`` — the same
 idempotent operations as the CLI and the NATS control API; the gateway holds no state of
-its own. An ``Idempotency-Key`` (or a webhook's id) becomes the request id, the
-``Nats-Msg-Id`` of the turn request, so a resend starts no second turn.
+its own. An ``Idempotency-Key`` (or a webhook's id) becomes the request id (the turn
+request's ``Nats-Msg-Id`` is ``<session>.<request id>``), so a resend starts no second turn.
 
 Every error is ``application/problem+json`` (RFC 9457) with a title, status and detail:
 aiohttp's own 404/405/413, authentication (401 with ``WWW-Authenticate``, 403), invalid

@@ -19,7 +19,7 @@ from schemas import ApprovalRecord, CallRecord, QuestionRecord, TurnRecord
 
 NAME = r"^[A-Za-z0-9_-]{1,64}$"
 CALL_KEY = r"^[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){3}$"
-REQUEST_ID = r"^[\x21-\x7e]{1,200}$"  # printable ASCII, no spaces: it becomes Nats-Msg-Id
+REQUEST_ID = r"^[\x21-\x7e]{1,200}$"  # printable ASCII, no spaces: a header value
 
 
 class Body(BaseModel):
@@ -271,7 +271,8 @@ def openapi_document() -> dict[str, Any]:
     session = _path("session")
     idem = _header(
         "Idempotency-Key",
-        "the request id (Nats-Msg-Id): a resend with the same key starts no second turn",
+        "the request id (the turn request is sent with Nats-Msg-Id <session>.<request id>): "
+        "a resend with the same key starts no second turn",
         REQUEST_ID,
     )
     last_id = _header(

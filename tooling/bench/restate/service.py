@@ -35,7 +35,7 @@ async def noop(arguments: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True}
 
 
-@turn.handler()
+@turn.handler()  # type: ignore[untyped-decorator, unused-ignore]  # untyped without the extra
 async def run(ctx: restate.Context, text: str) -> str:
     """One turn: model step, the calls it asked for in parallel, model step."""
     first = await ctx.run_typed("model", model, text=text, results=[])

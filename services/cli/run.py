@@ -202,7 +202,8 @@ def bench(
     keep: str | None,
 ) -> None:
     """Benchmarks, each as a ratio against a baseline measured in the same run: the raw
-    JetStream floor, or (``peer``, needs ``pip install 'jetloop[peer]'``) DBOS Transact."""
+    JetStream floor, or (``peer``) Restate and DBOS Transact, each when installed:
+    ``pip install -e '.[peer]'`` and ``npm ci --prefix tooling/bench/restate``."""
     from pathlib import Path
 
     from tooling.bench.run import main as run

@@ -40,6 +40,7 @@ from consumers.calls import (
 )
 from consumers.errors import DeadLetter, RetryLater, TakenOver
 from consumers.followers import call_done
+from consumers.join import join_calls
 from consumers.liveness import holder_lost
 from consumers.losses import record_loss, tell_resumed
 from consumers.runtime import Delivery
@@ -73,13 +74,11 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
         # The outcome is committed; its worker may have died before what follows went out.
         # Sent again from state, under the same message ids (it lands once): the event
         # always, whatever the turn's state now (the audit stream and the read model need
-        # every outcome); the join only while the turn is at this step, so a turn that
-        # moved on is never moved again.
-        follow = call_done(turn, n, i, rec_v.value)
-        if current:
-            await follow.publish(rt.bus)
-        else:
-            await rt.bus.publish(follow.records)
+        # every outcome); then the join, which moves the turn only while it is at this step
+        # and publishes what follows again if it moved (the dead worker's move, maybe).
+        await call_done(turn, rec_v.value).publish(rt.bus)
+        if current or turn.model_step == n + 1:
+            await join_calls(d, sid, tid, n, first=False)
         return
     if not current:
         # The turn moved on, ended or was cancelled: nothing to make.
@@ -229,7 +228,8 @@ async def run(env: CallEnv) -> None:
     env = await write(env, done)
     log.info("call.recorded", state=outcome.state.value, attempts=attempt.no)
     await rt.faults.point("call_tool.after_commit")
-    await call_done(env.turn, env.n, env.call.index, done).publish(rt.bus)
+    await call_done(env.turn, done).publish(rt.bus)
+    await join_calls(env.d, env.turn.session_id, env.turn.turn_id, env.n, first=True)
 
 
 async def _resume_settlement(env: CallEnv, effect: Effect, args: BaseModel) -> str:

@@ -15,8 +15,8 @@ import structlog
 from nats.js.errors import NotFoundError
 
 from consumers.errors import DeadLetter, RetryLater
-from consumers.followers import Followers, turn_start
-from consumers.runtime import Delivery
+from consumers.followers import Followers, finished, turn_start
+from consumers.runtime import Delivery, Runtime
 from schemas import (
     Event,
     EventType,
@@ -212,37 +212,59 @@ def _decode_request(data: bytes) -> TurnRequest:
 
 
 async def on_turn_done(d: Delivery, step: StepMessage) -> None:
-    """A turn ended: make the next queued turn active and start it."""
-    rt = d.rt
-    sid = step.session_id
-    cur = await rt.state.session(sid)
-    if cur is None:
-        raise DeadLetter(f"turn_done for session {sid}, which has no record")
-    session = cur.value
-    if session.active == step.turn_id or step.turn_id in session.queue:
-        queue = [t for t in session.queue if t != step.turn_id]
-        active = session.active
-        if active == step.turn_id:
-            # The next queued turn that is still to run (a queued turn may be cancelled).
-            active = None
-            while queue:
-                cand = queue.pop(0)
-                cand_turn = await rt.state.turn(sid, cand)
-                if cand_turn is not None and cand_turn.value.status == TurnStatus.QUEUED:
-                    active = cand
-                    break
-        session = session.model_copy(
-            update={
-                "active": active,
-                "queue": queue,
-                "turns_done": session.turns_done + 1,
-                "last_turn": step.turn_id,
-            }
-        )
-        try:
-            await rt.state.write(session_key(sid), session, cur.revision)
-        except Conflict:
-            raise RetryLater(0.05, "session changed concurrently") from None
+    """A ``turn_done`` message (published by workers of an earlier version): as
+    ``session_moves_on``."""
+    await session_moves_on(d.rt, step.session_id, step.turn_id)
+
+
+async def end_turn(rt: Runtime, turn: TurnRecord) -> None:
+    """A turn ended (its terminal record is committed): publish its last words and event,
+    then move its session on — in the step that ended it, not in a message of its own. A
+    redelivery of that step finds the turn ended and calls this again: both parts are
+    idempotent (message ids; the session moves only while the turn is still in it)."""
+    await finished(turn).publish(rt.bus)
+    await session_moves_on(rt, turn.session_id, turn.turn_id)
+
+
+# A session record written by two steps at once (a turn request queued while a turn
+# ends): the loser reads it again, this often, before its step is handed back.
+SESSION_WRITE_TRIES = 5
+
+
+async def session_moves_on(rt: Runtime, sid: str, turn_id: str) -> None:
+    """Turn ``turn_id`` ended: make the next queued turn active and start it."""
+    for _ in range(SESSION_WRITE_TRIES):
+        cur = await rt.state.session(sid)
+        if cur is None:
+            raise DeadLetter(f"turn_done for session {sid}, which has no record")
+        session = cur.value
+        if session.active == turn_id or turn_id in session.queue:
+            queue = [t for t in session.queue if t != turn_id]
+            active = session.active
+            if active == turn_id:
+                # The next queued turn that is still to run (a queued turn may be cancelled).
+                active = None
+                while queue:
+                    cand = queue.pop(0)
+                    cand_turn = await rt.state.turn(sid, cand)
+                    if cand_turn is not None and cand_turn.value.status == TurnStatus.QUEUED:
+                        active = cand
+                        break
+            session = session.model_copy(
+                update={
+                    "active": active,
+                    "queue": queue,
+                    "turns_done": session.turns_done + 1,
+                    "last_turn": turn_id,
+                }
+            )
+            try:
+                await rt.state.write(session_key(sid), session, cur.revision)
+            except Conflict:
+                continue
+        break
+    else:
+        raise RetryLater(0.05, "session changed concurrently")
     if session.active is None:
         return
     nxt_turn = await rt.state.turn(sid, session.active)

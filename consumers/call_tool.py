@@ -197,7 +197,7 @@ async def run(env: CallEnv) -> None:
     if not await env.d.still_ours(fresh_for=rt.lease_seconds / 4):
         # Stalled past the lease between the mark and the call: another attempt owns it.
         raise TakenOver(env.skey)
-    ctx = ToolCtx(env.d, env.call, attempt.no)
+    ctx = ToolCtx(env.d, env.turn, env.n, env.call, attempt.no)
     try:
         result = await tool.fn(args, ctx)
     except ToolError as exc:
@@ -250,7 +250,7 @@ async def _resume_settlement(env: CallEnv, effect: Effect, args: BaseModel) -> s
         return "made again"
     # A single-attempt write, or a keyed write whose vendor has forgotten the key by now.
     if tool.reader is not None:
-        back = await tool.reader(args, ToolCtx(env.d, env.call, rec.attempts))
+        back = await tool.reader(args, ToolCtx(env.d, env.turn, env.n, env.call, rec.attempts))
         if isinstance(back, Found):
             outcome = await succeeded(env.rt, env.ckey, rec.attempts, back.result)
             await settle(env, outcome, "read_back")

@@ -60,10 +60,26 @@ class CallEnv:
 class ToolCtx:
     """The ``ToolContext`` a tool receives."""
 
-    def __init__(self, d: Delivery, call: PlannedCall, attempt: int) -> None:
+    def __init__(
+        self, d: Delivery, turn: TurnRecord, model_step: int, call: PlannedCall, attempt: int
+    ) -> None:
         self._d = d
+        self._turn = turn
+        self._model_step = model_step
         self._call = call
         self._attempt = attempt
+
+    @property
+    def session_id(self) -> str:
+        return self._turn.session_id
+
+    @property
+    def turn_id(self) -> str:
+        return self._turn.turn_id
+
+    @property
+    def model_step(self) -> int:
+        return self._model_step
 
     @property
     def call_id(self) -> str:

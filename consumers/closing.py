@@ -106,7 +106,9 @@ async def on_close_turn(d: Delivery, step: StepMessage) -> None:
                 and tool is not None
                 and tool.cancel
             ):
-                await tool.cancel(rec.task_handle, ToolCtx(d, c, rec.attempts))
+                await tool.cancel(
+                    rec.task_handle, ToolCtx(d, turn, turn.model_step, c, rec.attempts)
+                )
                 log.info("task.cancelled", call=ckey)
             outcome = _closed(rec, turn, unreadable)
             done = rec.model_copy(

@@ -158,6 +158,9 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
             tools=[],
             attempt=attempt.no,
             purpose="summary",
+            session_id=sid,
+            turn_id=tid,
+            model_step=n,
         )
         if not await d.still_ours(fresh_for=rt.lease_seconds / 4):
             raise TakenOver(ckey)  # stalled past the lease: the summary is another's to pay for

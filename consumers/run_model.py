@@ -139,6 +139,9 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         messages=messages,
         tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in agent.tools],
         attempt=attempt.no,
+        session_id=sid,
+        turn_id=tid,
+        model_step=n,
     )
     await rt.faults.point("run_model.in_call")
     if not await d.still_ours(fresh_for=rt.lease_seconds / 4):

@@ -13,6 +13,8 @@ from schemas.records import BlobRef
 
 
 class EventType(StrEnum):
+    """The type of an event in a session's log (docs/protocol.md lists each one's data)."""
+
     TURN_ACCEPTED = "turn.accepted"
     TURN_STARTED = "turn.started"
     MODEL_ANSWERED = "model.answered"
@@ -37,6 +39,9 @@ class EventType(StrEnum):
 
 
 class Event(BaseModel):
+    """One fact in a session's log (``jl.event.<session>.<type>``): ``key`` is unique per
+    fact, ``data`` depends on ``type``."""
+
     v: int = SCHEMA_VERSION
     key: str
     type: EventType

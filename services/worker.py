@@ -53,6 +53,9 @@ def default_worker_id() -> str:
 
 
 class Worker(Service):
+    """A worker process's engine: serves the agents of an app (``run()`` until ``stop()``,
+    or ``async with``). Start it with ``jetloop worker --app module:attr`` or in-process."""
+
     def __init__(
         self,
         settings: Settings,

@@ -8,14 +8,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-import structlog
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
-log = structlog.get_logger("jetloop.nats")
+from streams.liblog import LibraryLogger
+
+log = LibraryLogger("jetloop.nats")
 
 
 async def connect(

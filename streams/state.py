@@ -350,6 +350,33 @@ class StateStore:
             await watcher.stop()  # type: ignore[no-untyped-call]
         return out
 
+    async def matching(self, pattern: str, most: int) -> tuple[dict[str, Stored], int]:
+        """The current value of up to ``most`` keys matching ``pattern`` (``turn.s1.*``), and
+        how many more match: one batched direct get where the bucket allows them, else the
+        keys (read server-side filtered) and a get each. Decode each with ``typed``."""
+        if self.direct is not None:
+            req = {"multi_last": [self._prefix + pattern], "batch": most}
+            found, left = await direct_batch(self.direct, self._stream, req, self.read_timeout)
+            out: dict[str, Stored] = {}
+            for m in found:
+                if m.headers.get("KV-Operation") not in ("DEL", "PURGE"):
+                    out[m.subject.removeprefix(self._prefix)] = Stored(
+                        m.data, m.seq, stored_time(m.headers)
+                    )
+            return out, left
+        keys = await self.keys(pattern)
+        return await self._raw_many(keys[:most]), max(0, len(keys) - most)
+
+    async def stored(self, key: str) -> Stored | None:
+        """A key's current value as stored, not decoded yet (decode it with ``typed``)."""
+        return await self._raw(key)
+
+    def typed(
+        self, model: type[R], key: str, raw: Stored | None, verify: bool = True
+    ) -> Versioned[R] | None:
+        """A stored value as its record, verified as every read is (``SealBroken``)."""
+        return self._typed(model, key, raw, verify)
+
     async def session(
         self, session_id: str, verify: bool = True
     ) -> Versioned[SessionRecord] | None:

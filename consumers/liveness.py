@@ -23,6 +23,7 @@ Otherwise the delivery waits: ``RetryLater`` until the lease would lapse, then i
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import structlog
@@ -55,6 +56,36 @@ async def answers(nc: Client, incarnation: str, timeout: float = ASK_TIMEOUT) ->
     except (NatsTimeoutError, TimeoutError):
         return True
     return True
+
+
+# How long a process whose connection the server reported closed is asked, again and again,
+# before it counts as gone. A live process that lost its connection (a network blip, its
+# server restarting) connects again and answers well within it. On a cluster a request can
+# also go unanswered for a moment after a death (the dead subscription is still known on
+# other nodes): silence is asked again, not taken as an answer either way.
+GONE_PATIENCE = 0.75
+ASK_AGAIN_TIMEOUT = 0.2
+
+
+async def gone(nc: Client, incarnation: str, closed_cleanly: bool) -> bool:
+    """Whether the process ``incarnation``, whose connection the server reported closed, is
+    gone: it does not answer on ``jl.alive`` within ``GONE_PATIENCE``. ``closed_cleanly``:
+    the client's own close (what a killed process's socket gives): then "no responders" is
+    final at once; after any other close (a read error, a stale connection) the process may
+    be reconnecting, and is given the patience."""
+    deadline = time.monotonic() + GONE_PATIENCE
+    while True:
+        try:
+            await nc.request(alive_subject(incarnation), b"", timeout=ASK_AGAIN_TIMEOUT)
+            return False
+        except NoRespondersError:
+            if closed_cleanly:
+                return True
+        except (NatsTimeoutError, TimeoutError):
+            pass
+        if time.monotonic() >= deadline:
+            return True
+        await asyncio.sleep(0.1)
 
 
 async def still_holds(nc: Client, incarnation: str, key: str) -> bool | None:
@@ -97,7 +128,8 @@ async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) ->
         )
         return
     if (d.msg.headers or {}).get(H_HOLDER_LOST) == held.incarnation:
-        if not await answers(rt.nc, held.incarnation):
+        # Asked again here, so a stale or forged header cannot take a live worker's step.
+        if await gone(rt.nc, held.incarnation, closed_cleanly=True):
             log.info("step.holder_gone", holder=held.worker, incarnation=held.incarnation)
             return
     wait = max(0.05, rt.lease_seconds - age + 0.05)

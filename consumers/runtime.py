@@ -98,15 +98,26 @@ class Delivery:
     async def claim(self, key: str, value: BaseModel, revision: int | None) -> int:
         """Record this attempt with a CAS from the revision read; lost → TakenOver."""
         async with self._lock:
+            # Held from before the write is sent: a write whose answer a restarting server
+            # loses is tried again, and meanwhile that server may deliver this same message
+            # again (as delivery 1); that delivery must see the key held here, not a claim
+            # of this process that "ended without finishing" (consumers.liveness).
+            fresh = key not in self.rt.holding
+            self.rt.holding.add(key)
             try:
                 rev = await self.rt.state.write(key, value, revision)
             except Conflict as exc:
+                if fresh:
+                    self.rt.holding.discard(key)
                 self._lose()
                 raise TakenOver(key) from exc
+            except BaseException:
+                if fresh and key != self.fence_key:
+                    self.rt.holding.discard(key)
+                raise
             if self.fence_key is not None and self.fence_key != key:
                 self.rt.holding.discard(self.fence_key)
             self.fence_key, self.fence_rev, self.fence_value = key, rev, value
-            self.rt.holding.add(key)
             self.fenced_at = time.monotonic()
             return rev
 

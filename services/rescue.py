@@ -5,10 +5,13 @@ the socket) and says so on ``$SYS.ACCOUNT.<account>.DISCONNECT``, which the syst
 ``watch`` user may hear (``services.natsauth``). Every worker given that user's password
 listens; when a connection named ``jetloop-worker-<id>#<incarnation>`` closes:
 
-1. it asks ``jl.alive.<incarnation>``: an answer means the process lives (it reconnected
-   after a network blip, or another server of the cluster has it) — nothing to do. A
-   connection that closed for another reason than the client's own close ("Client Closed")
-   is given ``RECONNECT_GRACE`` to come back first;
+1. it asks ``jl.alive.<incarnation>``, again and again for up to
+   ``consumers.liveness.GONE_PATIENCE`` (0.75 s): an answer means the process lives (it
+   reconnected after a network blip, or another server of the cluster has it) — nothing to
+   do. After the client's own close ("Client Closed": what a killed process's socket gives)
+   "no responders" settles it at once; after another close (a read error — also what a
+   process killed with unread data gives — or a stale connection) the process may be
+   reconnecting, and silence is asked again until the patience runs out;
 2. it reads the messages that process held (``streams.holds``) and, for each one still in its
    stream (a work queue deletes what was acked), publishes a copy on the same subject with
    the header ``Jl-Holder-Lost: <incarnation>`` and the message id
@@ -39,7 +42,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
-from consumers.liveness import H_HOLDER_LOST, answers
+from consumers.liveness import H_HOLDER_LOST, gone
 from consumers.session import UnscopedRequestId, request_id_of
 from services.natsauth import DISCONNECT_ADVISORIES
 from streams.connection import connect
@@ -49,9 +52,6 @@ from streams.topology import TURNS_STREAM, WORKERS_BUCKET, held_key
 log = structlog.get_logger("jetloop.rescue")
 
 CONNECTION_PREFIX = "jetloop-worker-"
-# A connection the server closed (stale, a read error) may be a live worker about to
-# reconnect: give it this long before asking whether it lives.
-RECONNECT_GRACE = 2.0
 CLIENT_CLOSED = "Client Closed"
 # The watch connection gives up after this long (and is made again later): an outage, or a
 # server without the system account's user, costs only the fast path.
@@ -93,7 +93,7 @@ class Rescuer:
             if not key.startswith("held."):
                 continue
             inc = key.removeprefix("held.")
-            if inc != self.incarnation and not await answers(self.nc, inc):
+            if inc != self.incarnation and await gone(self.nc, inc, closed_cleanly=True):
                 n = await self.rescue(inc)
                 log.info("rescue.swept", incarnation=inc, messages=n)
                 handed += n
@@ -133,8 +133,7 @@ class Rescuer:
             return
         if inc is None or inc == self.incarnation or inc in self._busy:
             return
-        grace = 0.0 if reason == CLIENT_CLOSED else RECONNECT_GRACE
-        self._spawn(self._after(inc, grace, reason))
+        self._spawn(self._after(inc, reason))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -142,12 +141,10 @@ class Rescuer:
         done: Callable[[asyncio.Task[None]], None] = self._tasks.discard
         task.add_done_callback(done)
 
-    async def _after(self, inc: str, grace: float, reason: str) -> None:
+    async def _after(self, inc: str, reason: str) -> None:
         self._busy.add(inc)
         try:
-            if grace:
-                await asyncio.sleep(grace)
-            if await answers(self.nc, inc):
+            if not await gone(self.nc, inc, closed_cleanly=reason == CLIENT_CLOSED):
                 log.info("rescue.still_alive", incarnation=inc, reason=reason)
                 return
             handed = await self.rescue(inc)

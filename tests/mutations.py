@@ -278,7 +278,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "holder-lost-header-trusted",
         "consumers/liveness.py",
-        "        if not await answers(rt.nc, held.incarnation):\n",
+        "        if await gone(rt.nc, held.incarnation, closed_cleanly=True):\n",
         "        if True:\n",
         "a copy whose header says the holder is dead is believed without asking the holder",
         ("tests/test_recovery.py::test_live_holder_is_never_taken_over",),

@@ -104,6 +104,28 @@ async def test_a_read_the_server_does_not_answer_gives_up_at_the_read_timeout(
     assert await state.revision(key) is not None
 
 
+async def test_a_claim_is_held_while_its_write_is_unanswered(
+    delivery: Delivery, nats_ready: EmbeddedServer
+) -> None:
+    """A restarting server may deliver a message again (as delivery 1) while this process's
+    claim write for it waits for an answer; that delivery must find the key held by this
+    process (and wait), not a claim of ours that "ended" (a kill trial saw a worker take over
+    its own live attempt and charge a loss)."""
+    key = "test.beat.pending-claim"
+    assert nats_ready.proc is not None
+    os.kill(nats_ready.proc.pid, signal.SIGSTOP)
+    try:
+        claim = asyncio.create_task(delivery.claim(key, Note(text="claimed"), None))
+        await asyncio.sleep(0.2)
+        assert key in delivery.rt.holding, "held while the claim's write is unanswered"
+    finally:
+        os.kill(nats_ready.proc.pid, signal.SIGCONT)
+    await asyncio.wait_for(claim, 20)
+    assert key in delivery.rt.holding
+    delivery.release()
+    assert key not in delivery.rt.holding
+
+
 def _decoded(data: bytes | None) -> dict[str, object]:
     import msgpack
 

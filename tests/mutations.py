@@ -218,8 +218,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "no-outcome-event-once-the-turn-moved-on",
         "consumers/call_tool.py",
-        "            await rt.bus.publish(follow.records)\n",
-        "            pass\n",
+        "        await call_done(turn, rec_v.value).publish(rt.bus)\n",
+        "        if current:\n            await call_done(turn, rec_v.value).publish(rt.bus)\n",
         "a redelivered call whose outcome is committed re-emits nothing once the turn moved on",
         (
             "tests/test_resume.py::"

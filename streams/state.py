@@ -39,6 +39,10 @@ from streams.topology import STATE_BUCKET
 
 R = TypeVar("R", bound=BaseModel)
 
+# How many verified records a store remembers (``StateStore._decode``): a turn reads the same
+# few records ~5 times each (every call step and join reads its turn, session and calls).
+VERIFIED_MEMO = 4096
+
 
 class Conflict(Exception):
     """A CAS lost: the key exists (create) or its revision moved on (update)."""
@@ -137,6 +141,9 @@ class StateStore:
         self.write_timeout = 5.0
         self._stream = f"KV_{bucket}"
         self._prefix = f"$KV.{bucket}."
+        # Records whose seal verified, by what the verdict depends on and nothing else: the
+        # key, the stored bytes and the time the server stored them (``_decode``).
+        self._verified: dict[tuple[str, bytes, float], None] = {}
 
     @classmethod
     async def open(cls, nc: Client, sealer: Sealer | None = None) -> StateStore:
@@ -165,9 +172,18 @@ class StateStore:
             raise SealBroken(key, f"it is not msgpack ({exc})") from exc
         if not isinstance(data, dict):
             raise SealBroken(key, "it is not a record")
-        why = self.sealer.verify(key, data, raw.stored_at)
-        if why is not None:
-            raise SealBroken(key, why)
+        # A seal's verdict is a function of the key, the bytes and the stored time under this
+        # store's keys: the same three verified once need no second HMAC. Only verified
+        # records are remembered, and every read still decodes and validates its own copy
+        # (a record is never shared between readers).
+        seen = (key, raw.data, raw.stored_at)
+        if seen not in self._verified:
+            why = self.sealer.verify(key, data, raw.stored_at)
+            if why is not None:
+                raise SealBroken(key, why)
+            if len(self._verified) >= VERIFIED_MEMO:
+                del self._verified[next(iter(self._verified))]  # the oldest
+            self._verified[seen] = None
         try:
             return decode_map(model, data)
         except DecodeError as exc:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -143,7 +144,7 @@ class StateStore:
         self._prefix = f"$KV.{bucket}."
         # Records whose seal verified, by what the verdict depends on and nothing else: the
         # key, the stored bytes and the time the server stored them (``_decode``).
-        self._verified: dict[tuple[str, bytes, float], None] = {}
+        self._verified: OrderedDict[tuple[str, bytes, float], None] = OrderedDict()
 
     @classmethod
     async def open(cls, nc: Client, sealer: Sealer | None = None) -> StateStore:
@@ -182,7 +183,7 @@ class StateStore:
             if why is not None:
                 raise SealBroken(key, why)
             if len(self._verified) >= VERIFIED_MEMO:
-                del self._verified[next(iter(self._verified))]  # the oldest
+                self._verified.popitem(last=False)  # the oldest
             self._verified[seen] = None
         try:
             return decode_map(model, data)

@@ -1,7 +1,22 @@
 """jetloop: durable execution of AI-agent turns on NATS JetStream.
 
 The public face: define agents and tools, run workers, drive sessions. Re-exports only;
-user code never imports the internal packages.
+user code never imports the internal packages. ``docs/api.md`` lists every name with what
+it is for; each has its own docstring.
+
+Errors (catch ``JetloopError`` for all of them)::
+
+    JetloopError
+    ├── SealError               state could not be checked
+    │   ├── SealKeyMissing      no JETLOOP_SEAL_KEY, and reading unverified was not chosen
+    │   └── RecordNotTrusted    a record's seal does not verify (.key, .reason)
+    ├── UnknownId (LookupError) no such thing
+    │   ├── UnknownAgent        no worker has ever served this agent
+    │   ├── UnknownSession      no such session
+    │   └── UnknownTurn         no such turn in the session
+    ├── ControlError            a decision refused (.status as in HTTP, .title, .detail)
+    ├── TurnFailed              the turn ended failed or cancelled (.turn)
+    └── SettingsError           a setting has a wrong value
 """
 
 from agents import (
@@ -39,7 +54,22 @@ from agents import (
 )
 from agents.tools import Found, NotFound
 from consumers import TOOL_CALL_NOT_RUN_ERROR_PREFIX
-from services.client import Client, TurnFailed, TurnHandle, TurnResult
+from consumers.control import ControlError
+from consumers.snapshot import CallView, SessionSnapshot
+from consumers.turns import TurnDetail, TurnPage, TurnSummary
+from schemas import Event, EventType, TurnRecord, TurnStatus
+from schemas.errors import (
+    JetloopError,
+    RecordNotTrusted,
+    SealError,
+    SealKeyMissing,
+    TurnFailed,
+    UnknownAgent,
+    UnknownId,
+    UnknownSession,
+    UnknownTurn,
+)
+from services.client import Client, TurnHandle, TurnResult
 from services.embedded import EmbeddedServer
 from services.settings import Settings, SettingsError, load_settings
 from services.worker import Worker
@@ -48,10 +78,15 @@ __all__ = [
     "TOOL_CALL_NOT_RUN_ERROR_PREFIX",
     "Agent",
     "App",
+    "CallView",
     "Client",
+    "ControlError",
     "Effect",
     "EmbeddedServer",
+    "Event",
+    "EventType",
     "Found",
+    "JetloopError",
     "Limits",
     "MalformedToolCall",
     "Message",
@@ -63,8 +98,12 @@ __all__ = [
     "ProviderError",
     "ProviderRejected",
     "ProviderRetryable",
+    "RecordNotTrusted",
     "RetryableToolError",
     "ScriptedModel",
+    "SealError",
+    "SealKeyMissing",
+    "SessionSnapshot",
     "Settings",
     "SettingsError",
     "TaskDone",
@@ -76,9 +115,18 @@ __all__ = [
     "ToolError",
     "ToolSpec",
     "Trigger",
+    "TurnDetail",
     "TurnFailed",
     "TurnHandle",
+    "TurnPage",
+    "TurnRecord",
     "TurnResult",
+    "TurnStatus",
+    "TurnSummary",
+    "UnknownAgent",
+    "UnknownId",
+    "UnknownSession",
+    "UnknownTurn",
     "Worker",
     "adapter_from_spec",
     "ask_user",

@@ -15,6 +15,9 @@ from schemas import validate_name
 
 @dataclass(frozen=True)
 class Limits:
+    """An agent's bounds: model steps per turn, attempts of a model step within a window,
+    and the context budget past which the history is compacted (None: never)."""
+
     max_model_steps: int = 16
     model_attempts: int = 3
     model_attempt_window_seconds: float = 1800.0
@@ -49,6 +52,9 @@ class Trigger:
 
 @dataclass(frozen=True)
 class Agent:
+    """An agent: its name (a subject token), instructions, model adapter, tools, limits and
+    cron triggers. Serve it with a worker through an ``App``."""
+
     name: str
     instructions: str
     model: ModelAdapter

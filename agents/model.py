@@ -16,6 +16,8 @@ from schemas import HistoryEntry
 
 @dataclass(frozen=True)
 class ToolSpec:
+    """A tool as the model is told about it: name, description, JSON Schema of its arguments."""
+
     name: str
     description: str
     parameters: dict[str, Any]
@@ -51,6 +53,9 @@ class Message:
 
 @dataclass(frozen=True)
 class ToolCallRequest:
+    """A call the model asks for: the tool's name, its arguments, and the provider's own id
+    for the call (kept for the provider only)."""
+
     name: str
     arguments: dict[str, Any]
     provider_id: str | None = None
@@ -58,17 +63,33 @@ class ToolCallRequest:
 
 @dataclass(frozen=True)
 class ModelRequest:
+    """What a model adapter is asked: the conversation so far, and which step asks.
+
+    ``session_id``, ``turn_id`` and ``model_step`` say which turn's step this is (the ids of
+    docs/protocol.md), so an adapter can tag its provider request or its logs with them.
+    ``model_step`` counts from 0; ``attempt`` counts from 1 and is more than 1 when the step
+    is tried again (after a crash or a retryable provider error). ``purpose`` is
+    ``"answer"`` for a turn's model step and ``"summary"`` for the one summary call that
+    compacts a long history; a summary call is made for the step it precedes (its
+    ``model_step``).
+    """
+
     agent: str
     instructions: str
     messages: list[Message]
     tools: list[ToolSpec]
     attempt: int
-    # "answer" for a turn's model step; "summary" for CompactContext's one summary call.
     purpose: str = "answer"
+    session_id: str = ""
+    turn_id: str = ""
+    model_step: int = 0
 
 
 @dataclass(frozen=True)
 class ModelResponse:
+    """A model's answer: text, the calls it asks for (none: the turn's final answer), and
+    token usage."""
+
     text: str = ""
     tool_calls: list[ToolCallRequest] = field(default_factory=list)
     usage: dict[str, int] = field(default_factory=dict)

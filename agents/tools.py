@@ -19,6 +19,10 @@ from pydantic import BaseModel
 
 
 class Effect(StrEnum):
+    """What a tool does to the world, which decides what a crash may repeat: a ``READ`` is
+    made again, an ``IDEMPOTENT_WRITE`` again with the same idempotency key, a
+    ``NON_IDEMPOTENT_WRITE`` at most once (settled ``outcome_unknown`` when in doubt)."""
+
     READ = "read"
     IDEMPOTENT_WRITE = "idempotent_write"
     NON_IDEMPOTENT_WRITE = "non_idempotent_write"
@@ -37,10 +41,33 @@ class ToolKind(StrEnum):
 
 
 class ToolContext(Protocol):
-    """What a tool gets besides its arguments."""
+    """What a tool gets besides its arguments: which call it is, and the hooks of its run.
+
+    The ids are those of the wire protocol (docs/protocol.md): a tool that records or logs
+    what it did can name the session, the turn and the call it did it for.
+    """
 
     @property
-    def call_id(self) -> str: ...
+    def session_id(self) -> str:
+        """The session the call belongs to."""
+        ...
+
+    @property
+    def turn_id(self) -> str:
+        """The turn the call belongs to (``t`` + 20 hex characters)."""
+        ...
+
+    @property
+    def model_step(self) -> int:
+        """The model step (from 0) whose answer asked for this call."""
+        ...
+
+    @property
+    def call_id(self) -> str:
+        """``<turn id>-<model step>-<index>``: unique within the session, the same on every
+        attempt; ``index`` is the call's place (from 0) in its model step's answer. The
+        call's state key is ``call.<session>.<turn>.<model step>.<index>``."""
+        ...
 
     @property
     def idempotency_key(self) -> str:
@@ -48,7 +75,9 @@ class ToolContext(Protocol):
         ...
 
     @property
-    def attempt(self) -> int: ...
+    def attempt(self) -> int:
+        """This call's attempt, from 1: more than 1 after a crash or a retry."""
+        ...
 
     async def heartbeat(self) -> None:
         """Keep the lease while a long tool runs (also done automatically)."""
@@ -87,11 +116,15 @@ class TaskPending:
 
 @dataclass(frozen=True)
 class TaskDone:
+    """The task finished: ``result`` is the call's result."""
+
     result: Any
 
 
 @dataclass(frozen=True)
 class TaskFailed:
+    """The task failed: the call fails with ``error`` (the model sees it)."""
+
     error: str
 
 
@@ -116,6 +149,9 @@ def _schema_of(model: type[BaseModel]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Tool:
+    """A tool an agent may call, as ``tool`` / ``task_tool`` declare it: its function, effect
+    class, attempts, approval policy and, for a task, its poll and cancel."""
+
     name: str
     description: str
     args_model: type[BaseModel]

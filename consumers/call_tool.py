@@ -40,6 +40,7 @@ from consumers.calls import (
 )
 from consumers.errors import DeadLetter, RetryLater, TakenOver
 from consumers.followers import call_done
+from consumers.join import join_calls
 from consumers.liveness import holder_lost
 from consumers.logcontext import bind_step
 from consumers.losses import record_loss, tell_resumed
@@ -74,13 +75,11 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
         # The outcome is committed; its worker may have died before what follows went out.
         # Sent again from state, under the same message ids (it lands once): the event
         # always, whatever the turn's state now (the audit stream and the read model need
-        # every outcome); the join only while the turn is at this step, so a turn that
-        # moved on is never moved again.
-        follow = call_done(turn, n, i, rec_v.value)
-        if current:
-            await follow.publish(rt.bus)
-        else:
-            await rt.bus.publish(follow.records)
+        # every outcome); then the join, which moves the turn only while it is at this step
+        # and publishes what follows again if it moved (the dead worker's move, maybe).
+        await call_done(turn, rec_v.value).publish(rt.bus)
+        if current or turn.model_step == n + 1:
+            await join_calls(d, sid, tid, n, first=False)
         return
     if not current:
         # The turn moved on, ended or was cancelled: nothing to make.
@@ -199,7 +198,7 @@ async def run(env: CallEnv) -> None:
     if not await env.d.still_ours(fresh_for=rt.lease_seconds / 4):
         # Stalled past the lease between the mark and the call: another attempt owns it.
         raise TakenOver(env.skey)
-    ctx = ToolCtx(env.d, env.call, attempt.no)
+    ctx = ToolCtx(env.d, env.turn, env.n, env.call, attempt.no)
     try:
         result = await tool.fn(args, ctx)
     except ToolError as exc:
@@ -230,7 +229,8 @@ async def run(env: CallEnv) -> None:
     env = await write(env, done)
     log.debug("call.recorded", state=outcome.state.value, attempts=attempt.no)
     await rt.faults.point("call_tool.after_commit")
-    await call_done(env.turn, env.n, env.call.index, done).publish(rt.bus)
+    await call_done(env.turn, done).publish(rt.bus)
+    await join_calls(env.d, env.turn.session_id, env.turn.turn_id, env.n, first=True)
 
 
 async def _resume_settlement(env: CallEnv, effect: Effect, args: BaseModel) -> str:
@@ -251,7 +251,7 @@ async def _resume_settlement(env: CallEnv, effect: Effect, args: BaseModel) -> s
         return "made again"
     # A single-attempt write, or a keyed write whose vendor has forgotten the key by now.
     if tool.reader is not None:
-        back = await tool.reader(args, ToolCtx(env.d, env.call, rec.attempts))
+        back = await tool.reader(args, ToolCtx(env.d, env.turn, env.n, env.call, rec.attempts))
         if isinstance(back, Found):
             outcome = await succeeded(env.rt, env.ckey, rec.attempts, back.result)
             await settle(env, outcome, "read_back")

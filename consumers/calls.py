@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from agents import Agent, Tool
 from consumers import metrics
 from consumers.followers import call_done
+from consumers.join import join_calls
 from consumers.runtime import Delivery, Runtime
 from schemas import CallOutcome, CallRecord, CallState, PlannedCall, SessionRecord, TurnRecord
 from streams.state import call_state_key
@@ -59,10 +60,26 @@ class CallEnv:
 class ToolCtx:
     """The ``ToolContext`` a tool receives."""
 
-    def __init__(self, d: Delivery, call: PlannedCall, attempt: int) -> None:
+    def __init__(
+        self, d: Delivery, turn: TurnRecord, model_step: int, call: PlannedCall, attempt: int
+    ) -> None:
         self._d = d
+        self._turn = turn
+        self._model_step = model_step
         self._call = call
         self._attempt = attempt
+
+    @property
+    def session_id(self) -> str:
+        return self._turn.session_id
+
+    @property
+    def turn_id(self) -> str:
+        return self._turn.turn_id
+
+    @property
+    def model_step(self) -> int:
+        return self._model_step
 
     @property
     def call_id(self) -> str:
@@ -98,13 +115,15 @@ async def write(env: CallEnv, rec: CallRecord) -> CallEnv:
 
 
 async def settle(env: CallEnv, outcome: CallOutcome, settlement: str, **extra: Any) -> None:
-    """Record the call's outcome, then tell the log and let the join look at the turn."""
+    """Record the call's outcome, tell the log, then join: move the turn on if this was
+    the step's last open call."""
     done = _done(env.rec, outcome, settlement, extra)
     await write(env, done)
     if outcome.state == CallState.OUTCOME_UNKNOWN:
         metrics.OUTCOME_UNKNOWN.inc()
     log.info("call.recorded", state=outcome.state.value, settlement=settlement)
-    await call_done(env.turn, env.n, env.call.index, done).publish(env.rt.bus)
+    await call_done(env.turn, done).publish(env.rt.bus)
+    await join_calls(env.d, env.turn.session_id, env.turn.turn_id, env.n, first=True)
 
 
 async def settle_record(
@@ -121,7 +140,8 @@ async def settle_record(
     done = _done(rec, outcome, settlement, {})
     await d.claim(call_state_key(rec.key), done, rev)
     log.info("call.recorded", state=outcome.state.value, settlement=settlement)
-    await call_done(turn, n, index, done).publish(d.rt.bus)
+    await call_done(turn, done).publish(d.rt.bus)
+    await join_calls(d, turn.session_id, turn.turn_id, n, first=True)
 
 
 def _done(

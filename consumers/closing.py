@@ -15,8 +15,9 @@ from agents.tools import DelegateArgs
 from consumers.calls import TOOL_CALL_NOT_RUN_ERROR_PREFIX, ToolCtx
 from consumers.delegation import child_request, child_session
 from consumers.errors import DeadLetter, RetryLater
-from consumers.followers import Followers, finished
+from consumers.followers import Followers
 from consumers.runtime import Delivery, Runtime
+from consumers.session import end_turn
 from schemas import (
     CallOutcome,
     CallRecord,
@@ -105,7 +106,9 @@ async def on_close_turn(d: Delivery, step: StepMessage) -> None:
                 and tool is not None
                 and tool.cancel
             ):
-                await tool.cancel(rec.task_handle, ToolCtx(d, c, rec.attempts))
+                await tool.cancel(
+                    rec.task_handle, ToolCtx(d, turn, turn.model_step, c, rec.attempts)
+                )
                 log.info("task.cancelled", call=ckey)
             outcome = _closed(rec, turn, unreadable)
             done = rec.model_copy(
@@ -140,7 +143,7 @@ async def on_close_turn(d: Delivery, step: StepMessage) -> None:
                 )
             )
     await rt.bus.publish(events)
-    await finished(turn).publish(rt.bus)
+    await end_turn(rt, turn)
 
 
 async def cancel_turn(

@@ -15,10 +15,11 @@ import structlog
 from agents import Agent, Message, ModelRequest, rough_tokens
 from consumers.conversation import conversation
 from consumers.errors import RetryLater, TakenOver
-from consumers.followers import Followers, finished
+from consumers.followers import Followers
 from consumers.liveness import holder_lost
 from consumers.losses import record_loss, tell_resumed
 from consumers.runtime import Delivery, Runtime
+from consumers.session import end_turn
 from schemas import (
     CompactionRecord,
     Event,
@@ -130,7 +131,7 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
                 await rt.state.write(turn_key(sid, tid), failed, cur.revision)
             except Conflict:
                 raise RetryLater(0.05, "turn changed") from None
-            await finished(failed).publish(rt.bus)
+            await end_turn(rt, failed)
             return
         if comp.attempt is not None and comp_v is not None:
             # Another attempt claimed the summary: taken over only once that attempt is lost.
@@ -157,6 +158,9 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
             tools=[],
             attempt=attempt.no,
             purpose="summary",
+            session_id=sid,
+            turn_id=tid,
+            model_step=n,
         )
         if not await d.still_ours(fresh_for=rt.lease_seconds / 4):
             raise TakenOver(ckey)  # stalled past the lease: the summary is another's to pay for

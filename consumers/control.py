@@ -37,6 +37,7 @@ from schemas import (
     TurnStatus,
     validate_name,
 )
+from schemas.errors import JetloopError
 from streams.bus import Bus, event_out, step_out
 from streams.seal import SealBroken
 from streams.state import (
@@ -53,8 +54,9 @@ log = structlog.get_logger("jetloop.control")
 CAS_TRIES = 20
 
 
-class ControlError(Exception):
-    """A request that cannot be done; ``status`` follows HTTP (404, 409, 422)."""
+class ControlError(JetloopError):
+    """A request that cannot be done; ``status`` follows HTTP (404, 409, 422, 503), ``title``
+    says what in a few words, ``detail`` which thing."""
 
     def __init__(self, status: int, title: str, detail: str = "") -> None:
         super().__init__(f"{title}: {detail}" if detail else title)

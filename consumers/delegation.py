@@ -21,6 +21,7 @@ from schemas import (
     TurnRequest,
     TurnStatus,
     encode,
+    scoped_msg_id,
     turn_id_for,
 )
 from schemas.ids import _digest
@@ -50,7 +51,8 @@ async def _ask_child(env: CallEnv, args: DelegateArgs) -> None:
         call_index=env.call.index,
     )
     body = TurnRequest(text=args.task, metadata={"parent": parent.model_dump()})
-    hdrs = headers("turn.request", sid, None, rid)
+    # Scoped by the child session, as every turn request's message id (docs/protocol.md).
+    hdrs = {**headers("turn.request", sid, None, scoped_msg_id(sid, rid)), "Jl-Request-Id": rid}
     await env.rt.js.publish(turn_subject(args.agent, sid), encode(body), headers=hdrs)
 
 

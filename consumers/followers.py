@@ -119,19 +119,9 @@ def answer(turn: TurnRecord) -> Followers:
     )
 
 
-def turn_done_step(turn: TurnRecord) -> Outgoing:
-    return step_out(
-        StepMessage(
-            kind=StepKind.TURN_DONE,
-            agent=turn.agent,
-            session_id=turn.session_id,
-            turn_id=turn.turn_id,
-        )
-    )
-
-
 def finished(turn: TurnRecord) -> Followers:
-    """A turn ended (completed or failed): its last words, its event, then the session moves."""
+    """A turn ended (completed or failed): its last words, its event, and the wake of a
+    delegating parent. (The session moves on in the same step: ``session.end_turn``.)"""
     base = _base(turn)
     records: list[Outgoing] = []
     if turn.status == TurnStatus.COMPLETED:
@@ -168,7 +158,7 @@ def finished(turn: TurnRecord) -> Followers:
         if turn.tool_calls_made:
             records.append(history_out(turn.session_id, failed_turn_note(turn)))
     records.append(event_out(ev))
-    steps = [turn_done_step(turn)]
+    steps = []
     if turn.parent is not None:
         # A delegated child turn: its end wakes the parent's call, which reads the answer.
         p = turn.parent
@@ -187,8 +177,9 @@ def finished(turn: TurnRecord) -> Followers:
     return Followers(records, steps)
 
 
-def call_done(turn: TurnRecord, model_step: int, index: int, rec: CallRecord) -> Followers:
-    """A call has its outcome: tell the log, then let the join look at the turn."""
+def call_done(turn: TurnRecord, rec: CallRecord) -> Followers:
+    """A call has its outcome: tell the log. (The step that committed it then joins the
+    turn itself, ``consumers.join.join_calls``: no message of its own.)"""
     assert rec.outcome is not None
     ev = Event(
         key=f"call.{rec.key}.outcome",
@@ -205,15 +196,7 @@ def call_done(turn: TurnRecord, model_step: int, index: int, rec: CallRecord) ->
             "settlement": rec.settlement,
         },
     )
-    join = StepMessage(
-        kind=StepKind.JOIN,
-        agent=turn.agent,
-        session_id=turn.session_id,
-        turn_id=turn.turn_id,
-        model_step=model_step,
-        call_index=index,
-    )
-    return Followers([event_out(ev)], [step_out(join)])
+    return Followers([event_out(ev)])
 
 
 TOOL_STATUS = {

@@ -1,12 +1,15 @@
 """The join: when every call of a model step has its outcome, the turn moves to the next step.
 
-Each call's completion publishes its own join message (keyed by the call), so whichever
-arrives after the last outcome moves the turn on; the others find it moved and stop. The
-move is one CAS on the turn record from the revision read: two joins racing cannot both
-win. The winner publishes what follows; if it dies before that, its own message is
-redelivered and publishes it. So a join that lost the race, or that finds the turn already
-moved on its first delivery, has nothing to do. The turn and its step's call records are
-read in one request (``StateStore.join_view``).
+The step that commits a call's outcome joins right after, in the same delivery (no join
+message of its own: one delivery per call). Whichever call completes the set moves the
+turn on; the others find calls still open, or the turn moved, and stop. The move is one CAS
+on the turn record from the revision read: two calls racing cannot both win. The winner
+publishes what follows before its step is acked; if it dies before that, its call step is
+redelivered, finds its outcome committed and the turn moved, and publishes it (same message
+ids: it lands once). So a first delivery that finds the turn already moved has nothing to
+do. The turn and its step's call records are read in one request
+(``StateStore.join_view``). ``on_join`` still handles join messages a worker of an earlier
+version published.
 """
 
 from __future__ import annotations
@@ -29,8 +32,14 @@ def _moved_on(turn: TurnRecord, n: int) -> bool:
 
 
 async def on_join(d: Delivery, step: StepMessage) -> None:
+    await join_calls(d, step.session_id, step.turn_id, step.model_step, d.num_delivered == 1)
+
+
+async def join_calls(d: Delivery, sid: str, tid: str, n: int, first: bool) -> None:
+    """Move turn ``tid`` past model step ``n`` if every call of the step has its outcome.
+    ``first``: this step committed an outcome just now (rather than finding it committed):
+    a turn already moved on was then moved by another step, which publishes what follows."""
     rt = d.rt
-    sid, tid, n = step.session_id, step.turn_id, step.model_step
     cur, calls = await rt.state.join_view(sid, tid, n)
     if cur is None:
         raise DeadLetter(f"join for turn {tid} of session {sid}, which has no record")
@@ -38,8 +47,8 @@ async def on_join(d: Delivery, step: StepMessage) -> None:
     if turn.status.terminal:
         return
     if _moved_on(turn, n):
-        if d.num_delivered == 1:
-            return  # another join moved it; its message is not acked until it published
+        if first:
+            return  # another step moved it; its message is not acked until it published
         # Maybe this message moved it and its worker died before publishing what follows.
         results = _results(calls)
         if results is not None:

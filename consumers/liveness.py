@@ -81,9 +81,20 @@ async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) ->
         # is waiting out an election or a restart (its writes are tried again for up to
         # BEAT_GRACE): give its next beat a chance. One that is gone, stalled (no answer in
         # time) or done with the step is lost, as the lease says.
-        if age < rt.lease_seconds + BEAT_GRACE and await still_holds(rt.nc, held.incarnation, key):
-            why = f"attempt {held.no} of worker {held.worker} still runs (its beats are late)"
-            raise RetryLater(rt.lease_seconds / 3, why)
+        said = None
+        if age < rt.lease_seconds + BEAT_GRACE:
+            said = await still_holds(rt.nc, held.incarnation, key)
+            if said:
+                why = f"attempt {held.no} of worker {held.worker} still runs (its beats are late)"
+                raise RetryLater(rt.lease_seconds / 3, why)
+        log.info(
+            "step.holder_stale",
+            holder=held.worker,
+            incarnation=held.incarnation,
+            key=key,
+            age=round(age, 2),
+            said=said,
+        )
         return
     if (d.msg.headers or {}).get(H_HOLDER_LOST) == held.incarnation:
         if not await answers(rt.nc, held.incarnation):

@@ -22,11 +22,12 @@ from consumers import metrics
 from consumers.compact import compact_first, compaction_needed
 from consumers.conversation import conversation
 from consumers.errors import DeadLetter, RetryLater, TakenOver
-from consumers.followers import answer, finished
+from consumers.followers import answer
 from consumers.liveness import holder_lost
 from consumers.logcontext import bind_step
 from consumers.losses import loss_id, lost_event, lost_reason, tell_resumed
 from consumers.runtime import Delivery, Runtime
+from consumers.session import end_turn
 from schemas import (
     PlannedCall,
     StepMessage,
@@ -50,7 +51,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         raise DeadLetter(f"run_model for turn {tid} of session {sid}, which has no record")
     turn = cur.value
     if turn.status.terminal:
-        await finished(turn).publish(rt.bus)
+        await end_turn(rt, turn)
         return
     if turn.model_step > n:
         return
@@ -87,7 +88,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             )
             await d.claim(turn_key(sid, tid), gone, cur.revision)
             await rt.bus.publish([event_out(lost_event(turn, len(lost), step.step_key()))])
-            await finished(gone).publish(rt.bus)
+            await end_turn(rt, gone)
             return
 
     exhausted = turn.attempts >= limits.model_attempts or (
@@ -111,9 +112,13 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             update={"status": TurnStatus.FAILED, "error": reason, "attempt": None, "lost": lost}
         )
         await d.claim(turn_key(sid, tid), failed, cur.revision)
-        await finished(failed).publish(rt.bus)
+        await end_turn(rt, failed)
         return
 
+    if messages is None:
+        # Read before the claim: a read that fails (an election) then leaves no claimed
+        # attempt behind, which the next delivery would have to count as lost.
+        messages = await conversation(rt, sid, session=session)
     attempt = rt.new_attempt(turn.attempts + 1)
     claimed = turn.model_copy(
         update={
@@ -132,9 +137,12 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     request = ModelRequest(
         agent=agent.name,
         instructions=agent.instructions,
-        messages=messages if messages is not None else await conversation(rt, sid, session=session),
+        messages=messages,
         tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in agent.tools],
         attempt=attempt.no,
+        session_id=sid,
+        turn_id=tid,
+        model_step=n,
     )
     await rt.faults.point("run_model.in_call")
     if not await d.still_ours(fresh_for=rt.lease_seconds / 4):
@@ -158,7 +166,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             }
         )
         await d.commit(failed)
-        await finished(failed).publish(rt.bus)
+        await end_turn(rt, failed)
         return
     except Exception as exc:
         log.warning("model.call_failed", error=str(exc))
@@ -177,7 +185,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     log.debug("model.answered", calls=len(committed.calls), status=committed.status.value)
     await rt.faults.point("run_model.after_commit")
     if committed.status == TurnStatus.COMPLETED:
-        await finished(committed).publish(rt.bus)
+        await end_turn(rt, committed)
     else:
         await answer(committed).publish(rt.bus)
 

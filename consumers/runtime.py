@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -32,6 +33,8 @@ from streams.bus import Bus
 from streams.history import HistoryReader
 from streams.holds import Holds
 from streams.state import Conflict, StateStore
+
+log = structlog.get_logger("jetloop.fence")
 
 
 def new_incarnation() -> str:
@@ -116,6 +119,7 @@ class Delivery:
             try:
                 rev = await self.rt.state.write(self.fence_key, value, self.fence_rev)
             except Conflict as exc:
+                log.info("fence.lost_on_commit", key=self.fence_key, rev=self.fence_rev)
                 self._lose()
                 raise TakenOver(self.fence_key) from exc
             self.fence_rev, self.fence_value = rev, value
@@ -137,6 +141,9 @@ class Delivery:
                 return True
             current = await self.rt.state.revision(self.fence_key)
             if current != self.fence_rev:
+                log.info(
+                    "fence.lost_on_read", key=self.fence_key, rev=self.fence_rev, current=current
+                )
                 self._lose()
             return not self.lost
 
@@ -200,6 +207,7 @@ class Delivery:
             try:
                 rev = await self.rt.state.write(self.fence_key, self.fence_value, self.fence_rev)
             except Conflict:
+                log.info("fence.lost_on_beat", key=self.fence_key, rev=self.fence_rev)
                 self._lose()
                 return
             self.fence_rev = rev

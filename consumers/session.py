@@ -15,9 +15,9 @@ import structlog
 from nats.js.errors import NotFoundError
 
 from consumers.errors import DeadLetter, RetryLater
-from consumers.followers import Followers, turn_start
+from consumers.followers import Followers, finished, turn_start
 from consumers.logcontext import bind_step
-from consumers.runtime import Delivery
+from consumers.runtime import Delivery, Runtime
 from schemas import (
     Event,
     EventType,
@@ -27,6 +27,7 @@ from schemas import (
     TurnRequest,
     TurnStatus,
     decode,
+    scoped_msg_id,
     turn_id_for,
     validate_name,
 )
@@ -51,7 +52,7 @@ def _parse_subject(subject: str) -> tuple[str, str]:
 async def on_turn_request(d: Delivery) -> None:
     rt = d.rt
     agent_name, sid = _parse_subject(d.msg.subject)
-    request_id = _request_id(d)
+    request_id = _request_id(d, sid)
     req = _decode_request(d.msg.data)
     if rt.app.agent(agent_name) is None:
         raise DeadLetter(f"unknown agent {agent_name!r}")
@@ -130,26 +131,72 @@ async def on_turn_request(d: Delivery) -> None:
     await out.publish(rt.bus)
 
 
-def _request_id(d: Delivery) -> str:
-    found = request_id_of(d.msg.headers or {}, d.msg.metadata.timestamp)
+def _request_id(d: Delivery, session_id: str) -> str:
+    try:
+        found = request_id_of(d.msg.headers or {}, session_id, d.msg.metadata.timestamp)
+    except UnscopedRequestId as exc:
+        raise DeadLetter(str(exc)) from None
     if found is None:
-        raise DeadLetter("turn request has no Nats-Msg-Id (the request id)")
+        raise DeadLetter(
+            f"turn request has no Nats-Msg-Id: send 'Nats-Msg-Id: {session_id}.<request id>'"
+        )
     return found
 
 
-def request_id_of(hdrs: dict[str, str], stored: datetime) -> str | None:
-    """The client's ``Nats-Msg-Id``; for a trigger's fire, the trigger and its fire time
-    (``stored``: when the server stored the message). None when the request has none."""
-    if hdrs.get("Jl-Request-Id"):
-        return hdrs["Jl-Request-Id"]  # jetloop's clients scope Nats-Msg-Id by session
-    if hdrs.get("Nats-Msg-Id"):
-        return hdrs["Nats-Msg-Id"]
+class UnscopedRequestId(ValueError):
+    """A turn request whose ``Nats-Msg-Id`` is not ``<session>.<request id>``.
+
+    ``JL_TURNS`` drops a message whose id it has seen in its dedupe window on *any*
+    subject, so an id that is not scoped by its session would make the same request id in
+    a second session a silent duplicate that never runs. Such a request is refused (dead
+    -lettered with this reason) on its first use, not only when two sessions collide."""
+
+
+# jetloop's own copies of a held request (``services.rescue``) carry the request id in
+# ``Jl-Request-Id`` and a message id of their own.
+RESCUE_ID_PREFIX = "rescue."
+
+
+def request_id_of(hdrs: dict[str, str], session_id: str, stored: datetime) -> str | None:
+    """The request id of a turn request on ``jl.turn.<agent>.<session_id>``.
+
+    - a fire of a trigger (``Nats-Scheduler``, made by the server): ``Jl-Request-Id`` (a
+      one-off schedule) or the trigger and its fire time (``stored``, when the server
+      stored the message: identical however often this fire is delivered);
+    - ``Jl-Request-Id`` when set (jetloop's clients); ``Nats-Msg-Id`` must then be
+      ``<session_id>.<Jl-Request-Id>`` (or a rescue copy's id);
+    - otherwise ``Nats-Msg-Id``, which must be ``<session_id>.<request id>``: the request
+      id is what follows the session.
+
+    None when the request carries no id; ``UnscopedRequestId`` when its id is not scoped.
+    """
     if hdrs.get("Nats-Scheduler"):
+        if hdrs.get("Jl-Request-Id"):
+            return hdrs["Jl-Request-Id"]
         trigger = hdrs.get("Jl-Trigger") or hdrs["Nats-Scheduler"]
-        # The stored message's time: identical however often this fire is delivered.
         fired = stored.replace(microsecond=0)
         return f"{trigger}@{fired:%Y-%m-%dT%H:%M:%SZ}"
-    return None
+    msg_id = hdrs.get("Nats-Msg-Id")
+    given = hdrs.get("Jl-Request-Id")
+    if given:
+        expected = scoped_msg_id(session_id, given)
+        if msg_id and msg_id != expected and not msg_id.startswith(RESCUE_ID_PREFIX):
+            raise UnscopedRequestId(
+                f"Nats-Msg-Id {msg_id!r} does not match Jl-Request-Id {given!r}: send "
+                f"'Nats-Msg-Id: {expected}' (JL_TURNS drops a repeated message id across "
+                "all sessions; see docs/protocol.md)"
+            )
+        return given
+    if not msg_id:
+        return None
+    prefix = scoped_msg_id(session_id, "")
+    if not msg_id.startswith(prefix) or msg_id == prefix:
+        raise UnscopedRequestId(
+            f"Nats-Msg-Id {msg_id!r} is not '{prefix}<request id>': JL_TURNS drops a "
+            "repeated message id across all sessions, so the request id is scoped by its "
+            "session (see docs/protocol.md)"
+        )
+    return msg_id[len(prefix) :]
 
 
 def _decode_request(data: bytes) -> TurnRequest:
@@ -166,37 +213,59 @@ def _decode_request(data: bytes) -> TurnRequest:
 
 
 async def on_turn_done(d: Delivery, step: StepMessage) -> None:
-    """A turn ended: make the next queued turn active and start it."""
-    rt = d.rt
-    sid = step.session_id
-    cur = await rt.state.session(sid)
-    if cur is None:
-        raise DeadLetter(f"turn_done for session {sid}, which has no record")
-    session = cur.value
-    if session.active == step.turn_id or step.turn_id in session.queue:
-        queue = [t for t in session.queue if t != step.turn_id]
-        active = session.active
-        if active == step.turn_id:
-            # The next queued turn that is still to run (a queued turn may be cancelled).
-            active = None
-            while queue:
-                cand = queue.pop(0)
-                cand_turn = await rt.state.turn(sid, cand)
-                if cand_turn is not None and cand_turn.value.status == TurnStatus.QUEUED:
-                    active = cand
-                    break
-        session = session.model_copy(
-            update={
-                "active": active,
-                "queue": queue,
-                "turns_done": session.turns_done + 1,
-                "last_turn": step.turn_id,
-            }
-        )
-        try:
-            await rt.state.write(session_key(sid), session, cur.revision)
-        except Conflict:
-            raise RetryLater(0.05, "session changed concurrently") from None
+    """A ``turn_done`` message (published by workers of an earlier version): as
+    ``session_moves_on``."""
+    await session_moves_on(d.rt, step.session_id, step.turn_id)
+
+
+async def end_turn(rt: Runtime, turn: TurnRecord) -> None:
+    """A turn ended (its terminal record is committed): publish its last words and event,
+    then move its session on — in the step that ended it, not in a message of its own. A
+    redelivery of that step finds the turn ended and calls this again: both parts are
+    idempotent (message ids; the session moves only while the turn is still in it)."""
+    await finished(turn).publish(rt.bus)
+    await session_moves_on(rt, turn.session_id, turn.turn_id)
+
+
+# A session record written by two steps at once (a turn request queued while a turn
+# ends): the loser reads it again, this often, before its step is handed back.
+SESSION_WRITE_TRIES = 5
+
+
+async def session_moves_on(rt: Runtime, sid: str, turn_id: str) -> None:
+    """Turn ``turn_id`` ended: make the next queued turn active and start it."""
+    for _ in range(SESSION_WRITE_TRIES):
+        cur = await rt.state.session(sid)
+        if cur is None:
+            raise DeadLetter(f"turn_done for session {sid}, which has no record")
+        session = cur.value
+        if session.active == turn_id or turn_id in session.queue:
+            queue = [t for t in session.queue if t != turn_id]
+            active = session.active
+            if active == turn_id:
+                # The next queued turn that is still to run (a queued turn may be cancelled).
+                active = None
+                while queue:
+                    cand = queue.pop(0)
+                    cand_turn = await rt.state.turn(sid, cand)
+                    if cand_turn is not None and cand_turn.value.status == TurnStatus.QUEUED:
+                        active = cand
+                        break
+            session = session.model_copy(
+                update={
+                    "active": active,
+                    "queue": queue,
+                    "turns_done": session.turns_done + 1,
+                    "last_turn": turn_id,
+                }
+            )
+            try:
+                await rt.state.write(session_key(sid), session, cur.revision)
+            except Conflict:
+                continue
+        break
+    else:
+        raise RetryLater(0.05, "session changed concurrently")
     if session.active is None:
         return
     nxt_turn = await rt.state.turn(sid, session.active)

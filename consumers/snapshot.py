@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 from schemas import (
     DONE_STATES,
     ApprovalRecord,
+    CallRecord,
     CallState,
     Decision,
     DecodeError,
@@ -34,6 +35,9 @@ from streams.topology import TURNS_STREAM, session_turns_filter
 
 
 class CallView(BaseModel):
+    """One call as a reader sees it: ids, tool, effect, state, attempts, idempotency key,
+    result (a large one fetched from the blob store) or error, and what it waits for."""
+
     call_key: str
     call_id: str
     model_step: int
@@ -60,6 +64,9 @@ class QueuedView(BaseModel):
 
 
 class SessionSnapshot(BaseModel):
+    """Everything about a session in one read (``Client.snapshot``, the control API's
+    ``snapshot``, the gateway's ``GET /v1/sessions/{session}``)."""
+
     session_id: str
     agent: str
     # idle | running | waiting (approval, answer, timer, task, child) | waiting_for_worker
@@ -161,6 +168,75 @@ def _unreadable(turn: TurnRecord, key: str, step: int, index: int, exc: Exceptio
     )
 
 
+# At most this many calls of one turn are read at once (a turn's calls are bounded by its
+# agent's limits; this bounds a reply whatever they are).
+MOST_CALLS = 1000
+
+
+async def turn_calls(
+    state: StateStore,
+    blobs: BlobStore,
+    turn: TurnRecord,
+    untrusted: list[str],
+    resolve_results: bool = True,
+    most: int = MOST_CALLS,
+) -> tuple[list[CallView], int]:
+    """Every call record of a turn (every model step's), in order (model step, then index),
+    at most ``most``, and how many more there are. One that does not verify or decode is
+    shown as ``unreadable`` and noted in ``untrusted``. Large results are fetched from the
+    blob store unless ``resolve_results`` is off (then their ``{blob, size}`` reference)."""
+    sid, tid = turn.session_id, turn.turn_id
+    found, more = await state.matching(f"call.{sid}.{tid}.>", most)
+
+    def order(k: str) -> tuple[int, int]:
+        parts = k.split(".")
+        return int(parts[-2]), int(parts[-1])
+
+    calls: list[CallView] = []
+    for key in sorted(found, key=order):
+        step, index = order(key)
+        try:
+            rv = state.typed(CallRecord, key, found[key])
+        except (SealBroken, DecodeError) as exc:
+            calls.append(_unreadable(turn, key, step, index, exc))
+            untrusted.append(f"{key}: {getattr(exc, 'reason', exc)}")
+            continue
+        if rv is None:
+            continue
+        rec = rv.value
+        result: Any = None
+        if rec.outcome is not None:
+            result = rec.outcome.result
+            if rec.outcome.result_ref is not None:
+                result = (
+                    json.loads(await blobs.get(rec.outcome.result_ref))
+                    if resolve_results
+                    else rec.outcome.result_ref.model_dump()
+                )
+        calls.append(
+            CallView(
+                call_key=rec.key,
+                call_id=f"{tid}-{step}-{index}",
+                model_step=step,
+                index=index,
+                tool=rec.tool,
+                effect=rec.effect,
+                state=rec.state.value,
+                attempts=rec.attempts,
+                idempotency_key=idempotency_key(sid, tid, step, index),
+                result=result,
+                error=rec.outcome.error if rec.outcome else None,
+                settlement=rec.settlement,
+                approval_id=rec.approval_id,
+                question_id=rec.question_id,
+                timer_due=rec.timer_due,
+                task_handle=rec.task_handle,
+                reconciled_by=rec.reconciled_by,
+            )
+        )
+    return calls, more
+
+
 async def snapshot(
     state: StateStore,
     history: HistoryReader,
@@ -189,53 +265,7 @@ async def snapshot(
 
     calls: list[CallView] = []
     if turn is not None:
-        keys = await state.keys(f"call.{session_id}.{turn.turn_id}.>")
-
-        def order(k: str) -> tuple[int, int]:
-            parts = k.split(".")
-            return int(parts[-2]), int(parts[-1])
-
-        for key in sorted(keys, key=order):
-            step, index = order(key)
-            try:
-                rv = await state.call(key.removeprefix("call."))
-            except (SealBroken, DecodeError) as exc:
-                calls.append(_unreadable(turn, key, step, index, exc))
-                untrusted.append(f"{key}: {getattr(exc, 'reason', exc)}")
-                continue
-            if rv is None:
-                continue
-            rec = rv.value
-            result: Any = None
-            if rec.outcome is not None:
-                result = rec.outcome.result
-                if rec.outcome.result_ref is not None:
-                    result = (
-                        json.loads(await blobs.get(rec.outcome.result_ref))
-                        if resolve_results
-                        else rec.outcome.result_ref.model_dump()
-                    )
-            calls.append(
-                CallView(
-                    call_key=rec.key,
-                    call_id=f"{turn.turn_id}-{step}-{index}",
-                    model_step=step,
-                    index=index,
-                    tool=rec.tool,
-                    effect=rec.effect,
-                    state=rec.state.value,
-                    attempts=rec.attempts,
-                    idempotency_key=idempotency_key(session_id, turn.turn_id, step, index),
-                    result=result,
-                    error=rec.outcome.error if rec.outcome else None,
-                    settlement=rec.settlement,
-                    approval_id=rec.approval_id,
-                    question_id=rec.question_id,
-                    timer_due=rec.timer_due,
-                    task_handle=rec.task_handle,
-                    reconciled_by=rec.reconciled_by,
-                )
-            )
+        calls, _ = await turn_calls(state, blobs, turn, untrusted, resolve_results)
 
     approvals = []
     for key in await state.keys(f"approval.{session_id}.>"):

@@ -73,7 +73,7 @@ async def poll(env: CallEnv) -> None:
         ).publish(env.rt.bus)
         return
     await env.rt.faults.point("poll_tool_task.in_poll")
-    ctx = ToolCtx(env.d, env.call, env.rec.attempts)
+    ctx = ToolCtx(env.d, env.turn, env.n, env.call, env.rec.attempts)
     try:
         result = await tool.poll(env.rec.task_handle, ctx)
     except Exception as exc:

@@ -5,13 +5,14 @@ version ``v`` so a reader can tell an old body from a new one.
 """
 
 from schemas.codec import SCHEMA_VERSION, DecodeError, decode, encode
-from schemas.events import Event, EventType
+from schemas.events import EVENT_DATA, Event, EventType
 from schemas.history import HistoryEntry, HistoryRole, ToolStatus
 from schemas.ids import (
     approval_id_for,
     call_key,
     idempotency_key,
     question_id_for,
+    scoped_msg_id,
     turn_id_for,
     validate_name,
 )
@@ -39,6 +40,7 @@ from schemas.records import (
 __all__ = [
     "CALL_KINDS",
     "DONE_STATES",
+    "EVENT_DATA",
     "SCHEMA_VERSION",
     "ApprovalRecord",
     "Attempt",
@@ -71,6 +73,7 @@ __all__ = [
     "encode",
     "idempotency_key",
     "question_id_for",
+    "scoped_msg_id",
     "turn_id_for",
     "validate_name",
 ]

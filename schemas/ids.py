@@ -31,6 +31,12 @@ def turn_id_for(session_id: str, request_id: str) -> str:
     return "t" + _digest(session_id, request_id)
 
 
+def scoped_msg_id(session_id: str, request_id: str) -> str:
+    """The ``Nats-Msg-Id`` of a turn request: ``JL_TURNS`` dedupes ids across all its
+    subjects, so the request id is scoped by its session (a session id has no dot)."""
+    return f"{session_id}.{request_id}"
+
+
 def call_key(session_id: str, turn_id: str, model_step: int, index: int) -> str:
     """The KV key part and step key of one call: session, turn, model step, position."""
     return f"{session_id}.{turn_id}.{model_step}.{index}"

@@ -12,7 +12,8 @@ from schemas.records import BlobRef, ParentCall
 
 
 class TurnRequest(BaseModel):
-    """A user message for a session; its ``Nats-Msg-Id`` is the client's request id.
+    """A user message for a session, on ``jl.turn.<agent>.<session>``; its ``Nats-Msg-Id``
+    is ``<session>.<request id>`` (``scoped_msg_id``, docs/protocol.md).
 
     ``metadata.parent`` (set by a delegating call) must be a ``ParentCall``: it is checked
     when the request is decoded, so a bad one is dead-lettered, never retried.

@@ -54,6 +54,9 @@ class SessionRecord(BaseModel):
 
 
 class TurnStatus(StrEnum):
+    """Where a turn is: ``queued``, ``running``, then one of ``completed``, ``failed``,
+    ``cancelled``."""
+
     QUEUED = "queued"
     RUNNING = "running"
     COMPLETED = "completed"
@@ -94,6 +97,9 @@ class ParentCall(BaseModel):
 
 
 class TurnRecord(BaseModel):
+    """A turn as stored (``turn.<sid>.<tid>`` in ``jl_state``): its request, status, model
+    step, planned calls, answer (``answer_text`` or ``answer_ref``) and error."""
+
     v: int = SCHEMA_VERSION
     session_id: str
     turn_id: str

@@ -1,8 +1,17 @@
-"""Driving sessions from Python: send a message, wait for its turn, follow the log.
+"""Driving sessions from Python: send a message, wait for its turn, follow the log, read
+what happened (a session's snapshot, its past turns, a turn's calls) and decide what waits
+for a person (approve, reject, answer, cancel, reconcile).
 
-async with await Client.connect("nats://127.0.0.1:4222") as jl:
-    turn = await jl.send("demo", "s1", "look up T-1")
-    result = await jl.wait(turn)
+    async with await Client.connect("nats://127.0.0.1:4222") as jl:
+        turn = await jl.send("demo", "s1", "look up T-1")
+        result = await jl.wait(turn)
+
+State read from ``jl_state`` is verified with the workers' seal key (``JETLOOP_SEAL_KEY``);
+without the key a read raises ``SealKeyMissing`` unless the caller chose to read unverified
+(``verify=False``, or ``JETLOOP_READ_UNVERIFIED=true`` for ``Client.connect``). Errors are
+the ``jetloop.JetloopError`` tree (``schemas.errors``); NATS errors pass through once an
+outage lasts longer than ``retry_for``. The client logs (never prints) through the
+``jetloop.*`` loggers (``streams.liblog``).
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from pydantic import BaseModel
 
 from agents.agent import Trigger
 from consumers.control import Control, ControlError
-from consumers.snapshot import SessionSnapshot, snapshot, with_workers
+from consumers.snapshot import MOST_CALLS, SessionSnapshot, snapshot, with_workers
+from consumers.turns import TurnDetail, TurnPage, list_turns, turn_detail
 from schemas import (
     ApprovalRecord,
     CallRecord,
@@ -39,9 +49,15 @@ from schemas import (
     call_key,
     decode,
     encode,
+    scoped_msg_id,
     turn_id_for,
     validate_name,
 )
+from schemas.errors import SealKeyMissing, UnknownSession, UnknownTurn
+
+# Raised by the client, defined with the rest of the public tree: importable from here too.
+from schemas.errors import TurnFailed as TurnFailed
+from schemas.errors import UnknownAgent as UnknownAgent
 from services.control import PREFIX as CONTROL_PREFIX
 from streams import topology
 from streams.blobs import BlobStore
@@ -89,25 +105,6 @@ async def publish_trigger(js: Any, agent: str, trigger: Trigger) -> None:
     )
 
 
-class UnknownAgent(ValueError):
-    """No worker has ever served this agent: a request for it would wait for nobody."""
-
-    def __init__(self, agent: str) -> None:
-        super().__init__(
-            f"no worker serves agent {agent!r} and none ever has: start one that does "
-            "(jetloop worker --app module:attr), or check the name"
-        )
-        self.agent = agent
-
-
-class TurnFailed(Exception):
-    """The turn ended failed or cancelled; ``turn`` has the status and the reason."""
-
-    def __init__(self, turn: TurnRecord) -> None:
-        super().__init__(f"turn {turn.turn_id} {turn.status.value}: {turn.error}")
-        self.turn = turn
-
-
 @dataclass(frozen=True)
 class TurnHandle:
     """A sent request's turn. ``duplicate``: the request id was sent before (its turn
@@ -124,26 +121,52 @@ class TurnHandle:
 
 @dataclass(frozen=True)
 class TurnResult:
+    """How a turn ended (``Client.wait``): its id, status, the answer's text (fetched from
+    the blob store when it was large) and the error of a failed turn."""
+
     turn_id: str
     status: TurnStatus
     text: str | None
     error: str | None
 
 
+# The event types that end a turn: exactly one of them is written for every turn.
+TURN_ENDS = (EventType.TURN_COMPLETED, EventType.TURN_FAILED, EventType.TURN_CANCELLED)
+
+# Bounds of one listing of turns or calls (``Client.turns``, ``Client.turn_calls``).
+MAX_LIMIT = 1000
+
+
 class Client:
+    """A connection to jetloop: sends messages, follows and reads sessions, decides.
+
+    ``Client.connect(urls)`` opens one (and closes it on ``close()`` / ``async with``);
+    ``Client(nc)`` wraps a nats-py connection the caller owns. ``sealer`` is the workers'
+    seal key (``Client.connect`` takes it from ``JETLOOP_SEAL_KEY``): with it, state is
+    verified when read and decisions are written sealed, as a worker writes them; without
+    it decisions are asked of the workers over NATS (``jl.control.*``), which is all the
+    ``client`` NATS role may do, and reading state raises ``SealKeyMissing`` unless
+    ``verify=False`` says to read records without checking them. ``retry_for`` is how long
+    a call rides out a server restart or a leader election before it gives up.
+    """
+
     def __init__(
-        self, nc: Nats, own: bool = False, retry_for: float = 30.0, sealer: Sealer | None = None
+        self,
+        nc: Nats,
+        own: bool = False,
+        retry_for: float = 30.0,
+        sealer: Sealer | None = None,
+        *,
+        verify: bool = True,
     ) -> None:
         self.nc = nc
-        # With a sealer, decisions (approve, answer, cancel, reconcile, policies) write their
-        # records sealed, as a worker does; without one they are asked of the workers over
-        # NATS (jl.control.*), which is all the `client` NATS role may do.
         self.sealer = sealer
+        self.verify = verify
         self.js = nc.jetstream()
         self._own = own
-        # How long a call rides out a restart or a leader election before it gives up.
         self.retry_for = retry_for
         self._state_store: StateStore | None = None
+        self._unverified_store: StateStore | None = None
         self._blob_store: BlobStore | None = None
         self._registry: Registry | None = None
         # Texts above this go through the blob store (the default blob threshold).
@@ -157,8 +180,13 @@ class Client:
         *,
         give_up_after: float | None = None,
         on_closed: Callable[[], Awaitable[None]] | None = None,
+        verify: bool | None = None,
     ) -> Client:
-        """Connect; ``sealer`` defaults to the one the settings (JETLOOP_SEAL_KEY) give.
+        """Connect to the NATS servers ``urls`` (a list, or one comma-separated string).
+
+        ``sealer`` defaults to the one the settings give (``JETLOOP_SEAL_KEY``, or the key
+        of ``jetloop up`` in the store directory); ``verify`` defaults to True unless
+        ``JETLOOP_READ_UNVERIFIED`` is set (see ``Client``).
 
         By default the client rides out outages as a worker does. ``give_up_after``
         (seconds) is for a caller a person waits on, such as the CLI: the first connect
@@ -168,16 +196,17 @@ class Client:
         """
         if isinstance(urls, str):
             urls = [u.strip() for u in urls.split(",") if u.strip()]
-        if sealer is None:
+        if sealer is None or verify is None:
             from services.settings import load_settings
 
-            sealer = load_settings().sealer()
+            settings = load_settings()
+            sealer = sealer or settings.sealer()
+            verify = not settings.read_unverified if verify is None else verify
         nc = await connect(
             urls, name="jetloop-client", give_up_after=give_up_after, closed_cb=on_closed
         )
-        if give_up_after is None:
-            return cls(nc, own=True, sealer=sealer)
-        return cls(nc, own=True, sealer=sealer, retry_for=give_up_after)
+        retry_for = 30.0 if give_up_after is None else give_up_after
+        return cls(nc, own=True, sealer=sealer, retry_for=retry_for, verify=verify)
 
     async def __aenter__(self) -> Client:
         return self
@@ -186,19 +215,33 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
+        """Close the connection if this client opened it (idempotent)."""
         if self._own and not self.nc.is_closed:
             await self.nc.close()
 
     async def _state(self) -> StateStore:
+        """The state bucket with this client's sealer (decisions write through it)."""
         # Bound once: binding asks the server for the bucket, which fails mid-election.
         if self._state_store is None:
-            kv = await retrying(
-                lambda: self.js.key_value(topology.STATE_BUCKET), self.retry_for, "bind"
+            self._state_store = await retrying(
+                lambda: StateStore.open(self.nc, self.sealer), self.retry_for, "bind"
             )
-            self._state_store = StateStore(self.js, kv, self.sealer)
         return self._state_store
 
+    async def _reader(self, what: str) -> StateStore:
+        """The state bucket to read ``what`` from: verified, or unverified by choice."""
+        if not self.verify:
+            if self._unverified_store is None:
+                self._unverified_store = await retrying(
+                    lambda: StateStore.open(self.nc, None), self.retry_for, "bind"
+                )
+            return self._unverified_store
+        if self.sealer is None:
+            raise SealKeyMissing(what)
+        return await self._state()
+
     async def registry(self) -> Registry:
+        """The agents ever served and the live workers (``jl_agents``, ``jl_workers``)."""
         if self._registry is None:
             self._registry = await retrying(
                 lambda: Registry.open(self.js), self.retry_for, "bind registry"
@@ -256,7 +299,7 @@ class Client:
                 encode(body),
                 headers={
                     # The stream dedupes ids across all subjects: scope the id by session.
-                    "Nats-Msg-Id": f"{session_id}.{rid}",
+                    "Nats-Msg-Id": scoped_msg_id(session_id, rid),
                     "Jl-Request-Id": rid,
                     "Jl-Kind": "turn.request",
                     "Jl-Session": session_id,
@@ -300,11 +343,47 @@ class Client:
         return TurnHandle(agent, session_id, trigger_id, turn_id_for(session_id, trigger_id), False)
 
     async def turn(self, session_id: str, turn_id: str) -> TurnRecord | None:
-        state = await self._state()
+        """The turn's record (``turn.<sid>.<tid>``), or None when there is none. Raises
+        ``RecordNotTrusted`` when its seal does not verify."""
+        state = await self._reader(f"turn {session_id}/{turn_id}")
         v = await retrying(lambda: state.turn(session_id, turn_id), self.retry_for, "read")
         return v.value if v else None
 
+    async def turns(self, session_id: str, limit: int = 50, offset: int = 0) -> TurnPage:
+        """The session's turns, newest first: ``limit`` of them (at most 1000) after skipping
+        ``offset``, each with its request id, status, last model step, calls made and error;
+        ``total`` counts them all. Records whose seal does not verify are listed and named
+        in ``untrusted``. Raises ``UnknownSession`` when the session has no state."""
+        validate_name("session id", session_id)
+        limit, offset = _bounded(limit, offset)
+        state = await self._reader(f"the turns of session {session_id}")
+        page = await retrying(
+            lambda: list_turns(state, session_id, limit, offset), self.retry_for, "read"
+        )
+        if page is None:
+            raise UnknownSession(session_id)
+        return page
+
+    async def turn_calls(
+        self, session_id: str, turn_id: str, limit: int = MOST_CALLS
+    ) -> TurnDetail:
+        """A turn's record and its calls (every model step's, in order: model step, then
+        index), each with its tool, effect, state, attempts, idempotency key, result or
+        error; at most ``limit`` calls (``calls_more`` counts the rest). Raises
+        ``UnknownTurn`` when the session has no such turn."""
+        validate_name("session id", session_id)
+        validate_name("turn id", turn_id)
+        limit, _ = _bounded(limit, 0)
+        state, blobs = await self._reader(f"turn {session_id}/{turn_id}"), await self._blobs()
+        detail = await retrying(
+            lambda: turn_detail(state, blobs, session_id, turn_id, limit), self.retry_for, "read"
+        )
+        if detail is None:
+            raise UnknownTurn(session_id, turn_id)
+        return detail
+
     async def answer_text(self, turn: TurnRecord) -> str | None:
+        """A turn's answer, fetched from the blob store when it was large."""
         if turn.answer_ref is not None:
             return (await (await self._blobs()).get(turn.answer_ref)).decode()
         return turn.answer_text
@@ -312,8 +391,13 @@ class Client:
     async def snapshot(
         self, session_id: str, history_offset: int = 0, history_limit: int = 50
     ) -> SessionSnapshot | None:
-        """get_agent_snapshot: status, history page, current turn, calls, waits, queue."""
-        state, blobs = await self._state(), await self._blobs()
+        """Everything about a session in one read: its status (``idle``, ``running``,
+        ``waiting``, ``waiting_for_worker``), the current (or last) turn and its calls, pending
+        approvals and questions, timers, tasks, queued messages, and a page of its history
+        (``history_offset``, ``history_limit``). None when the session does not exist.
+        Records whose seal does not verify are shown and named in ``untrusted``."""
+        state = await self._reader(f"the snapshot of session {session_id}")
+        blobs = await self._blobs()
 
         registry = await self.registry()
 
@@ -470,7 +554,9 @@ class Client:
     async def call(
         self, session_id: str, turn_id: str, model_step: int, index: int
     ) -> CallRecord | None:
-        state = await self._state()
+        """One call's record (``call.<sid>.<tid>.<step>.<index>``), or None. Raises
+        ``RecordNotTrusted`` when its seal does not verify."""
+        state = await self._reader(f"call {call_key(session_id, turn_id, model_step, index)}")
         key = call_key(session_id, turn_id, model_step, index)
         v = await retrying(lambda: state.call(key), self.retry_for, "read")
         return v.value if v else None
@@ -484,16 +570,15 @@ class Client:
         return rec.outcome.result
 
     async def wait(self, handle: TurnHandle, timeout: float = 60.0) -> TurnResult:
-        """Wait until the turn ends; raise ``TurnFailed`` if it failed."""
+        """Wait until the turn ends and return how; raise ``TurnFailed`` if it failed or was
+        cancelled, ``TimeoutError`` after ``timeout`` seconds."""
 
         async def ended() -> TurnRecord:
-            async for ev in self.events(handle.session_id, types=("turn.>",)):
-                if ev.turn_id == handle.turn_id and ev.type in (
-                    EventType.TURN_COMPLETED,
-                    EventType.TURN_FAILED,
-                    EventType.TURN_CANCELLED,
-                ):
-                    break
+            ends = [t.value for t in TURN_ENDS]
+            async for _ in self.events(
+                handle.session_id, types=ends, until_turn_ends=handle.turn_id
+            ):
+                pass
             t = await self.turn(handle.session_id, handle.turn_id)
             assert t is not None
             return t
@@ -508,14 +593,33 @@ class Client:
         session_id: str,
         types: Sequence[str] = (">",),
         from_start: bool = True,
+        *,
+        until_turn_ends: str | None = None,
+        follow: bool = True,
     ) -> AsyncIterator[Event]:
-        """Follow a session's log (history entries excluded).
+        """A session's events (its log, history entries excluded), oldest first.
+
+        ``types`` are event type patterns (``"turn.>"``, ``"call.outcome"``; NATS subject
+        wildcards); ``from_start=False`` skips what is stored and yields only new events.
+        By default it follows the log for ever; it ends after the event that ends the turn
+        ``until_turn_ends`` (``turn.completed``, ``turn.failed`` or ``turn.cancelled``, which
+        is yielded when ``types`` covers it), or, with ``follow=False``, once it has caught
+        up with the events stored when it started (at once when there are none).
 
         Survives server restarts and leader elections: it resumes from the last stream
         sequence it delivered on a new consumer, so nothing is skipped or repeated.
         """
-        subjects = [topology.event_subject(session_id, t) for t in types]
+        validate_name("session id", session_id)
+        wanted = [topology.event_subject(session_id, t) for t in types]
+        subjects = list(wanted)
+        if until_turn_ends is not None:
+            for end in TURN_ENDS:
+                subject = topology.event_subject(session_id, end.value)
+                if not any(_covers(w, subject) for w in wanted):
+                    subjects.append(subject)
         next_seq: int | None = None
+        # With follow=False: the last stream sequence to read.
+        tail = None if follow else await self._tail()
         while True:
             if next_seq is not None:
                 policy, start = api.DeliverPolicy.BY_START_SEQUENCE, next_seq
@@ -540,11 +644,15 @@ class Client:
                 await asyncio.sleep(0.2)  # no leader yet (an election, a restart)
                 continue
             try:
+                if tail is not None and await self._nothing_pending(sub):
+                    return
                 idle = 0
                 while True:
                     try:
                         msgs = await sub.fetch(64, timeout=1.0)
                     except TimeoutError:
+                        if tail is not None and await self._nothing_pending(sub):
+                            return
                         idle += 1
                         if idle % 5 == 0 and not await self._consumer_alive(sub):
                             break
@@ -553,15 +661,39 @@ class Client:
                         break
                     idle = 0
                     for m in msgs:
-                        next_seq = m.metadata.sequence.stream + 1
-                        if ".history." in m.subject:
-                            continue
-                        yield decode(Event, m.data)
+                        seq = m.metadata.sequence.stream
+                        next_seq = seq + 1
+                        if ".history." not in m.subject:
+                            ev = decode(Event, m.data)
+                            if any(_covers(w, m.subject) for w in wanted):
+                                yield ev
+                            if ev.turn_id == until_turn_ends and ev.type in TURN_ENDS:
+                                return
+                        if tail is not None and (seq >= tail or m.metadata.num_pending == 0):
+                            return
             finally:
                 try:
                     await sub.unsubscribe()
                 except Exception:  # the consumer ages out by itself
                     pass
+
+    async def _tail(self) -> int:
+        """The stream sequence of the last event stored now: ``events(follow=False)`` stops
+        there (or sooner, when nothing it wants is left)."""
+        info = await retrying(
+            lambda: self.js.stream_info(topology.EVENTS_STREAM), self.retry_for, "events tail"
+        )
+        return int(info.state.last_seq)
+
+    @staticmethod
+    async def _nothing_pending(sub: Any) -> bool:
+        """Whether the consumer has delivered everything stored for it (False when that
+        cannot be told now: the caller reads on)."""
+        try:
+            info = await sub.consumer_info()
+        except (TimeoutError, NatsError):
+            return False
+        return int(info.num_pending or 0) == 0 and int(info.num_ack_pending or 0) == 0
 
     @staticmethod
     async def _consumer_alive(sub: Any) -> bool:
@@ -594,3 +726,22 @@ class Client:
             )
             seq = (m.seq or seq) + 1
         return out
+
+
+def _covers(pattern: str, subject: str) -> bool:
+    """Whether the NATS subject ``pattern`` (``*`` one token, ``>`` the rest) matches."""
+    p, t = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(t) > i
+        if i >= len(t) or (token != "*" and token != t[i]):
+            return False
+    return len(p) == len(t)
+
+
+def _bounded(limit: int, offset: int) -> tuple[int, int]:
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"limit must be 1-{MAX_LIMIT}, not {limit}")
+    if offset < 0:
+        raise ValueError(f"offset must be 0 or more, not {offset}")
+    return limit, offset

@@ -14,7 +14,6 @@ The Python client (``services.client``) asks here when it has no seal key.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -79,6 +78,34 @@ class SnapshotReq(BaseModel):
     history_limit: int = 50
 
 
+class Problem(BaseModel):
+    """Why a control request was not done; ``status`` follows HTTP (404, 409, 422, 503)."""
+
+    status: int
+    title: str
+    detail: str = ""
+
+
+class Reply(BaseModel):
+    """Every reply on ``jl.control.*``: ``ok`` with the ``result``, or the ``error``."""
+
+    ok: bool
+    result: Any = None
+    error: Problem | None = None
+
+
+# The request body of each operation (``jl.control.<op>``), and what its result is.
+REQUESTS: dict[str, type[BaseModel]] = {
+    "approve": DecideReq,
+    "reject": DecideReq,
+    "answer": AnswerReq,
+    "cancel": CancelReq,
+    "reconcile": ReconcileReq,
+    "approval_policy": PolicyReq,
+    "snapshot": SnapshotReq,
+}
+
+
 class ControlService:
     def __init__(
         self,
@@ -119,32 +146,25 @@ class ControlService:
         try:
             if route is None:
                 raise ControlError(404, "unknown operation", f"{op}; one of {sorted(self._routes)}")
-            result = await route(msg.data)
-            reply: dict[str, Any] = {"ok": True, "result": result}
+            reply = Reply(ok=True, result=await route(msg.data))
         except ControlError as exc:
-            reply = {
-                "ok": False,
-                "error": {"status": exc.status, "title": exc.title, "detail": exc.detail},
-            }
+            reply = Reply(
+                ok=False, error=Problem(status=exc.status, title=exc.title, detail=exc.detail)
+            )
         except TRANSIENT as exc:
             # Mid-election or restarting: the caller may repeat the (idempotent) request.
             log.warning("control.unavailable", op=op, error=type(exc).__name__)
-            reply = {
-                "ok": False,
-                "error": {
-                    "status": 503,
-                    "title": "NATS unavailable",
-                    "detail": f"{type(exc).__name__}: try again",
-                },
-            }
+            problem = Problem(
+                status=503, title="NATS unavailable", detail=f"{type(exc).__name__}: try again"
+            )
+            reply = Reply(ok=False, error=problem)
         except Exception as exc:
             log.exception("control.error", op=op)
-            reply = {
-                "ok": False,
-                "error": {"status": 500, "title": "internal error", "detail": str(exc)},
-            }
+            reply = Reply(
+                ok=False, error=Problem(status=500, title="internal error", detail=str(exc))
+            )
         if msg.reply:
-            await msg.respond(json.dumps(reply).encode())
+            await msg.respond(reply.model_dump_json(exclude_none=True).encode())
 
     @staticmethod
     def _parse(model: type[Any], data: bytes) -> Any:

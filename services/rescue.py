@@ -40,7 +40,7 @@ from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
 from consumers.liveness import H_HOLDER_LOST, answers
-from consumers.session import request_id_of
+from consumers.session import UnscopedRequestId, request_id_of
 from services.natsauth import DISCONNECT_ADVISORIES
 from streams.connection import connect
 from streams.holds import read_holds
@@ -171,7 +171,11 @@ class Rescuer:
             hdrs = {k: v for k, v in (raw.headers or {}).items() if not k.startswith("Nats-")}
             if stream == TURNS_STREAM:
                 # The turn's identity is its request id: keep it, whatever the message id.
-                rid = request_id_of(raw.headers or {}, raw.time) if raw.time else None
+                sid = raw.subject.rsplit(".", 1)[-1]
+                try:
+                    rid = request_id_of(raw.headers or {}, sid, raw.time) if raw.time else None
+                except UnscopedRequestId:
+                    rid = None  # refused when it comes back
                 if rid is None:
                     continue  # no id to keep: the lease brings it back
                 hdrs["Jl-Request-Id"] = rid

@@ -25,6 +25,7 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as PydanticSettingsError
 
+from schemas.errors import JetloopError
 from services.gateway.config import HookTrigger, Scope, TokenGrant
 from streams.seal import DEFAULT_TOLERANCE, Sealer, key_bytes
 from streams.topology import TopologyConfig
@@ -34,11 +35,14 @@ SEAL_KEY_FILE = "seal.key"
 DEFAULT_GC_THRESHOLD = 5_000
 
 
-class SettingsError(ValueError):
+class SettingsError(JetloopError, ValueError):
     """A setting has a wrong value; the message names it."""
 
 
 class Settings(BaseSettings):
+    """Every setting, read from ``JETLOOP_<NAME>`` environment variables (and
+    ``jetloop.env``); the README's settings table lists them."""
+
     model_config = SettingsConfigDict(
         env_prefix="JETLOOP_", env_file="jetloop.env", extra="ignore", frozen=True
     )
@@ -139,6 +143,12 @@ class Settings(BaseSettings):
     )
     seal_old_keys: str = Field(
         "", description="comma-separated keys that still verify (rotation), never seal"
+    )
+    read_unverified: bool = Field(
+        False,
+        description="without a seal key, read jl_state without verifying it (the client, the "
+        "CLI, the gateway); otherwise such a read is refused with an error naming "
+        "JETLOOP_SEAL_KEY",
     )
     seal_tolerance_seconds: float = Field(
         DEFAULT_TOLERANCE,
@@ -350,6 +360,8 @@ def describe_errors(exc: ValidationError, prefix: str = "JETLOOP_") -> str:
 
 
 def load_settings(**overrides: object) -> Settings:
+    """The settings from the environment, with ``overrides`` (field names) on top; a wrong
+    value raises ``SettingsError`` naming its environment variable."""
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:

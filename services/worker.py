@@ -54,6 +54,9 @@ def default_worker_id() -> str:
 
 
 class Worker(Service):
+    """A worker process's engine: serves the agents of an app (``run()`` until ``stop()``,
+    or ``async with``). Start it with ``jetloop worker --app module:attr`` or in-process."""
+
     def __init__(
         self,
         settings: Settings,
@@ -131,13 +134,13 @@ class Worker(Service):
             state = await StateStore.open(nc, s.sealer())
             # A heartbeat's write lost with a restarting server is sent again well within
             # the lease, so the claim's sign of life does not lapse (consumers.liveness).
-            state.write_timeout = min(5.0, s.lease_seconds / 4)
+            state.write_timeout = state.read_timeout = min(5.0, s.lease_seconds / 4)
             rt = Runtime(
                 nc=nc,
                 js=js,
                 state=state,
                 blobs=BlobStore(await js.object_store(topology.BLOB_BUCKET), s.blob_threshold),
-                history=await HistoryReader.for_stream(nc),
+                history=await HistoryReader.for_stream(nc, timeout=state.read_timeout),
                 bus=Bus(js),
                 app=self.app,
                 worker_id=self.worker_id,

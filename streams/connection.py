@@ -8,14 +8,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-import structlog
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
-log = structlog.get_logger("jetloop.nats")
+from streams.liblog import LibraryLogger
+
+log = LibraryLogger("jetloop.nats")
 
 
 async def connect(
@@ -178,6 +179,9 @@ TRANSIENT: tuple[type[BaseException], ...] = (
 )
 
 
+RETRY_DELAY_CAP = 0.5
+
+
 async def retrying(op: Callable[[], Awaitable[T]], seconds: float, what: str = "request") -> T:
     """Run an idempotent operation again while the servers are between leaders."""
     deadline = time.monotonic() + seconds
@@ -190,4 +194,5 @@ async def retrying(op: Callable[[], Awaitable[T]], seconds: float, what: str = "
                 raise
             log.info("nats.retry", what=what, error=type(exc).__name__, retry_in=delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            # Capped low: once the servers have a leader again, the next try comes soon.
+            delay = min(delay * 2, RETRY_DELAY_CAP)

@@ -8,6 +8,7 @@ tail it has seen per session, so a model step reads only what was appended since
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -42,9 +43,11 @@ class HistoryReader:
         self._tails: OrderedDict[str, _Tail] = OrderedDict()
 
     @classmethod
-    async def for_stream(cls, nc: Client) -> HistoryReader:
+    async def for_stream(cls, nc: Client, timeout: float = 5.0) -> HistoryReader:
+        """``timeout``: how long one read waits for its answer (a worker: a quarter of its
+        lease, so a read lost in an election is tried again soon after it)."""
         info = await nc.jetstream().stream_info(EVENTS_STREAM)
-        return cls(nc, direct=bool(info.config.allow_direct))
+        return cls(nc, direct=bool(info.config.allow_direct), timeout=timeout)
 
     async def read(self, session_id: str) -> list[HistoryEntry]:
         tail = self._tails.pop(session_id, None) or _Tail()
@@ -71,8 +74,14 @@ class HistoryReader:
         js = self.nc.jetstream()
         while True:
             try:
-                msg = await js.get_msg(
-                    EVENTS_STREAM, seq=tail.next_seq, subject=history_filter(session_id), next=True
+                msg = await asyncio.wait_for(
+                    js.get_msg(
+                        EVENTS_STREAM,
+                        seq=tail.next_seq,
+                        subject=history_filter(session_id),
+                        next=True,
+                    ),
+                    self.timeout,
                 )
             except NotFoundError:
                 return

@@ -26,6 +26,8 @@ from typing import Any
 
 import msgpack
 
+from schemas.errors import RecordNotTrusted
+
 SEAL_FIELD = "seal"
 SEAL_VERSION = "v2"
 DOMAIN = b"jetloop-seal-v2\n"
@@ -34,13 +36,9 @@ DOMAIN = b"jetloop-seal-v2\n"
 DEFAULT_TOLERANCE = 30.0
 
 
-class SealBroken(Exception):
-    """A record's seal is missing or does not verify under any trusted key."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"the record {key} is not trusted: {reason}")
-        self.key = key
-        self.reason = reason
+class SealBroken(RecordNotTrusted):
+    """A record's seal is missing or does not verify under any trusted key (the public
+    ``jetloop.RecordNotTrusted``, under the name the engine has always used)."""
 
 
 def canonical(data: dict[str, Any]) -> bytes:

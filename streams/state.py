@@ -140,6 +140,10 @@ class StateStore:
         # (nats-py's default), and a worker whose heartbeat write waits that long looks dead
         # to the others: a worker sets this to a quarter of its lease.
         self.write_timeout = 5.0
+        # The same for a read: a read sent while the bucket elects a leader may get no answer
+        # at all, and the step that waits for it stands still (5 s by default) after the
+        # election; given up sooner, the step is tried again once the leader is there.
+        self.read_timeout = 5.0
         self._stream = f"KV_{bucket}"
         self._prefix = f"$KV.{bucket}."
         # Records whose seal verified, by what the verdict depends on and nothing else: the
@@ -195,8 +199,9 @@ class StateStore:
 
     async def _raw(self, key: str) -> Stored | None:
         try:
-            msg = await self.js.get_msg(
-                self._stream, subject=self._prefix + key, direct=self.allow_direct
+            msg = await asyncio.wait_for(
+                self.js.get_msg(self._stream, subject=self._prefix + key, direct=self.allow_direct),
+                self.read_timeout,
             )
         except NotFoundError:
             return None
@@ -217,7 +222,7 @@ class StateStore:
     ) -> dict[str, Stored]:
         """One batched direct get of the last value of every key matching ``patterns``."""
         req = {"multi_last": [self._prefix + k for k in patterns], "batch": most}
-        found, _ = await direct_batch(nc, self._stream, req)
+        found, _ = await direct_batch(nc, self._stream, req, self.read_timeout)
         out: dict[str, Stored] = {}
         for m in found:
             if m.headers.get("KV-Operation") in ("DEL", "PURGE"):
@@ -315,7 +320,7 @@ class StateStore:
         tried = False
 
         async def landed() -> int | None:
-            entry = await self.kv.get(key)
+            entry = await asyncio.wait_for(self.kv.get(key), self.read_timeout)
             return entry.revision if entry.value in sent and entry.revision else None
 
         async def once() -> int:
@@ -344,7 +349,7 @@ class StateStore:
 
     async def revision(self, key: str) -> int | None:
         try:
-            entry = await self.kv.get(key)
+            entry = await asyncio.wait_for(self.kv.get(key), self.read_timeout)
         except KeyNotFoundError:
             return None
         return entry.revision
@@ -361,6 +366,33 @@ class StateStore:
         finally:
             await watcher.stop()  # type: ignore[no-untyped-call]
         return out
+
+    async def matching(self, pattern: str, most: int) -> tuple[dict[str, Stored], int]:
+        """The current value of up to ``most`` keys matching ``pattern`` (``turn.s1.*``), and
+        how many more match: one batched direct get where the bucket allows them, else the
+        keys (read server-side filtered) and a get each. Decode each with ``typed``."""
+        if self.direct is not None:
+            req = {"multi_last": [self._prefix + pattern], "batch": most}
+            found, left = await direct_batch(self.direct, self._stream, req, self.read_timeout)
+            out: dict[str, Stored] = {}
+            for m in found:
+                if m.headers.get("KV-Operation") not in ("DEL", "PURGE"):
+                    out[m.subject.removeprefix(self._prefix)] = Stored(
+                        m.data, m.seq, stored_time(m.headers)
+                    )
+            return out, left
+        keys = await self.keys(pattern)
+        return await self._raw_many(keys[:most]), max(0, len(keys) - most)
+
+    async def stored(self, key: str) -> Stored | None:
+        """A key's current value as stored, not decoded yet (decode it with ``typed``)."""
+        return await self._raw(key)
+
+    def typed(
+        self, model: type[R], key: str, raw: Stored | None, verify: bool = True
+    ) -> Versioned[R] | None:
+        """A stored value as its record, verified as every read is (``SealBroken``)."""
+        return self._typed(model, key, raw, verify)
 
     async def session(
         self, session_id: str, verify: bool = True

@@ -233,6 +233,9 @@ async def script(req: ModelRequest) -> ModelResponse:
         None,
         {"turn": hashlib.sha1((turn[0].text or "").encode()).hexdigest()[:12], "step": k},
     )
+    if spec.get("identify"):
+        who = {"session_id": req.session_id, "turn_id": req.turn_id, "model_step": req.model_step}
+        await vendor().note("model_identity", None, {**who, "step": k})
     if spec.get("fail_at_step") == k:
         raise ModelError(f"the model is down at step {k}")
     steps = spec.get("steps", [])
@@ -263,7 +266,20 @@ async def windowed(args: Named, ctx: ToolContext) -> dict[str, Any]:
     return await vendor().write("windowed", ctx.idempotency_key, {"name": args.name})
 
 
+@tool(effect=Effect.READ)
+async def whoami(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """The call's identity as its tool sees it."""
+    return {
+        "session_id": ctx.session_id,
+        "turn_id": ctx.turn_id,
+        "model_step": ctx.model_step,
+        "call_id": ctx.call_id,
+        "attempt": ctx.attempt,
+    }
+
+
 TOOLS = (
+    whoami,
     write,
     once,
     read,

@@ -15,9 +15,9 @@ async def test_malformed_messages_are_dead_lettered(client: Client, workers: Wor
     a request for an agent no worker serves is not lost: it waits, and the snapshot says so."""
     w = workers.start()
     js = client.js
-    await js.publish("jl.turn.tester.bad1", b"\xc1 not msgpack", headers={"Nats-Msg-Id": "b1"})
+    await js.publish("jl.turn.tester.bad1", b"\xc1 not msgpack", headers={"Nats-Msg-Id": "bad1.b1"})
     await js.publish(
-        "jl.turn.nobody.bad2", msgpack.packb({"text": "hi"}), headers={"Nats-Msg-Id": "b2"}
+        "jl.turn.nobody.bad2", msgpack.packb({"text": "hi"}), headers={"Nats-Msg-Id": "bad2.b2"}
     )
     await js.publish("jl.turn.tester.bad3", msgpack.packb({"text": "no id"}))
     await js.publish(

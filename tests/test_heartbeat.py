@@ -78,6 +78,32 @@ async def test_a_heartbeat_behind_a_slow_commit_writes_the_commit(
     assert Note.model_validate(_decoded(current.value)) == Note(text="committed")
 
 
+async def test_a_read_the_server_does_not_answer_gives_up_at_the_read_timeout(
+    delivery: Delivery, nats_ready: EmbeddedServer
+) -> None:
+    """A read sent while the servers elect a leader may get no answer at all; the step waits
+    only ``read_timeout`` (a worker sets a quarter of its lease), not nats-py's 5 s, and is
+    tried again once the leader is there (a takeover trial saw steps stand still 5 s past
+    the election)."""
+    state = delivery.rt.state
+    key = "test.beat.read"
+    await state.write(key, Note(text="x"), None)
+    state.read_timeout = 0.3
+    assert nats_ready.proc is not None
+    os.kill(nats_ready.proc.pid, signal.SIGSTOP)
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(TimeoutError):
+            await state.revision(key)
+        with pytest.raises(TimeoutError):
+            await state.step_view("s", "t", "c")
+        waited = asyncio.get_running_loop().time() - started
+    finally:
+        os.kill(nats_ready.proc.pid, signal.SIGCONT)
+    assert waited < 2.0, f"two reads waited {waited:.1f}s"
+    assert await state.revision(key) is not None
+
+
 def _decoded(data: bytes | None) -> dict[str, object]:
     import msgpack
 

@@ -52,7 +52,7 @@ async def test_a_raw_request_near_the_limit_runs_and_the_worker_lives(
     hdrs = {"Nats-Msg-Id": "huge.1"}
     assert message_size(body, hdrs) <= client.nc.max_payload
     await client.js.publish("jl.turn.tester.huge", body, headers=hdrs)
-    tid = turn_id_for("huge", "huge.1")
+    tid = turn_id_for("huge", "1")  # Nats-Msg-Id <session>.<request id>
     turn = await until(lambda: _ended(client, "huge", tid), timeout=30)
     assert turn.status.value == "completed" and turn.text == "" and turn.text_ref is not None
     assert (await client.answer_text(turn) or "").startswith("huge ok")

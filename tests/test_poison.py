@@ -29,10 +29,10 @@ async def test_bad_parent_is_dead_lettered_once(client: Client, workers: WorkerF
     w = workers.start()
     bad = {"text": "hi", "metadata": {"parent": {"x": 1}}}
     await client.js.publish(
-        "jl.turn.tester.pp", msgpack.packb(bad), headers={"Nats-Msg-Id": "pp-1"}
+        "jl.turn.tester.pp", msgpack.packb(bad), headers={"Nats-Msg-Id": "pp.1"}
     )
     await client.js.publish(
-        "jl.turn.tester.pp", json.dumps(bad).encode(), headers={"Nats-Msg-Id": "pp-2"}
+        "jl.turn.tester.pp", json.dumps(bad).encode(), headers={"Nats-Msg-Id": "pp.2"}
     )
     h = await client.send("tester", "pp", script([call("write", name="after")]))
     await client.wait(h, timeout=20)
@@ -54,7 +54,7 @@ async def test_unknown_schema_version_is_dead_lettered(
     await client.js.publish(
         "jl.turn.tester.vv",
         msgpack.packb({"v": 999, "text": "from the future"}),
-        headers={"Nats-Msg-Id": "vv-1"},
+        headers={"Nats-Msg-Id": "vv.1"},
     )
     step = {"v": 999, "kind": "turn_done", "agent": "tester", "session_id": "vv", "turn_id": "t1"}
     await client.js.publish(
@@ -130,7 +130,7 @@ async def test_untrusted_record_under_a_request_is_dead_lettered_at_once(
     kv = await client.js.key_value("jl_state")
     await kv.put(turn_key("ue", turn_id_for("ue", "ue-1")), b"\xc1 garbage")
     await client.js.publish(
-        "jl.turn.tester.ue", msgpack.packb({"text": "hi"}), headers={"Nats-Msg-Id": "ue-1"}
+        "jl.turn.tester.ue", msgpack.packb({"text": "hi"}), headers={"Nats-Msg-Id": "ue.ue-1"}
     )
     h = await client.send("tester", "ue", script([call("write", name="after")]))
     await client.wait(h, timeout=30)

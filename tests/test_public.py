@@ -58,6 +58,26 @@ def test_public_names_are_pinned() -> None:
             "delegate",
             "task_tool",
             "wait",
+            # reading what happened
+            "CallView",
+            "Event",
+            "EventType",
+            "SessionSnapshot",
+            "TurnDetail",
+            "TurnPage",
+            "TurnRecord",
+            "TurnStatus",
+            "TurnSummary",
+            # the error tree
+            "ControlError",
+            "JetloopError",
+            "RecordNotTrusted",
+            "SealError",
+            "SealKeyMissing",
+            "UnknownAgent",
+            "UnknownId",
+            "UnknownSession",
+            "UnknownTurn",
         ]
     )
     # What the module really offers is what `__all__` says: no pinned name missing, no other
@@ -67,6 +87,54 @@ def test_public_names_are_pinned() -> None:
     assert jetloop.TOOL_CALL_NOT_RUN_ERROR_PREFIX == (
         "the tool did not run, so it is safe to call again"
     )
+
+
+def test_errors_form_one_documented_tree() -> None:
+    """Every error jetloop raises on purpose is a JetloopError, placed as the tree drawn in
+    jetloop's docstring says; the engine's own names for them are the same classes."""
+    from streams.seal import SealBroken
+
+    tree = {
+        jetloop.SealError: jetloop.JetloopError,
+        jetloop.SealKeyMissing: jetloop.SealError,
+        jetloop.RecordNotTrusted: jetloop.SealError,
+        jetloop.UnknownId: jetloop.JetloopError,
+        jetloop.UnknownAgent: jetloop.UnknownId,
+        jetloop.UnknownSession: jetloop.UnknownId,
+        jetloop.UnknownTurn: jetloop.UnknownId,
+        jetloop.ControlError: jetloop.JetloopError,
+        jetloop.TurnFailed: jetloop.JetloopError,
+        jetloop.SettingsError: jetloop.JetloopError,
+    }
+    for error, parent in tree.items():
+        assert issubclass(error, parent), (error, parent)
+        assert error.__name__ in (jetloop.__doc__ or ""), error
+    assert issubclass(jetloop.UnknownId, LookupError)
+    assert issubclass(SealBroken, jetloop.RecordNotTrusted)
+    assert "JETLOOP_SEAL_KEY" in str(jetloop.SealKeyMissing("the turn"))
+
+
+def test_every_public_name_is_documented() -> None:
+    """Each name of `jetloop` has a docstring of its own, and docs/api.md lists it."""
+    from pathlib import Path
+
+    api = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    undocumented, unlisted = [], []
+    for name in jetloop.__all__:
+        obj = getattr(jetloop, name)
+        if f"`{name}`" not in api:
+            unlisted.append(name)
+        if not (isinstance(obj, type) or callable(obj)) or isinstance(obj, jetloop.Tool):
+            continue  # a constant, or a built-in tool (its Tool is documented)
+        doc = getattr(obj, "__doc__", None) or ""
+        if doc.startswith(f"{name}("):  # the signature a dataclass writes for itself
+            doc = ""
+        inherited = isinstance(obj, type) and any(
+            doc == (getattr(b, "__doc__", None) or "") for b in obj.__mro__[1:]
+        )
+        if not doc.strip() or inherited:
+            undocumented.append(name)
+    assert undocumented == [] and unlisted == [], (undocumented, unlisted)
 
 
 def test_wrong_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

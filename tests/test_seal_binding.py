@@ -216,7 +216,7 @@ async def test_a_session_edited_by_a_raw_put_runs_nothing(
     await strict.js.publish(
         "jl.turn.tester.sess",
         msgpack.packb({"text": script([call("pay", name="big-1")])}),
-        headers={"Nats-Msg-Id": "sess-forged"},
+        headers={"Nats-Msg-Id": "sess.forged"},
     )
 
     async def dead() -> list[str]:

@@ -103,6 +103,7 @@ async def _with_client(urls: list[str], body: Body, timeout: float | None) -> No
     from nats.errors import Error as NatsError
 
     from consumers.control import ControlError
+    from schemas.errors import JetloopError
     from services.cli.inspector import Missing
     from services.client import Client
 
@@ -139,7 +140,9 @@ async def _with_client(urls: list[str], body: Body, timeout: float | None) -> No
             ) from None
         except ControlError as exc:
             raise click.ClickException(str(exc)) from None
-        except Missing as exc:
+        except (Missing, JetloopError, ValueError) as exc:
+            # No such session or turn, a record not trusted, no seal key to verify with, a
+            # name that cannot be one: the message says it.
             raise click.ClickException(str(exc)) from None
         except (NatsError, TimeoutError) as exc:
             raise click.ClickException(f"NATS at {where}: {_nats_error(exc)}") from None

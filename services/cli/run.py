@@ -165,7 +165,7 @@ def credentials(store_dir: str | None) -> None:
     "modes",
     multiple=True,
     default=("worker_kill",),
-    type=click.Choice(["worker_kill", "server_restart", "takeover", "mixed"]),
+    type=click.Choice(["worker_kill", "server_restart", "takeover", "mixed", "control"]),
 )
 @click.option("--rounds", type=int, help="default JETLOOP_TRIALS (10)")
 @click.option("--seed", type=int, help="default JETLOOP_KILL_SEED (random)")
@@ -207,7 +207,8 @@ def bench(
     keep: str | None,
 ) -> None:
     """Benchmarks, each as a ratio against a baseline measured in the same run: the raw
-    JetStream floor, or (``peer``, needs ``pip install 'jetloop[peer]'``) DBOS Transact."""
+    JetStream floor, or (``peer``) Restate and DBOS Transact, each when installed:
+    ``pip install -e '.[peer]'`` and ``npm ci --prefix tooling/bench/restate``."""
     from pathlib import Path
 
     from tooling.bench.run import main as run

@@ -1,4 +1,5 @@
-"""Commands for a session: ``send``, ``chat``, ``events``, ``snapshot``, ``sessions``."""
+"""Commands for a session: ``send``, ``chat``, ``events``, ``snapshot``, ``turns``, ``turn``,
+``sessions``."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def send(
 ) -> None:
     """Send a message to a session, print its events and the answer."""
     from schemas import validate_name
-    from services.client import TurnFailed
+    from schemas.errors import TurnFailed
 
     async def body(jl: Client) -> None:
         try:
@@ -98,12 +99,8 @@ def events(session_id: str, nats_url: str | None, follow: bool, as_json: bool) -
     async def body(jl: Client) -> None:
         if not await _session_exists(jl, session_id):
             raise click.ClickException(f"no session {session_id}")
-        it = jl.events(session_id).__aiter__()
-        while True:
-            try:
-                ev = await asyncio.wait_for(it.__anext__(), None if follow else 2.0)
-            except (TimeoutError, StopAsyncIteration):
-                return
+        # --no-follow stops once the events stored when it started are shown.
+        async for ev in jl.events(session_id, follow=follow):
             click.echo(ev.model_dump_json() if as_json else _describe(ev))
 
     _client_cmd(nats_url, body)
@@ -118,7 +115,7 @@ def chat(agent: str, session_id: str | None, nats_url: str | None) -> None:
     questions answered inline. Ctrl-D leaves (and says how to come back)."""
     import uuid
 
-    from services.client import TurnFailed
+    from schemas.errors import TurnFailed
     from streams import topology as topo
 
     sid = session_id or f"chat-{uuid.uuid4().hex[:8]}"
@@ -223,6 +220,64 @@ def snapshot(session_id: str, nats_url: str | None, history_limit: int, as_json:
             click.echo(f"  question {q.question_id}: {q.question}")
         for q2 in snap.queued:
             click.echo(f"  queued {q2.turn_id}: {q2.text[:60]}")
+
+    _client_cmd(nats_url, body)
+
+
+@main.command()
+@click.argument("session_id")
+@click.option("--nats", "nats_url")
+@click.option("--limit", default=20, show_default=True, help="turns to show, newest first")
+@click.option("--offset", default=0, show_default=True, help="newest turns to skip")
+@click.option("--json", "as_json", is_flag=True)
+def turns(session_id: str, nats_url: str | None, limit: int, offset: int, as_json: bool) -> None:
+    """List a session's turns, newest first: request id, status, model step, calls, error."""
+
+    async def body(jl: Client) -> None:
+        page = await jl.turns(session_id, limit=limit, offset=offset)
+        if as_json:
+            _echo_model(page)
+            return
+        shown = f"{offset + 1}-{offset + len(page.turns)}" if page.turns else "none"
+        click.echo(f"session {session_id}: {page.total} turn(s), showing {shown}")
+        for t in page.turns:
+            err = f" — {t.error}" if t.error else ""
+            click.echo(
+                f"  {t.turn_id} request={t.request_id} {t.status.value} "
+                f"model step {t.model_step}, {t.tool_calls_made} call(s){err}"
+            )
+        for u in page.untrusted:
+            click.echo(f"  not trusted: {u}")
+
+    _client_cmd(nats_url, body)
+
+
+@main.command()
+@click.argument("session_id")
+@click.argument("turn_id")
+@click.option("--nats", "nats_url")
+@click.option("--limit", default=100, show_default=True, help="calls to show at most")
+@click.option("--json", "as_json", is_flag=True)
+def turn(session_id: str, turn_id: str, nats_url: str | None, limit: int, as_json: bool) -> None:
+    """Show one turn: its status and answer, and every call with its outcome."""
+
+    async def body(jl: Client) -> None:
+        detail = await jl.turn_calls(session_id, turn_id, limit=limit)
+        if as_json:
+            _echo_model(detail)
+            return
+        t = detail.turn
+        click.echo(
+            f"turn {t.turn_id} (request {t.request_id}, agent {t.agent}): {t.status.value}, "
+            f"model step {t.model_step}" + (f", error: {t.error}" if t.error else "")
+        )
+        for c in detail.calls:
+            out = f" — {c.error}" if c.error else f" → {json.dumps(c.result)[:80]}"
+            click.echo(f"  {c.call_id} {c.tool} [{c.effect}] {c.state} attempts={c.attempts}{out}")
+        if detail.calls_more:
+            click.echo(f"  … {detail.calls_more} more call(s): --limit")
+        for u in detail.untrusted:
+            click.echo(f"  not trusted: {u}")
 
     _client_cmd(nats_url, body)
 

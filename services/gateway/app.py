@@ -6,6 +6,8 @@ Routes (the OpenAPI 3.1 document is ``services.gateway.openapi``, served at
     POST /v1/agents/{agent}/sessions/{session}/messages   write    send; Idempotency-Key
     GET  /v1/sessions                                     read     list/search (read model)
     GET  /v1/sessions/{session}                           read     snapshot, history paging
+    GET  /v1/sessions/{session}/turns                     read     past turns, newest first
+    GET  /v1/sessions/{session}/turns/{turn_id}           read     a turn, its calls, outcomes
     GET  /v1/sessions/{session}/events                    read     SSE, Last-Event-ID
     POST /v1/sessions/{session}/approvals/{approval_id}   approve  approve or reject
     POST /v1/sessions/{session}/questions/{question_id}   write    answer
@@ -16,8 +18,8 @@ Routes (the OpenAPI 3.1 document is ``services.gateway.openapi``, served at
 
 Everything that changes something goes through ``services.client.Client`` — the same
 idempotent operations as the CLI and the NATS control API; the gateway holds no state of
-its own. An ``Idempotency-Key`` (or a webhook's id) becomes the request id, the
-``Nats-Msg-Id`` of the turn request, so a resend starts no second turn.
+its own. An ``Idempotency-Key`` (or a webhook's id) becomes the request id (the turn
+request's ``Nats-Msg-Id`` is ``<session>.<request id>``), so a resend starts no second turn.
 
 Every error is ``application/problem+json`` (RFC 9457) with a title, status and detail:
 aiohttp's own 404/405/413, authentication (401 with ``WWW-Authenticate``, 403), invalid
@@ -52,7 +54,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
 from consumers.control import dump
-from services.client import Client, TurnFailed
+from schemas.errors import TurnFailed
+from services.client import Client
 from services.gateway import hooks, sse
 from services.gateway.config import GatewayConfig, Scope, exposure_error, is_loopback
 from services.gateway.guard import ConnectionGuard
@@ -89,6 +92,8 @@ from services.gateway.openapi import (
     SessionRow,
     SnapshotQuery,
     TurnOut,
+    TurnQuery,
+    TurnsQuery,
     openapi_document,
 )
 from services.lifecycle import Service
@@ -198,6 +203,18 @@ async def get_session(request: web.Request) -> web.Response:
     if snap is None:
         raise Problem(404, "no such session", session)
     return ok(snap)
+
+
+async def list_turns(request: web.Request) -> web.Response:
+    session = path_name(request, "session")
+    query = read_query(request, TurnsQuery)
+    return ok(await request.app[CLIENT].turns(session, query.limit, query.offset))
+
+
+async def get_turn(request: web.Request) -> web.Response:
+    session, turn_id = path_name(request, "session"), path_name(request, "turn_id")
+    query = read_query(request, TurnQuery)
+    return ok(await request.app[CLIENT].turn_calls(session, turn_id, query.calls_limit))
 
 
 async def stream_events(request: web.Request) -> web.StreamResponse:
@@ -349,6 +366,8 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route("GET", "/v1/sessions", "listSessions", "read", list_sessions),
     Route("GET", "/v1/sessions/{session}", "getSession", "read", get_session),
+    Route("GET", "/v1/sessions/{session}/turns", "listTurns", "read", list_turns),
+    Route("GET", "/v1/sessions/{session}/turns/{turn_id}", "getTurn", "read", get_turn),
     Route("GET", "/v1/sessions/{session}/events", "streamEvents", "read", stream_events),
     Route(
         "POST",
@@ -390,9 +409,19 @@ async def _nats(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     if config.sealer is None:
         # Without the key the client sends decisions, answers and cancels to the workers'
-        # control API (jl.control.*), and the state it reads for snapshots is not verified.
-        log.warning("gateway.unsealed", hint="set JETLOOP_SEAL_KEY to the workers' key")
-    app[CLIENT] = Client(nc, retry_for=config.nats_retry_seconds, sealer=config.sealer)
+        # control API (jl.control.*); the state it reads (snapshots, turns) is served
+        # unchecked only when JETLOOP_READ_UNVERIFIED says so, else such a read is a 503.
+        log.warning(
+            "gateway.unsealed",
+            hint="set JETLOOP_SEAL_KEY to the workers' key",
+            state="read unverified" if config.read_unverified else "reads refused",
+        )
+    app[CLIENT] = Client(
+        nc,
+        retry_for=config.nats_retry_seconds,
+        sealer=config.sealer,
+        verify=not config.read_unverified,
+    )
     try:
         yield
     finally:

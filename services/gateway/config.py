@@ -90,6 +90,9 @@ class GatewayConfig(BaseModel):
     # Seals the turn and call records the gateway writes (cancel, reconcile) like a
     # worker's: an unsealed one would fail its turn as not trusted.
     sealer: Sealer | None = Field(None, repr=False, exclude=True)
+    # Without a sealer: serve state read unchecked (JETLOOP_READ_UNVERIFIED), or refuse
+    # every read of it (503, naming JETLOOP_SEAL_KEY).
+    read_unverified: bool = False
 
     @field_validator("tokens", mode="before")
     @classmethod
@@ -110,6 +113,8 @@ class GatewayConfig(BaseModel):
             attr = name if name == "readmodel_db" else f"gateway_{name}"
             if getattr(settings, attr, None) is not None:
                 values[name] = getattr(settings, attr)
+        if getattr(settings, "read_unverified", None) is not None:
+            values["read_unverified"] = settings.read_unverified  # type: ignore[attr-defined]
         sealer = getattr(settings, "sealer", None)
         if callable(sealer):
             values["sealer"] = sealer()

@@ -26,7 +26,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ValidationError
 
 from consumers.control import ControlError
-from services.client import UnknownAgent
+from schemas.errors import (
+    RecordNotTrusted,
+    SealKeyMissing,
+    UnknownAgent,
+    UnknownSession,
+    UnknownTurn,
+)
 from services.gateway.config import GatewayConfig, Scope, TokenGrant
 from streams.connection import TRANSIENT, PayloadTooLarge
 
@@ -124,6 +130,14 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
         return Problem(exc.status, exc.title, exc.detail or None).response()
     except UnknownAgent as exc:
         return Problem(404, "no such agent", str(exc)).response()
+    except UnknownSession as exc:
+        return Problem(404, "no such session", exc.session_id).response()
+    except UnknownTurn as exc:
+        return Problem(404, "no such turn", f"{exc.session_id}/{exc.turn_id}").response()
+    except SealKeyMissing as exc:
+        return Problem(503, "state cannot be verified", str(exc)).response()
+    except RecordNotTrusted as exc:
+        return Problem(409, "record not trusted", str(exc)).response()
     except PayloadTooLarge as exc:
         # Refused before it was sent: the connection is fine, the message is not.
         return Problem(413, "message too large", str(exc)).response()

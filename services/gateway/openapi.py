@@ -15,11 +15,12 @@ from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
 
 from consumers.snapshot import SessionSnapshot
+from consumers.turns import TurnDetail, TurnPage
 from schemas import ApprovalRecord, CallRecord, QuestionRecord, TurnRecord
 
 NAME = r"^[A-Za-z0-9_-]{1,64}$"
 CALL_KEY = r"^[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){3}$"
-REQUEST_ID = r"^[\x21-\x7e]{1,200}$"  # printable ASCII, no spaces: it becomes Nats-Msg-Id
+REQUEST_ID = r"^[\x21-\x7e]{1,200}$"  # printable ASCII, no spaces: a header value
 
 
 class Body(BaseModel):
@@ -79,6 +80,15 @@ class MessageQuery(Query):
 class SnapshotQuery(Query):
     history_offset: int = Field(0, ge=0, le=1_000_000_000)
     history_limit: int = Field(50, ge=1, le=500)
+
+
+class TurnsQuery(Query):
+    limit: int = Field(50, ge=1, le=1000, description="turns in the page, newest first")
+    offset: int = Field(0, ge=0, le=1_000_000_000)
+
+
+class TurnQuery(Query):
+    calls_limit: int = Field(1000, ge=1, le=1000, description="calls at most (in order)")
 
 
 class ListQuery(Query):
@@ -150,6 +160,8 @@ SCHEMA_MODELS: list[type[BaseModel]] = [
     HookOut,
     SessionList,
     SessionSnapshot,
+    TurnPage,
+    TurnDetail,
     ApprovalRecord,
     QuestionRecord,
     CallRecord,
@@ -222,7 +234,7 @@ PROBLEMS = {
     "409": "conflict with the current state",
     "413": "request body too large",
     "422": "invalid request",
-    "503": "NATS or the read model is not available",
+    "503": "NATS or the read model is not available, or state cannot be verified",
 }
 
 
@@ -271,7 +283,8 @@ def openapi_document() -> dict[str, Any]:
     session = _path("session")
     idem = _header(
         "Idempotency-Key",
-        "the request id (Nats-Msg-Id): a resend with the same key starts no second turn",
+        "the request id (the turn request is sent with Nats-Msg-Id <session>.<request id>): "
+        "a resend with the same key starts no second turn",
         REQUEST_ID,
     )
     last_id = _header(
@@ -315,6 +328,26 @@ def openapi_document() -> dict[str, Any]:
                 "read",
                 {"200": _json(_ref("SessionSnapshot"), "the snapshot")},
                 params=[session, *_query(SnapshotQuery)],
+            )
+        },
+        "/v1/sessions/{session}/turns": {
+            "get": _op(
+                "listTurns",
+                "The session's turns, newest first: request id, status, model step, calls, error",
+                "read",
+                {"200": _json(_ref("TurnPage"), "a page of turns")},
+                params=[session, *_query(TurnsQuery)],
+                problems=("400", "404", "422", "503"),
+            )
+        },
+        "/v1/sessions/{session}/turns/{turn_id}": {
+            "get": _op(
+                "getTurn",
+                "One turn: its record and its calls (every model step's) with their outcomes",
+                "read",
+                {"200": _json(_ref("TurnDetail"), "the turn and its calls")},
+                params=[session, _path("turn_id"), *_query(TurnQuery)],
+                problems=("400", "404", "422", "503"),
             )
         },
         "/v1/sessions/{session}/events": {

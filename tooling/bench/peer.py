@@ -1,28 +1,38 @@
-"""A peer side by side: jetloop's 7-step turn against the same turn on DBOS Transact.
+"""Peers side by side: jetloop's 7-step turn against the same turn on Restate and on DBOS
+Transact.
 
 The turn is the one of ``tooling.bench.app``'s ``fan 5``: a model step that answers at once
-asking for five calls, five no-op tool steps run in parallel, a model step that answers. On
-DBOS Transact (the ``dbos`` package, an optional extra) it is an async workflow of async
-steps with a SQLite system database, where every step's result is checkpointed before the
-workflow goes on: the model steps are DBOS steps returning a canned answer (no I/O), the
-five tool steps are DBOS steps started together in call order and awaited with
-``asyncio.gather`` (DBOS numbers a step when the step function is called, not when it is
-awaited, so the order of the calls fixes each step's id and a replay finds its checkpoint).
+asking for five calls, five no-op tool steps run in parallel, a model step that answers.
 
-DBOS is a library: its workflows run in the process that starts them, it keeps global state
-and threads of its own, so it runs in a subprocess of its own (``python -m
-tooling.bench.peer``) on a SQLite file in a fresh temporary directory. A DBOS turn's latency
-is from starting the workflow (``DBOS.start_workflow_async``, which returns once the workflow
-is durably recorded) to its result (``handle.get_result()``), in that process; a jetloop
-turn's is from publishing the turn request to its ``turn.completed`` event, as everywhere in
-``tooling.bench.run``. Both sides are driven by ``bench_rig.run_batch``.
+- On **Restate** (``tooling/bench/restate``: the server from the npm package, the service on
+  ``restate-sdk`` and hypercorn) it is a service handler whose seven steps are durable
+  ``ctx.run`` steps, the five tool steps started together and gathered; a turn is one call on
+  the server's HTTP ingress, driven from this process (``tooling.bench.restate.side``).
+- On **DBOS Transact** (the ``dbos`` package) it is an async workflow of async steps with a
+  SQLite system database, where every step's result is checkpointed before the workflow goes
+  on: the model steps are DBOS steps returning a canned answer (no I/O), the five tool steps
+  are DBOS steps started together in call order and awaited with ``asyncio.gather`` (DBOS
+  numbers a step when the step function is called, not when it is awaited, so the order of
+  the calls fixes each step's id and a replay finds its checkpoint). DBOS is a library: its
+  workflows run in the process that starts them, it keeps global state and threads of its
+  own, so it runs in a subprocess of its own (``python -m tooling.bench.peer``) on a SQLite
+  file in a fresh temporary directory. A DBOS turn's latency is from starting the workflow
+  (``DBOS.start_workflow_async``, which returns once the workflow is durably recorded) to its
+  result (``handle.get_result()``), in that process.
 
-``peer_side_by_side`` runs both on the same loads (sequential, and many turns with
-``in_flight`` at once), alternating jetloop and DBOS batches in ``chunks`` so that a change
-in the machine's background load hits both, and reports latency and steps per second (7
-steps per turn: 2 model, 5 tool) of each and their ratios. ``format_peer`` renders it.
+A jetloop turn's latency is from publishing the turn request to its ``turn.completed``
+event, as everywhere in ``tooling.bench.run``. Every side is driven by ``bench_rig.run_batch``.
+Each peer is optional: ``available`` says which are installed, and a sentence for each one
+that is not (what to install); the others still run.
 
-Command line (one DBOS process, a warm-up, then both loads; prints one JSON object)::
+``peer_side_by_side`` runs all on the same loads (sequential, and many turns with
+``in_flight`` at once), alternating jetloop's and each peer's batches in ``chunks`` so that a
+change in the machine's background load hits all, and reports latency and steps per second
+(7 steps per turn: 2 model, 5 tool) of each, the ratios of jetloop to each peer, and the load
+average before and after. ``format_peer`` renders it.
+
+Command line of the DBOS side alone (one DBOS process, a warm-up, then both loads; prints
+one JSON object)::
 
     python -m tooling.bench.peer --turns 200 --concurrent 500 --in-flight 50 --json
 """
@@ -32,18 +42,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import json
+import math
 import os
 import sqlite3
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
+from tooling.bench.restate import side as restate_side
 from tooling.bench.rig import STEPS_OF, TURN_KINDS, Latency, Rig, run_batch, tag
 
 FAN = TURN_KINDS["7-step"]
@@ -53,76 +66,100 @@ DB_FILE = "dbos.sqlite"
 STREAM_LIMIT = 64 * 1024 * 1024  # one reply line holds every latency of a batch
 READY_SECONDS = 120.0
 BATCH_SECONDS = 600.0
+INSTALL_DBOS = "pip install -e '.[peer]'"
 
 
 # --- results -------------------------------------------------------------------------------
 
+JETLOOP, RESTATE, DBOS = "jetloop", "Restate", "DBOS"
+
+
+@dataclass
+class Samples:
+    """One system on one load, over all its batches: each turn's latency and the walls."""
+
+    latencies_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def add(self, latencies_s: list[float], wall_s: float) -> None:
+        self.latencies_s.extend(latencies_s)
+        self.wall_s += wall_s
+
+
+@dataclass
+class SystemRun:
+    """One system on one load: latency (ms) and steps per second."""
+
+    latency: Latency
+    steps_per_s: float
+
+    @classmethod
+    def of(cls, s: Samples) -> SystemRun:
+        return cls(Latency.of(s.latencies_s), len(s.latencies_s) * STEPS / s.wall_s)
+
 
 @dataclass
 class PeerRow:
-    """jetloop and DBOS on one load: latency, steps per second, and jetloop ÷ DBOS."""
+    """Every system on one load, jetloop first."""
 
     load: str
-    turns: int
+    turns: int  # of each system
     in_flight: int
-    jetloop: Latency
-    dbos: Latency
-    jetloop_steps_per_s: float
-    dbos_steps_per_s: float
-    ratio_p50: float  # jetloop p50 ÷ DBOS p50: below 1, jetloop's turns are faster
-    ratio_p99: float
-    ratio_steps_per_s: float  # jetloop ÷ DBOS: above 1, jetloop runs more steps per second
+    systems: dict[str, SystemRun]
+
+    def ratios(self, peer: str) -> tuple[float, float, float]:
+        """jetloop ÷ ``peer``: p50, p99 (below 1, jetloop's turns are faster) and steps per
+        second (above 1, jetloop runs more)."""
+        j, p = self.systems[JETLOOP], self.systems[peer]
+        return (
+            j.latency.p50_ms / p.latency.p50_ms,
+            j.latency.p99_ms / p.latency.p99_ms,
+            j.steps_per_s / p.steps_per_s,
+        )
 
 
 @dataclass
 class PeerResult:
-    """The rows, and what the DBOS side ran on."""
+    """The rows, what each peer ran on, the peers left out, and the machine's load."""
 
     rows: list[PeerRow]
-    dbos_version: str
-    sqlite_bytes: int  # the system database's files after every turn of the run
-    sqlite_journal_mode: str  # DBOS's defaults, not tuned: what a user gets
-    sqlite_synchronous: str
-    dbos_checkpoints_per_turn: float  # step results recorded per workflow (expected: 7)
-    chunks: int  # batches of each side per load, alternating
+    peers: list[str]  # the peers that ran, in the order of their batches
+    versions: dict[str, str]  # system → what ran (versions, store)
+    skipped: list[str]  # a sentence per peer not installed: what to install
+    dbos: dict[str, Any] | None  # DbosSide.stats() of the run, when DBOS ran
+    restate_journal_per_turn: dict[str, float] | None  # journal entries by type, per turn
+    load_before: tuple[float, float, float]  # os.getloadavg(): 1, 5, 15 minutes
+    load_after: tuple[float, float, float]
+    cores: int
+    chunks: int  # batches of each system per load, alternating
     steps_per_turn: int = STEPS
 
 
 @dataclass
 class DbosBatch:
-    """What the DBOS process measured for one or more batches (latencies in ms)."""
+    """What the DBOS process measured for one batch (latencies in ms)."""
 
     latencies_ms: list[float]
     wall_s: float
-
-    def add(self, other: DbosBatch) -> None:
-        self.latencies_ms.extend(other.latencies_ms)
-        self.wall_s += other.wall_s
 
     @classmethod
     def of(cls, data: dict[str, Any]) -> DbosBatch:
         return cls([float(v) for v in data["latencies_ms"]], float(data["wall_s"]))
 
 
-def peer_row(
-    load: str, turns: int, in_flight: int, jl: list[float], jl_wall: float, db: DbosBatch
-) -> PeerRow:
-    """A row from jetloop's latencies (seconds) and walls and DBOS's batch."""
-    j, d = Latency.of(jl), Latency.of([ms / 1000 for ms in db.latencies_ms])
-    j_sps = len(jl) * STEPS / jl_wall
-    d_sps = len(db.latencies_ms) * STEPS / db.wall_s
-    return PeerRow(
-        load=load,
-        turns=turns,
-        in_flight=in_flight,
-        jetloop=j,
-        dbos=d,
-        jetloop_steps_per_s=j_sps,
-        dbos_steps_per_s=d_sps,
-        ratio_p50=j.p50_ms / d.p50_ms,
-        ratio_p99=j.p99_ms / d.p99_ms,
-        ratio_steps_per_s=j_sps / d_sps,
-    )
+def available() -> tuple[list[str], list[str]]:
+    """The peers installed here, and a sentence for each one that is not."""
+    peers, skipped = [], []
+    why = restate_side.missing()
+    if why is None:
+        peers.append(RESTATE)
+    else:
+        skipped.append(why)
+    if importlib.util.find_spec("dbos") is None:
+        skipped.append(f"DBOS skipped: dbos not installed; to run it: {INSTALL_DBOS}")
+    else:
+        peers.append(DBOS)
+    return peers, skipped
 
 
 # --- side by side (the jetloop process) ----------------------------------------------------
@@ -191,76 +228,171 @@ class DbosPeer:
             self._log_file = None
 
 
+BatchRunner = Callable[[int, int], Awaitable[tuple[list[float], float]]]
+
+
 async def peer_side_by_side(
-    r: Rig, sequential: int = 200, concurrent: int = 500, in_flight: int = 50, chunks: int = 4
+    r: Rig,
+    sequential: int = 200,
+    concurrent: int = 500,
+    in_flight: int = 50,
+    chunks: int = 4,
+    peers: list[str] | None = None,
+    skipped: list[str] | None = None,
 ) -> PeerResult:
-    """The 7-step turn on jetloop (one worker) and on DBOS, sequential and ``in_flight`` at
-    once, their batches alternating in ``chunks``; each side is warmed up first, and the
-    jetloop side is quiet (every trailing step acked) before each batch of either."""
+    """The 7-step turn on jetloop (one worker) and on each installed peer (Restate, DBOS),
+    sequential and ``in_flight`` at once, their batches alternating in ``chunks``; each
+    system is warmed up first, and the jetloop side is quiet (every trailing step acked)
+    before each batch of any system."""
+    if peers is None:
+        peers, skipped = available()
+    load_before = os.getloadavg()
     await r.start_workers(1)
-    peer = DbosPeer(r.base / "dbos.log")
+    restate = restate_side.RestateSide(r.base / "restate") if RESTATE in peers else None
+    dbos = DbosPeer(r.base / "dbos.log") if DBOS in peers else None
+    versions: dict[str, str] = {}
     try:
-        await run_batch(r.engine_turn, FAN, WARM_TURNS, WARM_IN_FLIGHT, tag("warm"))
-        await peer.start()  # launches DBOS and warms it up the same way
+
+        async def jetloop_batch(turns: int, width: int) -> tuple[list[float], float]:
+            b = await run_batch(r.engine_turn, FAN, turns, width, tag("peer"))
+            return b.latencies, b.wall
+
+        runners: dict[str, BatchRunner] = {JETLOOP: jetloop_batch}
+        await jetloop_batch(WARM_TURNS, WARM_IN_FLIGHT)
+        if restate is not None:
+            side = restate
+
+            async def restate_batch(turns: int, width: int) -> tuple[list[float], float]:
+                b = await run_batch(side.start_turn, FAN, turns, width, tag("restate"))
+                return b.latencies, b.wall
+
+            await restate.start()
+            v = restate.versions()
+            versions[RESTATE] = (
+                f"Restate {v['restate_server']} (restate-sdk {v['restate_sdk']} on hypercorn"
+                f" {v['hypercorn']})"
+            )
+            await restate_batch(WARM_TURNS, WARM_IN_FLIGHT)
+            runners[RESTATE] = restate_batch
+        if dbos is not None:
+            peer = dbos
+
+            async def dbos_batch(turns: int, width: int) -> tuple[list[float], float]:
+                b = await peer.batch(turns, width)
+                return [ms / 1000 for ms in b.latencies_ms], b.wall_s
+
+            await dbos.start()  # launches DBOS and warms it up the same way
+            versions[DBOS] = f"DBOS Transact {dbos.hello['dbos_version']} (SQLite)"
+            runners[DBOS] = dbos_batch
         rows = []
         for load, total, width in (
             ("sequential", sequential, 1),
             (f"{in_flight} in flight", concurrent, in_flight),
         ):
-            jl: list[float] = []
-            jl_wall = 0.0
-            db = DbosBatch([], 0.0)
+            samples = {name: Samples() for name in runners}
             for _ in range(chunks):
-                await r.quiet()
-                b = await run_batch(r.engine_turn, FAN, total // chunks, width, tag("peer"))
-                jl.extend(b.latencies)
-                jl_wall += b.wall
-                await r.quiet()
-                db.add(await peer.batch(total // chunks, width))
-            rows.append(peer_row(load, len(jl), width, jl, jl_wall, db))
-        stats = await peer.ask({"stats": True})
+                for name, run in runners.items():
+                    await r.quiet()
+                    samples[name].add(*await run(total // chunks, width))
+            rows.append(
+                PeerRow(
+                    load=load,
+                    turns=len(samples[JETLOOP].latencies_s),
+                    in_flight=width,
+                    systems={name: SystemRun.of(s) for name, s in samples.items()},
+                )
+            )
+        dbos_stats = await dbos.ask({"stats": True}) if dbos is not None else None
+        journal = await restate.journal_per_turn() if restate is not None else None
     finally:
-        await peer.stop()
+        if dbos is not None:
+            await dbos.stop()
+        if restate is not None:
+            await restate.stop()
         r.stop_workers()
     return PeerResult(
         rows=rows,
-        dbos_version=str(stats["dbos_version"]),
-        sqlite_bytes=int(stats["sqlite_bytes"]),
-        sqlite_journal_mode=str(stats["journal_mode"]),
-        sqlite_synchronous=str(stats["synchronous"]),
-        dbos_checkpoints_per_turn=float(stats["checkpoints_per_turn"]),
+        peers=[p for p in runners if p != JETLOOP],
+        versions=versions,
+        skipped=list(skipped or []),
+        dbos=dbos_stats,
+        restate_journal_per_turn=journal,
+        load_before=load_before,
+        load_after=os.getloadavg(),
+        cores=os.cpu_count() or 0,
         chunks=chunks,
     )
 
 
+def _load(avg: tuple[float, float, float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in avg)
+
+
 def format_peer(result: PeerResult) -> str:
-    """The side by side as a Markdown table (as ``bench.format_report``'s tables)."""
+    """The side by side as Markdown tables (as ``bench.format_report``'s tables): each
+    system's figures, then jetloop ÷ each peer."""
+    if not result.rows:
+        return "### Peers side by side: none ran\n\n" + "\n".join(result.skipped)
+    systems = list(result.rows[0].systems)
+    title = ", ".join(result.versions.get(s, s) for s in systems if s != JETLOOP)
+    header = " | ".join(f"{w.load} p50 | {w.load} p99 | steps/s {w.load}" for w in result.rows)
     lines = [
-        f"### Peer side by side: the 7-step turn, jetloop against DBOS Transact"
-        f" {result.dbos_version} (SQLite system database)",
+        f"### Peers side by side: the 7-step turn, jetloop against {title}",
         "",
-        "| load | jetloop p50 | jetloop p99 | DBOS p50 | DBOS p99 | ratio p50 | ratio p99 |"
-        " jetloop steps/s | DBOS steps/s | ratio steps/s | turns |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| system | {header} | turns |",
+        "|---|" + "---:|" * (3 * len(result.rows) + 1),
     ]
-    for w in result.rows:
-        lines.append(
-            f"| {w.load} | {w.jetloop.p50_ms:.1f} | {w.jetloop.p99_ms:.1f} |"
-            f" {w.dbos.p50_ms:.1f} | {w.dbos.p99_ms:.1f} | {w.ratio_p50:.2f}× |"
-            f" {w.ratio_p99:.2f}× | {w.jetloop_steps_per_s:,.0f} | {w.dbos_steps_per_s:,.0f} |"
-            f" {w.ratio_steps_per_s:.2f}× | {w.jetloop.n} |"
+    for name in systems:
+        cells = " | ".join(
+            f"{_ms(w.systems[name].latency.p50_ms)} | {_ms(w.systems[name].latency.p99_ms)} |"
+            f" {w.systems[name].steps_per_s:,.0f}"
+            for w in result.rows
         )
+        turns = "+".join(str(w.systems[name].latency.n) for w in result.rows)
+        lines.append(f"| {'**jetloop**' if name == JETLOOP else name} | {cells} | {turns} |")
     lines += [
         "",
-        f"Latencies in ms; ratios are jetloop ÷ DBOS ({result.steps_per_turn} steps per turn;"
-        f" each side's batches alternate in {result.chunks} chunks per load). A jetloop turn"
-        " runs from a client's publish to its turn.completed event, through one worker; a"
-        " DBOS turn from start_workflow_async to get_result in DBOS's own process. DBOS:"
-        f" {result.dbos_checkpoints_per_turn:.1f} step checkpoints per turn, SQLite"
-        f" journal_mode={result.sqlite_journal_mode}, synchronous={result.sqlite_synchronous}"
-        f" (DBOS's defaults), {result.sqlite_bytes / 1e6:.1f} MB after the run.",
+        f"| jetloop ÷ | {header} |",
+        "|---|" + "---:|" * (3 * len(result.rows)),
     ]
+    for name in systems:
+        if name == JETLOOP:
+            continue
+        cells = " | ".join(" | ".join(f"{x:.2f}×" for x in w.ratios(name)) for w in result.rows)
+        lines.append(f"| {name} | {cells} |")
+    notes = [
+        f"Latencies in ms; {result.steps_per_turn} steps per turn; each system's batches"
+        f" alternate in {result.chunks} chunks per load, jetloop's quiet (every trailing step"
+        " acked) before each batch of any system. A jetloop turn runs from a client's publish"
+        " to its turn.completed event, through one worker."
+    ]
+    if RESTATE in systems:
+        per = result.restate_journal_per_turn or {}
+        runs = per.get("Command: Run", math.nan)
+        notes.append(
+            f"A Restate turn is one POST on its ingress (with an idempotency key) until the"
+            f" answer; {runs:.1f} ctx.run journal entries per turn."
+        )
+    if DBOS in systems and result.dbos is not None:
+        d = result.dbos
+        notes.append(
+            "A DBOS turn runs from start_workflow_async to get_result in DBOS's own process;"
+            f" {float(d['checkpoints_per_turn']):.1f} step checkpoints per turn, SQLite"
+            f" journal_mode={d['journal_mode']}, synchronous={d['synchronous']} (DBOS's"
+            f" defaults), {int(d['sqlite_bytes']) / 1e6:.1f} MB after the run."
+        )
+    notes.append(
+        f"Load average (1 / 5 / 15 min) on {result.cores} cores:"
+        f" {_load(result.load_before)} at the start, {_load(result.load_after)} at the end."
+    )
+    lines += ["", " ".join(notes)]
+    if result.skipped:
+        lines += ["", *result.skipped]
     return "\n".join(lines)
+
+
+def _ms(v: float) -> str:
+    return f"{v:,.1f}"
 
 
 # --- the DBOS process ----------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tooling.bench.peer import PeerResult, format_peer
+from tooling.bench.peer import RESTATE, PeerResult, format_peer
 from tooling.bench.profile import ProfileResult
 
 # --- engine overhead -----------------------------------------------------------------------
@@ -108,6 +108,18 @@ def judge(rep: BenchReport) -> list[Target]:
                 "< 50 MB for 10,000",
                 f"{per_10k:+.1f} MB per 10,000 (measured on {n:,})",
                 per_10k < 50,
+            )
+        )
+    if rep.peer is not None and RESTATE in rep.peer.peers:
+        seq, wide = rep.peer.rows[0], rep.peer.rows[-1]
+        p50, p99, _ = seq.ratios(RESTATE)
+        steps = wide.ratios(RESTATE)[2]
+        out.append(
+            Target(
+                "jetloop against Restate (issue 15)",
+                "≥ 0.6× its steps/s, ≤ 1.5× its p50, ≤ 2× its p99",
+                f"{steps:.2f}× steps/s ({wide.load}), {p50:.2f}× p50, {p99:.2f}× p99 ({seq.load})",
+                steps >= 0.6 and p50 <= 1.5 and p99 <= 2.0,
             )
         )
     return out

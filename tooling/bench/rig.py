@@ -34,7 +34,7 @@ from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from schemas import TurnRequest, encode, turn_id_for
+from schemas import TurnRequest, encode, scoped_msg_id, turn_id_for
 from services.embedded import EmbeddedServer, free_port
 from streams import topology
 from streams.bus import H_TURN
@@ -283,7 +283,11 @@ class Rig:
         await self.js.publish(
             topology.turn_subject(agent, sid),
             encode(TurnRequest(text=text)),
-            headers={"Nats-Msg-Id": rid, "Jl-Kind": "turn.request", "Jl-Session": sid},
+            headers={
+                "Nats-Msg-Id": scoped_msg_id(sid, rid),
+                "Jl-Kind": "turn.request",
+                "Jl-Session": sid,
+            },
         )
         return fut
 

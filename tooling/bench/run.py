@@ -11,8 +11,10 @@
 - ``waiting_at_scale``: N sessions parked on approvals and timers: worker and server RSS,
   store size on disk, and the time to release them all.
 - ``profile`` (``tooling.bench.profile``): the 7-step turn under pyinstrument.
-- ``peer`` (``tooling.bench.peer``): the 7-step turn on DBOS Transact with SQLite, side by
-  side with the engine, sequential and 50 in flight (needs the ``peer`` extra).
+- ``peer`` (``tooling.bench.peer``): the 7-step turn on Restate and on DBOS Transact with
+  SQLite, side by side with the engine, sequential and 50 in flight (each peer runs when it
+  is installed: ``pip install -e '.[peer]'`` and ``npm ci --prefix tooling/bench/restate``;
+  one missing is said on stderr and left out).
 
 Every benchmark runs on its own nats-server on a temporary store with real worker processes
 (``tooling.bench.rig``); nothing here changes the engine. ``run_benchmarks`` runs a chosen
@@ -24,7 +26,6 @@ runner, and read best side by side.)
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import sys
@@ -40,7 +41,7 @@ from schemas import Event, approval_id_for, call_key, decode, turn_id_for
 from services.client import Client
 from streams.bus import H_SESSION
 from streams.seal import Sealer, key_bytes
-from tooling.bench.peer import peer_side_by_side
+from tooling.bench.peer import available, peer_side_by_side
 from tooling.bench.profile import profile_engine
 from tooling.bench.report import BenchReport, format_report, judge
 from tooling.bench.rig import (
@@ -498,13 +499,16 @@ async def run_benchmarks(
     unknown = set(which) - set(BENCHMARKS)
     if unknown:
         raise ValueError(f"unknown benchmarks {sorted(unknown)}; choose from {BENCHMARKS}")
-    if "peer" in which and importlib.util.find_spec("dbos") is None:
-        raise ValueError("the peer benchmark runs DBOS Transact: pip install 'jetloop[peer]'")
+    peers, skipped = available() if "peer" in which else ([], [])
+    if "peer" in which and not peers:
+        raise ValueError("the peer benchmark has no peer to run: " + "; ".join(skipped))
+    for sentence in skipped:
+        print(f"jetloop bench peer: {sentence}", file=sys.stderr)
     began = time.monotonic()
     rep = BenchReport(machine=machine())
     for name in which:
         try:
-            await _run_one(rep, name, sizes, work_dir)
+            await _run_one(rep, name, sizes, work_dir, peers, skipped)
         except Exception as exc:  # every failure of a run is reported the same way
             raise BenchFailed(name, exc) from exc
     rep.targets = judge(rep)
@@ -515,7 +519,14 @@ async def run_benchmarks(
     return rep
 
 
-async def _run_one(rep: BenchReport, name: str, sizes: Sizes, work_dir: Path | None) -> None:
+async def _run_one(
+    rep: BenchReport,
+    name: str,
+    sizes: Sizes,
+    work_dir: Path | None,
+    peers: list[str],
+    skipped: list[str],
+) -> None:
     """One benchmark on a rig of its own; its result goes into ``rep``."""
     wd = work_dir / name if work_dir is not None else None
     async with rig(wd) as r:
@@ -547,7 +558,14 @@ async def _run_one(rep: BenchReport, name: str, sizes: Sizes, work_dir: Path | N
         elif name == "waiting":
             rep.waiting = await waiting_at_scale(r, sizes.waiting_sessions)
         elif name == "peer":
-            rep.peer = await peer_side_by_side(r, sizes.peer_sequential, sizes.peer_concurrent)
+            rep.peer = await peer_side_by_side(
+                r,
+                sizes.peer_sequential,
+                sizes.peer_concurrent,
+                chunks=sizes.chunks,
+                peers=peers,
+                skipped=skipped,
+            )
         else:
             # Kept after the run (the report names it): the text tree and pstats.
             out = (

@@ -346,6 +346,39 @@ class LocalCluster:
             raise NoLeaderError(f"consumer {stream}/{consumer} has no leader")
         return self.index_of(leader)
 
+    async def groups_led_by(
+        self, node: int, streams: list[str], timeout: float = 2.0
+    ) -> list[tuple[str, str | None]]:
+        """The raft groups ``node`` leads among ``streams`` and their consumers, as
+        ``(stream, None)`` or ``(stream, consumer)``: each elects a new leader on its own when
+        the node dies, and a step waits for every one it touches."""
+        led: list[tuple[str, str | None]] = []
+        name = self.nodes[node].name
+        async with self._admin(timeout=timeout) as jsm:
+            for stream in streams:
+                info = await jsm.stream_info(stream)
+                if info.cluster is not None and info.cluster.leader == name:
+                    led.append((stream, None))
+                for c in await jsm.consumers_info(stream):
+                    # An ephemeral consumer (a follower's) lives on one node and dies with it.
+                    if not c.config.durable_name:
+                        continue
+                    if c.cluster is not None and c.cluster.leader == name:
+                        led.append((stream, c.name))
+        return led
+
+    async def wait_groups(
+        self, groups: list[tuple[str, str | None]], not_node: int, timeout: float = 60.0
+    ) -> None:
+        """Wait until every one of ``groups`` has a leader other than ``not_node``."""
+        for stream, consumer in groups:
+            if consumer is None:
+                await self.wait_leader(stream, not_node=not_node, timeout=timeout)
+            else:
+                await self.wait_consumer_leader(
+                    stream, consumer, not_node=not_node, timeout=timeout
+                )
+
     async def kv_leader(self, bucket: str, timeout: float = 2.0) -> int:
         """Index of the node leading the stream behind KV bucket ``bucket``."""
         return await self.stream_leader(f"KV_{bucket}", timeout)

@@ -14,8 +14,10 @@
   against who was alive: the survivor always is, the victim is unless the round killed it,
   and a resume of the killed victim made before the kill is false as well.
 - *Targets* (issue 14): worker kill detection p99 ≤ 1 s; server restart completion p99 ≤
-  the p99 restart time + 1 s; takeover completion p99 ≤ the p99 election time + 1 s; no
-  false takeover after a worker kill or a server restart.
+  the p99 restart time + 1 s; takeover completion p99 ≤ the p99 election time + 1 s, the
+  election counted until every group the killed node led (the jetloop streams and their
+  durable consumers) has a new leader, since a step needs each it touches; no false
+  takeover after a worker kill, a server restart, or in a control run where nothing fails.
 
 All times are wall-clock (``time.time()``) on one machine: the harness records it at the
 kill, workers stamp events with it (``Event.at``), the servers stamp what they store.
@@ -45,7 +47,7 @@ SLACK_SECONDS = 1.0
 VICTIM_KILLED = ("worker_kill", "worker_kill+takeover")
 # Failures after which a takeover of any live worker's claim is a fault, not a judgement
 # call: no server or leader was lost, or the single server came back whole.
-NO_FALSE_TAKEOVERS = ("worker_kill", "server_restart")
+NO_FALSE_TAKEOVERS = ("worker_kill", "server_restart", "control")
 
 
 @dataclass(frozen=True)

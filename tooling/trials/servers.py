@@ -22,7 +22,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from nats.errors import Error as NatsError
 
@@ -57,6 +57,25 @@ def write_server_config(path: Path, watch_password: str) -> Path:
     return path
 
 
+# The streams a turn's steps touch: their leaders (and their consumers') must be elected
+# again after a takeover before every step can move.
+JETLOOP_STREAMS = [
+    topology.TURNS_STREAM,
+    topology.STEPS_STREAM,
+    topology.EVENTS_STREAM,
+    f"KV_{topology.STATE_BUCKET}",
+]
+
+
+class Elections(NamedTuple):
+    """Seconds from a takeover's kill to a new ``JL_STEPS`` leader, and to new leaders of
+    every group the killed node led (the streams a step touches and their consumers): each
+    elects on its own, and a step waits for every one it needs."""
+
+    steps: float
+    every_group: float
+
+
 class Servers(Protocol):
     """The NATS side of a trial run: one server or a cluster, and the failures it can take."""
 
@@ -73,9 +92,9 @@ class Servers(Protocol):
         """Apply ``failure``; return when it struck (and a restart's duration)."""
         ...
 
-    async def heal(self) -> float | None:
+    async def heal(self) -> Elections | None:
         """After a round: everything restarted and caught up for the next one. Returns the
-        seconds from the kill to a new ``JL_STEPS`` leader, after a takeover."""
+        seconds from the kill to new leaders, after a takeover."""
         ...
 
     def close(self) -> None: ...
@@ -102,6 +121,8 @@ class SingleServer:
         await self.server.wait_jetstream()
 
     async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> Kill:
+        if failure == "control":
+            return Kill.now()  # nothing fails: the moment the others would strike
         if failure == "worker_kill":
             kill = Kill.now()
             victim.kill()
@@ -115,7 +136,7 @@ class SingleServer:
             return Kill(kill.at, kill.wall, restart=time.monotonic() - kill.at)
         raise ValueError(f"a single server cannot take the failure {failure!r}")
 
-    async def heal(self) -> float | None:
+    async def heal(self) -> Elections | None:
         await self.server.wait_jetstream(timeout=30)
         return None
 
@@ -132,7 +153,7 @@ class Cluster:
         self.watch_password = secrets.token_urlsafe(24)
         config = write_server_config(base / "nats-server.conf", self.watch_password)
         self.cluster = LocalCluster(base / "cluster", "jl-trials", config_file=config)
-        self._healing: asyncio.Task[float | None] | None = None
+        self._healing: asyncio.Task[Elections | None] | None = None
 
     @property
     def url(self) -> str:
@@ -156,29 +177,36 @@ class Cluster:
             return kill
         if failure in ("takeover", "worker_kill+takeover"):
             leader = await self._leader(topology.STEPS_STREAM)
+            led = await self.cluster.groups_led_by(leader, JETLOOP_STREAMS)
             kill = Kill.now()
             if failure == "worker_kill+takeover":
                 victim.kill()
             self.cluster.kill(leader)
-            self._healing = asyncio.create_task(self._restart_after_election(leader, kill.at))
+            self._healing = asyncio.create_task(self._restart_after_election(leader, kill.at, led))
             return kill
         raise ValueError(f"a cluster does not take the failure {failure!r}")
 
     async def _leader(self, stream: str) -> int:
         return await self.cluster.wait_leader(stream, timeout=60)
 
-    async def _restarted(self, node: int) -> float | None:
+    async def _restarted(self, node: int) -> Elections | None:
         await self.cluster.wait_node(node, timeout=60)
         return None
 
-    async def _restart_after_election(self, node: int, killed_at: float) -> float | None:
+    async def _restart_after_election(
+        self, node: int, killed_at: float, led: list[tuple[str, str | None]]
+    ) -> Elections:
+        """Restart ``node`` once every group it led (``JL_STEPS`` among them: the streams
+        and consumers it was leader of) has a new leader; the election time is the last."""
         await self.cluster.wait_leader(topology.STEPS_STREAM, not_node=node, timeout=60)
-        elected = time.monotonic() - killed_at
+        steps = time.monotonic() - killed_at
+        await self.cluster.wait_groups(led, not_node=node, timeout=60)
+        elected = Elections(steps, time.monotonic() - killed_at)
         self.cluster.start_node(node)
         await self.cluster.wait_node(node, timeout=60)
         return elected
 
-    async def heal(self) -> float | None:
+    async def heal(self) -> Elections | None:
         elected = None
         if self._healing is not None:
             task, self._healing = self._healing, None
@@ -189,12 +217,7 @@ class Cluster:
     async def _caught_up(self, timeout: float = 60.0) -> None:
         """Every replica of every jetloop stream current, so the next kill meets a whole
         cluster (a lagging replica would make the next election slower, not the engine)."""
-        streams = [
-            topology.TURNS_STREAM,
-            topology.STEPS_STREAM,
-            topology.EVENTS_STREAM,
-            f"KV_{topology.STATE_BUCKET}",
-        ]
+        streams = JETLOOP_STREAMS
         deadline = time.monotonic() + timeout
         nc = await connect(self.cluster.urls, "jetloop-trials-health")
         try:

@@ -1,0 +1,229 @@
+"""The Python API a program is written against (issue 16, items 5-8): a tool and a model
+know their identity, past turns and their calls can be listed (client, CLI, gateway), the
+event follower can stop, and the client prints nothing, raises only public errors and reads
+unverified state only when told to. Real nats-server, real workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+import jetloop
+from demo.vendor import Vendor
+from services.client import Client
+from services.embedded import EmbeddedServer
+from services.gateway.app import make_app
+from services.settings import load_settings
+from tests.conftest import WorkerFactory, body, call, script
+from tests.test_cli import acli
+from tests.test_gateway import READ, make_config, ok, problem
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def test_a_tool_and_a_model_know_their_identity(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A tool's context names its session, turn, model step and call (``call_id`` is
+    ``<turn>-<model step>-<index>``); a model request names its session, turn and step."""
+    workers.start()
+    text = json.dumps(
+        {"steps": [[call("read", name="x"), call("whoami", name="me")]], "identify": True}
+    )
+    h = await client.send("tester", "who", text)
+    res = await client.wait(h, timeout=30)
+    seen = body(res.text)["seen"]
+    me = next(s["result"] for s in seen if s["tool"] == "whoami")
+    assert me == {
+        "session_id": "who",
+        "turn_id": h.turn_id,
+        "model_step": 0,
+        "call_id": f"{h.turn_id}-0-1",
+        "attempt": 1,
+    }
+    asked = [json.loads(p) for p in await vendor.payload_counts("model_identity")]
+    assert sorted((a["model_step"], a["session_id"], a["turn_id"]) for a in asked) == [
+        (0, "who", h.turn_id),
+        (1, "who", h.turn_id),
+    ]
+
+
+async def test_past_turns_and_their_calls_are_listed(
+    client: Client, workers: WorkerFactory, nats_ready: EmbeddedServer, tmp_path: Path
+) -> None:
+    """A session's turns, newest first and bounded by a limit, and one turn's calls with
+    their outcomes: from the client, the CLI and the gateway; an unknown session or turn is
+    ``UnknownSession`` / ``UnknownTurn``, a 404 problem, an error line."""
+    workers.start()
+    first = await client.send("tester", "hist", script([call("write", name="a")]), "r-1")
+    await client.wait(first, timeout=30)
+    second = await client.send(
+        "tester", "hist", script([call("read", name="b"), call("refuse", name="c")]), "r-2"
+    )
+    await client.wait(second, timeout=30)
+
+    page = await client.turns("hist")
+    assert page.total == 2 and page.untrusted == []
+    assert [(t.turn_id, t.request_id, t.status) for t in page.turns] == [
+        (second.turn_id, "r-2", jetloop.TurnStatus.COMPLETED),
+        (first.turn_id, "r-1", jetloop.TurnStatus.COMPLETED),
+    ]
+    assert [t.tool_calls_made for t in page.turns] == [2, 1]
+    older = await client.turns("hist", limit=1, offset=1)
+    assert (older.total, [t.turn_id for t in older.turns]) == (2, [first.turn_id])
+
+    detail = await client.turn_calls("hist", second.turn_id)
+    assert detail.turn.turn_id == second.turn_id and detail.calls_more == 0
+    assert [(c.call_id, c.tool, c.state) for c in detail.calls] == [
+        (f"{second.turn_id}-0-0", "read", "succeeded"),
+        (f"{second.turn_id}-0-1", "refuse", "failed"),
+    ]
+    assert detail.calls[0].result == {"name": "b", "value": 1}
+    assert detail.calls[1].error == "no such thing as c"
+    bounded = await client.turn_calls("hist", second.turn_id, limit=1)
+    assert (len(bounded.calls), bounded.calls_more) == (1, 1)
+
+    with pytest.raises(jetloop.UnknownSession):
+        await client.turns("nobody")
+    with pytest.raises(jetloop.UnknownTurn):
+        await client.turn_calls("hist", "t00000000000000000000")
+    with pytest.raises(ValueError, match="limit"):
+        await client.turns("hist", limit=0)
+
+    out = await acli(nats_ready.url, "turns", "hist", "--limit", "1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "session hist: 2 turn(s), showing 1-1", out.stdout
+    assert f"{second.turn_id} request=r-2 completed model step 1, 2 call(s)" in out.stdout
+    out = await acli(nats_ready.url, "turn", "hist", first.turn_id, "--json")
+    assert out.returncode == 0, out.stderr
+    assert [c["tool"] for c in json.loads(out.stdout)["calls"]] == ["write"]
+    out = await acli(nats_ready.url, "turns", "nobody")
+    assert (out.returncode, out.stderr.strip()) == (1, "Error: no such session: nobody")
+
+    config = make_config(tmp_path)
+    async with TestClient(TestServer(make_app(config, nats_ready.url))) as api:
+        got = await ok(await api.get("/v1/sessions/hist/turns?limit=1", headers=READ))
+        assert (got["total"], got["turns"][0]["turn_id"]) == (2, second.turn_id)
+        got = await ok(await api.get(f"/v1/sessions/hist/turns/{first.turn_id}", headers=READ))
+        assert [(c["tool"], c["state"]) for c in got["calls"]] == [("write", "succeeded")]
+        assert got["turn"]["request_id"] == "r-1"
+        p = await problem(await api.get("/v1/sessions/nobody/turns", headers=READ), 404)
+        assert (p["title"], p["detail"]) == ("no such session", "nobody")
+        p = await problem(
+            await api.get("/v1/sessions/hist/turns/t00000000000000000000", headers=READ), 404
+        )
+        assert p["title"] == "no such turn"
+        await problem(await api.get("/v1/sessions/hist/turns?limit=0", headers=READ), 422)
+
+
+async def test_events_stop_at_the_tail_or_at_a_turns_end(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """``follow=False`` ends once the stored events are read (at once when there are none);
+    ``until_turn_ends`` ends after that turn's last event, even when ``types`` leaves the
+    turn's own events out."""
+    assert [e async for e in client.events("empty", follow=False)] == []
+    workers.start()
+    h = await client.send("tester", "ev", script([call("read", name="a")]))
+    outcomes = [
+        (e.type, e.data["tool"])
+        async for e in client.events("ev", types=["call.outcome"], until_turn_ends=h.turn_id)
+    ]
+    assert outcomes == [(jetloop.EventType.CALL_OUTCOME, "read")]
+    stored = [e.type async for e in client.events("ev", follow=False)]
+    assert stored[0] == jetloop.EventType.TURN_ACCEPTED
+    assert stored[-1] == jetloop.EventType.TURN_COMPLETED
+    ended = [e.type async for e in client.events("ev", until_turn_ends=h.turn_id)]
+    assert ended == stored
+
+
+async def test_reading_state_needs_the_key_or_an_explicit_choice(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """Without a seal key a read is refused with an error naming JETLOOP_SEAL_KEY, unless
+    ``verify=False`` chose to read unchecked; with the wrong key a record is
+    ``RecordNotTrusted`` (a public error, not the engine's internal one)."""
+    workers.start()
+    h = await client.send("tester", "sk", script([call("read", name="a")]))
+    await client.wait(h, timeout=30)
+
+    keyless = Client(client.nc)
+    with pytest.raises(jetloop.SealKeyMissing, match="JETLOOP_SEAL_KEY"):
+        await keyless.turn("sk", h.turn_id)
+    with pytest.raises(jetloop.SealKeyMissing):
+        await keyless.snapshot("sk")
+    unchecked = Client(client.nc, verify=False)
+    turn = await unchecked.turn("sk", h.turn_id)
+    assert turn is not None and turn.status == jetloop.TurnStatus.COMPLETED
+    assert (await unchecked.turns("sk")).total == 1
+
+    wrong = Client(client.nc, sealer=load_settings(seal_key="ab" * 32).sealer())
+    with pytest.raises(jetloop.RecordNotTrusted) as untrusted:
+        await wrong.turn("sk", h.turn_id)
+    assert isinstance(untrusted.value, jetloop.JetloopError)
+    assert untrusted.value.key == f"turn.sk.{h.turn_id}"
+    listed = await wrong.turns("sk")  # a listing shows it, and says it is not trusted
+    assert [t.turn_id for t in listed.turns] == [h.turn_id] and len(listed.untrusted) == 1
+
+
+PROGRAM = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    import jetloop
+
+    async def main() -> None:
+        async with await jetloop.Client.connect(sys.argv[1]) as c:
+            Path(sys.argv[2]).write_text("connected")
+            for _ in range(200):  # the test stops the server: disconnects, failed reconnects
+                if not c.nc.is_connected:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.5)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_the_client_prints_nothing_when_nats_goes_away(tmp_path: Path) -> None:
+    """A program using the client sees no NATS warnings on its stdout or stderr when the
+    server goes away: the client logs to the ``jetloop.*`` loggers, which print nothing
+    unless the program configures logging."""
+    srv = EmbeddedServer(tmp_path / "store", port=0, log_file=tmp_path / "nats.log")
+    srv.start()
+    try:
+        await srv.wait_jetstream()
+        ready = tmp_path / "ready"
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            PROGRAM,
+            srv.url,
+            str(ready),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            cwd=tmp_path,
+        )
+        for _ in range(600):
+            if ready.exists():
+                break
+            await asyncio.sleep(0.05)
+        assert ready.exists()
+    finally:
+        srv.kill()
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, stderr.decode()
+    assert (stdout.decode(), stderr.decode()) == ("", "")

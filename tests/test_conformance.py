@@ -1,0 +1,61 @@
+"""A second language speaks the documented protocol: conformance/conformance.mjs (Node.js,
+written from docs/protocol.md alone) against `jetloop up`, connected as the `client` role.
+
+Skipped, saying why, when ``node`` or the script's packages (``npm ci`` in conformance/,
+which ``.ci/run`` does when npm is there) are missing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from services.embedded import free_port
+from services.natsauth import url_as
+from tests.test_up import start_up, stop, wait_ready
+
+HERE = Path(__file__).resolve().parent.parent / "conformance"
+NODE = shutil.which("node")
+
+
+def _skip_reason() -> str | None:
+    if NODE is None:
+        return "node is not installed: the Node.js conformance client cannot run"
+    if not (HERE / "node_modules" / "@nats-io" / "jetstream").is_dir():
+        return "conformance/node_modules is missing: run `npm ci` in conformance/"
+    return None
+
+
+@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+async def test_node_client_follows_the_protocol_doc(tmp_path: Path) -> None:
+    """Publish, duplicate, follow events to the answer, approve over jl.control, a snapshot,
+    a jl_state record, a blob, dead letters: every check of the script passes."""
+    assert NODE is not None
+    port = free_port()
+    proc = start_up(tmp_path, port)
+    log = tmp_path / "up.log"
+    try:
+        await asyncio.to_thread(wait_ready, proc, log)
+        url = url_as(f"nats://127.0.0.1:{port}", tmp_path / "store", "client")
+        env = {**os.environ, "JL_NATS_URL": url, "JL_AGENT": "demo", "JL_TIMEOUT_MS": "40000"}
+        run = await asyncio.to_thread(
+            subprocess.run,
+            [NODE, "conformance.mjs"],
+            cwd=HERE,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        lines = [json.loads(ln) for ln in run.stdout.splitlines() if ln.startswith("{")]
+        assert run.returncode == 0, (run.stdout, run.stderr[-3000:], log.read_text()[-3000:])
+        assert lines[-1]["conformance"] == "passed"
+        checks = {ln["check"] for ln in lines if "check" in ln}
+        assert {"duplicate", "answer", "approve", "snapshot", "blob", "dead letters"} <= checks
+    finally:
+        stop(proc, log)

@@ -1,0 +1,80 @@
+"""The README's Python blocks run, so they cannot rot.
+
+Each ```python block of README.md is either a file (its first line is ``# <name>.py``) or
+marked ``<!-- snippet: not run (why) -->`` on the line before it. The files are written to
+a directory: ``myapp.py`` is served by a real worker, ``client.py`` is run against it as a
+user would run it (``python client.py``). The blocks not run must at least parse.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from services.embedded import EmbeddedServer
+from tests.conftest import WorkerFactory
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
+NOT_RUN = re.compile(r"<!-- snippet: not run \(.+\) -->\n$")
+FILE = re.compile(r"^# ([a-z_]+\.py)\n")
+
+
+def blocks() -> tuple[dict[str, str], list[str]]:
+    """The README's files by name, and the blocks marked not run."""
+    text = (ROOT / "README.md").read_text()
+    files: dict[str, str] = {}
+    skipped: list[str] = []
+    for m in BLOCK.finditer(text):
+        code = m.group(1)
+        named = FILE.match(code)
+        if NOT_RUN.search(text[: m.start()]):
+            skipped.append(code)
+        else:
+            assert named, f"a README python block is neither a file nor marked not run:\n{code}"
+            files[named.group(1)] = code
+    return files, skipped
+
+
+def test_blocks_not_run_still_parse() -> None:
+    """A fragment that is not run still has to be Python (top-level await allowed)."""
+    _, skipped = blocks()
+    assert skipped
+    for code in skipped:
+        compile(code, "README.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT | ast.PyCF_ONLY_AST)
+
+
+async def test_readme_app_and_client_run(
+    tmp_path: Path, nats_ready: EmbeddedServer, workers: WorkerFactory
+) -> None:
+    """The README's own app, served by a worker, answers the README's client program, which
+    prints what the README says it prints and nothing on stderr."""
+    files, _ = blocks()
+    assert set(files) == {"myapp.py", "client.py"}, sorted(files)
+    for name, code in files.items():
+        (tmp_path / name).write_text(code)
+    path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    w = workers.start(app="myapp:app", env={"PYTHONPATH": path})
+    await w.wait_for("worker.started", timeout=30)
+    env = {**os.environ, "JETLOOP_NATS_URL": nats_ready.url, "PYTHONPATH": path}
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "client.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "", out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "done: {'order': '42', 'refunded': 500}", out.stdout
+    assert any(" order-42 completed 1 call(s)" in ln for ln in lines), out.stdout
+    assert any(ln.endswith("refund succeeded {'order': '42', 'refunded': 500}") for ln in lines)
+    assert lines[-1] == "refund succeeded", out.stdout

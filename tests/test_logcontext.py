@@ -60,6 +60,7 @@ def test_the_worker_log_chain_writes_the_ids() -> None:
     """``services.logs.configure`` puts the ids on every JSON line a step writes, at any
     level that is written, and writes nothing for a level below the one set."""
     out = io.StringIO()
+    saved = structlog.get_config()  # other tests in this process log with it
     configure("json", "info")
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=out))
     log = structlog.get_logger("t")
@@ -69,7 +70,7 @@ def test_the_worker_log_chain_writes_the_ids() -> None:
         log.debug("step.acked")
     finally:
         end_step(token)
-        configure("console", "warning")
+        structlog.configure(**saved)
     [line] = [json.loads(ln) for ln in out.getvalue().splitlines()]
     assert line["session"] == "s9" and line["step"] == "k" and line["why"] == "because"
     assert line["event"] == "step.something" and line["level"] == "warning"

@@ -42,6 +42,7 @@ from consumers.errors import DeadLetter, RetryLater, TakenOver
 from consumers.followers import call_done
 from consumers.join import join_calls
 from consumers.liveness import holder_lost
+from consumers.logcontext import bind_step
 from consumers.losses import record_loss, tell_resumed
 from consumers.runtime import Delivery
 from schemas import CallOutcome, CallState, StepMessage, TurnPhase, call_key
@@ -63,7 +64,7 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
         raise DeadLetter(f"{step.kind.value} step without call_index")
     i = step.call_index
     ckey = call_key(sid, tid, n, i)
-    structlog.contextvars.bind_contextvars(call=ckey)
+    bind_step(call=ckey)
 
     turn_v, rec_v, session_v = await rt.state.step_view(sid, tid, ckey)
     if turn_v is None:
@@ -191,7 +192,7 @@ async def run(env: CallEnv) -> None:
         }
     )
     env = await write(env, marked)
-    structlog.contextvars.bind_contextvars(attempt=attempt.no)
+    bind_step(attempt=attempt.no)
 
     await rt.faults.point("call_tool.in_tool")
     if not await env.d.still_ours(fresh_for=rt.lease_seconds / 4):
@@ -226,7 +227,7 @@ async def run(env: CallEnv) -> None:
     await rt.faults.point("call_tool.before_commit")
     done = env.rec.model_copy(update={"state": outcome.state, "outcome": outcome, "attempt": None})
     env = await write(env, done)
-    log.info("call.recorded", state=outcome.state.value, attempts=attempt.no)
+    log.debug("call.recorded", state=outcome.state.value, attempts=attempt.no)
     await rt.faults.point("call_tool.after_commit")
     await call_done(env.turn, done).publish(rt.bus)
     await join_calls(env.d, env.turn.session_id, env.turn.turn_id, env.n, first=True)

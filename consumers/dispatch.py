@@ -44,6 +44,7 @@ from pydantic import ValidationError
 
 from consumers import metrics
 from consumers.errors import DeadLetter, RetryLater, TakenOver
+from consumers.logcontext import end_step, start_step
 from consumers.runtime import Delivery, Runtime
 from schemas import DecodeError
 from streams.bus import H_KIND, H_SESSION, H_STEP, H_TURN
@@ -167,7 +168,7 @@ async def _heartbeats(d: Delivery, every: float) -> None:
 
 async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
     hdrs = msg.headers or {}
-    structlog.contextvars.bind_contextvars(
+    ids = start_step(
         session=hdrs.get(H_SESSION),
         turn=hdrs.get(H_TURN),
         step=hdrs.get(H_STEP) or hdrs.get("Nats-Msg-Id"),
@@ -237,7 +238,7 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
             FAILURES.forget(key)
         metrics.STEPS.labels(kind, outcome).inc()
         metrics.STEP_SECONDS.labels(kind).observe(time.perf_counter() - started)
-        structlog.contextvars.clear_contextvars()
+        end_step(ids)
 
 
 async def _let_go(rt: Runtime, msg: Msg) -> None:

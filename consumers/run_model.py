@@ -24,6 +24,7 @@ from consumers.conversation import conversation
 from consumers.errors import DeadLetter, RetryLater, TakenOver
 from consumers.followers import answer
 from consumers.liveness import holder_lost
+from consumers.logcontext import bind_step
 from consumers.losses import loss_id, lost_event, lost_reason, tell_resumed
 from consumers.runtime import Delivery, Runtime
 from consumers.session import end_turn
@@ -129,7 +130,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         }
     )
     await d.claim(turn_key(sid, tid), claimed, cur.revision)
-    structlog.contextvars.bind_contextvars(attempt=attempt.no)
+    bind_step(attempt=attempt.no)
     if resumed is not None:
         await tell_resumed(rt, turn, step.step_key(), resumed, len(lost), {})
 
@@ -181,7 +182,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     committed = await _plan(rt, agent, claimed, response)
     await rt.faults.point("run_model.before_commit")
     await d.commit(committed)
-    log.info("model.answered", calls=len(committed.calls), status=committed.status.value)
+    log.debug("model.answered", calls=len(committed.calls), status=committed.status.value)
     await rt.faults.point("run_model.after_commit")
     if committed.status == TurnStatus.COMPLETED:
         await end_turn(rt, committed)

@@ -16,6 +16,7 @@ from nats.js.errors import NotFoundError
 
 from consumers.errors import DeadLetter, RetryLater
 from consumers.followers import Followers, finished, turn_start
+from consumers.logcontext import bind_step
 from consumers.runtime import Delivery, Runtime
 from schemas import (
     Event,
@@ -55,7 +56,7 @@ async def on_turn_request(d: Delivery) -> None:
     req = _decode_request(d.msg.data)
     if rt.app.agent(agent_name) is None:
         raise DeadLetter(f"unknown agent {agent_name!r}")
-    structlog.contextvars.bind_contextvars(session=sid)
+    bind_step(session=sid)
 
     # FIFO: accept only the first stored request of this session.
     seq = d.msg.metadata.sequence.stream
@@ -69,7 +70,7 @@ async def on_turn_request(d: Delivery) -> None:
         pass
 
     tid = turn_id_for(sid, request_id)
-    structlog.contextvars.bind_contextvars(turn=tid)
+    bind_step(turn=tid)
     cur = await rt.state.session(sid)
     if cur is not None and cur.value.agent != agent_name:
         raise DeadLetter(f"session {sid} belongs to agent {cur.value.agent!r}, not {agent_name!r}")

@@ -1,6 +1,7 @@
 """structlog set-up: JSON lines for services, readable console lines for ``jetloop up``.
 
-Handlers bind session, turn, step and call ids with contextvars, so every line carries them.
+Handlers bind session, turn, step and call ids (``consumers.logcontext``), so every line a step
+writes carries them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import logging
 import sys
 
 import structlog
+
+from consumers.logcontext import merge_step
 
 LEVELS = {
     "debug": logging.DEBUG,
@@ -21,6 +24,7 @@ LEVELS = {
 def configure(fmt: str = "json", level: str = "info", worker: str | None = None) -> None:
     processors: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
+        merge_step,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

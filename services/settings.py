@@ -31,6 +31,8 @@ from streams.seal import DEFAULT_TOLERANCE, Sealer, key_bytes
 from streams.topology import TopologyConfig
 
 SEAL_KEY_FILE = "seal.key"
+# Measured (docs/performance.md, issue 15): fewer collections without a longer p99.
+DEFAULT_GC_THRESHOLD = 5_000
 
 
 class SettingsError(JetloopError, ValueError):
@@ -85,6 +87,17 @@ class Settings(BaseSettings):
     tool_concurrency: int = Field(16, ge=1, description="tool steps one worker runs at once")
     session_concurrency: int = Field(32, ge=1, description="session steps run at once")
     drain_seconds: float = Field(10.0, ge=0, description="graceful stop: time to finish steps")
+    uvloop: bool = Field(
+        True,
+        description="run a worker and `jetloop up` on uvloop where it is installed (with "
+        "jetloop on Linux); false: the standard asyncio loop",
+    )
+    gc_threshold: int = Field(
+        DEFAULT_GC_THRESHOLD,
+        ge=100,
+        description="a worker's (and `jetloop up`'s) collector runs after this many young "
+        "objects (generation 0; Python's default is 700); start-up objects are frozen",
+    )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="a worker serves /metrics here (the gateway always)"
     )

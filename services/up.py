@@ -34,6 +34,7 @@ from services.gateway.app import Gateway
 from services.gateway.config import GatewayConfig, exposure_error
 from services.natsauth import make_users, write_config
 from services.readmodel.projector import Projector
+from services.runner import settle_heap
 from services.settings import LOCAL_USER, WATCH_USER, Settings, make_seal_key
 from services.supervisor import Component, GaveUp, Supervisor, describe
 from services.worker import Worker
@@ -177,6 +178,7 @@ async def _run_up(settings: Settings, external: bool) -> None:
     )
 
     def announce() -> None:
+        settle_heap(settings.gc_threshold)
         gateway = sup.instance("gateway")
         log.info(
             "jetloop.up",

@@ -34,6 +34,7 @@ from services.client import publish_trigger
 from services.control import ControlService
 from services.lifecycle import Service
 from services.rescue import Rescuer, connection_name
+from services.runner import loop_name
 from services.settings import Settings
 from streams import topology
 from streams.blobs import BlobStore
@@ -206,6 +207,7 @@ class Worker(Service):
                 incarnation=incarnation,
                 pools=list(self.pools),
                 agents=sorted(self.app.agents),
+                loop=loop_name(),
             )
             self._started.set()
             if s.metrics_port is not None:

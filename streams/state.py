@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -38,6 +39,10 @@ from streams.seal import SEAL_FIELD, SealBroken, Sealer
 from streams.topology import STATE_BUCKET
 
 R = TypeVar("R", bound=BaseModel)
+
+# How many verified records a store remembers (``StateStore._decode``): a turn reads the same
+# few records ~5 times each (every call step and join reads its turn, session and calls).
+VERIFIED_MEMO = 4096
 
 
 class Conflict(Exception):
@@ -141,6 +146,9 @@ class StateStore:
         self.read_timeout = 5.0
         self._stream = f"KV_{bucket}"
         self._prefix = f"$KV.{bucket}."
+        # Records whose seal verified, by what the verdict depends on and nothing else: the
+        # key, the stored bytes and the time the server stored them (``_decode``).
+        self._verified: OrderedDict[tuple[str, bytes, float], None] = OrderedDict()
 
     @classmethod
     async def open(cls, nc: Client, sealer: Sealer | None = None) -> StateStore:
@@ -169,9 +177,18 @@ class StateStore:
             raise SealBroken(key, f"it is not msgpack ({exc})") from exc
         if not isinstance(data, dict):
             raise SealBroken(key, "it is not a record")
-        why = self.sealer.verify(key, data, raw.stored_at)
-        if why is not None:
-            raise SealBroken(key, why)
+        # A seal's verdict is a function of the key, the bytes and the stored time under this
+        # store's keys: the same three verified once need no second HMAC. Only verified
+        # records are remembered, and every read still decodes and validates its own copy
+        # (a record is never shared between readers).
+        seen = (key, raw.data, raw.stored_at)
+        if seen not in self._verified:
+            why = self.sealer.verify(key, data, raw.stored_at)
+            if why is not None:
+                raise SealBroken(key, why)
+            if len(self._verified) >= VERIFIED_MEMO:
+                self._verified.popitem(last=False)  # the oldest
+            self._verified[seen] = None
         try:
             return decode_map(model, data)
         except DecodeError as exc:

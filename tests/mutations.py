@@ -229,8 +229,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "seal-not-checked",
         "streams/state.py",
-        "            raise SealBroken(key, why)\n",
-        "            pass\n",
+        "                raise SealBroken(key, why)\n",
+        "                pass\n",
         "a checkpoint whose seal does not verify is trusted",
         ("tests/test_resume.py::test_tampered_checkpoint_is_not_run",),
     ),

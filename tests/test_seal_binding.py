@@ -8,18 +8,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgpack
 import pytest
 
 from consumers.control import ControlError
 from demo.vendor import Vendor
-from schemas import Event, StepKind, StepMessage
+from schemas import Event, SessionRecord, StepKind, StepMessage
 from services.client import Client, TurnFailed
 from services.embedded import EmbeddedServer
 from streams.bus import Bus, step_out
-from streams.seal import Sealer, key_bytes
-from streams.state import approval_key, call_state_key, session_key, turn_key
+from streams.seal import SealBroken, Sealer, key_bytes
+from streams.state import StateStore, approval_key, call_state_key, session_key, turn_key
 from tests.conftest import SEAL_KEY, WorkerFactory, call, script, until
 from tests.test_resume import pending_approval
 
@@ -242,3 +243,35 @@ def test_seal_binds_key_and_time_and_rotates() -> None:
     assert "older state" in (new.verify("turn.s.t", sealed, now - 31) or "")
     assert "not a v2 seal" in (new.verify("turn.s.t", {**data, "seal": "ab" * 32}, now) or "")
     assert "no seal" in (new.verify("turn.s.t", data, now) or "")
+
+
+class CountingSealer(Sealer):
+    def __init__(self) -> None:
+        super().__init__([key_bytes(SEAL_KEY)])
+        self.verified = 0
+
+    def verify(self, key: str, data: dict[str, Any], stored_at: float) -> str | None:
+        self.verified += 1
+        return super().verify(key, data, stored_at)
+
+
+async def test_a_record_is_verified_once_and_an_edit_of_it_still_is_refused(
+    client: Client,
+) -> None:
+    """The seal's verdict is remembered by the key, the stored bytes and the stored time: the
+    same record read again costs no second HMAC, and each read is a copy of its own; the
+    same key with other bytes (a raw put) is verified, and refused."""
+    sealer = CountingSealer()
+    store = await StateStore.open(client.nc, sealer)
+    key = session_key("memo")
+    await store.write(key, SessionRecord(session_id="memo", agent="tester"), None)
+    first, again = await store.session("memo"), await store.session("memo")
+    assert first is not None and again is not None
+    assert sealer.verified == 1
+    assert first.value == again.value and first.value is not again.value
+    edited = msgpack.unpackb(await raw(client, key))
+    edited["turns_done"] = 99
+    await put(client, key, msgpack.packb(edited))
+    with pytest.raises(SealBroken):
+        await store.session("memo")
+    assert sealer.verified == 2

@@ -31,11 +31,17 @@ def _settings(**overrides: Any) -> Settings:
         raise click.ClickException(str(exc)) from None
 
 
-def _run(coro: Coroutine[Any, Any, None]) -> None:
+def _run(coro: Coroutine[Any, Any, None], settings: Settings | None = None) -> None:
+    """Run a command's coroutine; given the settings of a long-lived process (a worker,
+    ``up``), on the loop they choose (``services.runner``)."""
+    from services.runner import run
     from streams.connection import ConnectionLost
 
     try:
-        asyncio.run(coro)
+        if settings is None:
+            asyncio.run(coro)
+        else:
+            run(coro, use_uvloop=settings.uvloop)
     except KeyboardInterrupt:
         pass
     except ConnectionLost as exc:  # a worker's connection closed: exit 1, to be restarted

@@ -54,7 +54,7 @@ def up(
     )
     configure("console", s.log_level)
     try:
-        _run(run_up(s, external=nats_url is not None))
+        _run(run_up(s, external=nats_url is not None), s)
     except UpError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -72,6 +72,7 @@ def up(
 def worker(app: str | None, nats_url: str | None, pools: str, worker_id: str | None) -> None:
     """Run a worker against existing NATS servers."""
     from agents import load_app
+    from services.runner import settle_when_started
     from services.worker import Worker, default_worker_id
 
     s = _settings(app=app, nats_url=nats_url, worker_id=worker_id)
@@ -91,9 +92,13 @@ def worker(app: str | None, nats_url: str | None, pools: str, worker_id: str | N
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, w.stop_soon)
-        await w.run()
+        settle = asyncio.create_task(settle_when_started(w.wait_started(), s.gc_threshold))
+        try:
+            await w.run()
+        finally:
+            settle.cancel()
 
-    _run(go())
+    _run(go(), s)
 
 
 @main.command()

@@ -23,6 +23,7 @@ every other protocol call through unchanged.
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 import structlog
 from aiohttp import web
@@ -92,7 +93,8 @@ class GuardedConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # A stream server's transport, though not always of asyncio's class (uvloop's is not).
+        transport = cast(asyncio.Transport, transport)
         owner = self.owner
         if len(owner.open) >= owner.max_connections:
             owner.refused += 1

@@ -14,8 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from pydantic import SecretStr
+
 from schemas import TurnStatus
 from services.client import Client
+from services.settings import load_settings
 from streams.registry import Registry
 from tests.conftest import WorkerFactory, call, script, until
 from tests.test_up import alive
@@ -91,3 +95,20 @@ async def test_a_wrong_process_count_is_refused_naming_the_setting(tmp_path: Pat
     rc, lines = await asyncio.to_thread(run_worker, JETLOOP_WORKER_PROCESSES="many")
     assert rc == 1 and len(lines) == 1, lines
     assert "setting JETLOOP_WORKER_PROCESSES" in lines[0], lines
+
+
+def test_a_child_reads_the_settings_its_parent_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Settings.as_env`` gives a child what the parent was given, copied in or read from
+    options (`up` copies in the server's URL and password), and leaves defaults to the
+    child's environment."""
+    parent = load_settings(
+        app="tests.apps:app", lease_seconds=3, gateway_allow_anonymous_remote=True
+    ).model_copy(update={"nats_url": "nats://10.0.0.1:4333", "nats_password": SecretStr("pw")})
+    env = parent.as_env(worker_processes=1, metrics_port=None)
+    assert "JETLOOP_VENDOR_DB" not in env and "JETLOOP_METRICS_PORT" not in env
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    child = load_settings()
+    assert child.app == "tests.apps:app" and child.lease_seconds == 3
+    assert child.nats_urls == parent.nats_urls and child.gateway_allow_anonymous_remote
+    assert child.seal_key == parent.seal_key and child.worker_processes == 1

@@ -65,6 +65,8 @@ class ChildWorker(Service):
         self.pid: int | None = None
 
     async def run(self) -> None:
+        if self._stopping.is_set():
+            return  # stopped before it began: nothing to start
         proc = await asyncio.create_subprocess_exec(
             *self.argv,
             env=self.env,

@@ -52,7 +52,7 @@ def server_binary() -> str:
     )
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the child get SIGKILL when its parent dies (Linux)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -149,7 +149,7 @@ class EmbeddedServer:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(),  # one prctl call: safe between fork and exec
+                preexec_fn=die_with_parent(),  # one prctl call: safe between fork and exec
             )
         finally:
             if self.log_file:

@@ -132,6 +132,13 @@ class Settings(BaseSettings):
         None, description="the projector's SQLite read model (default <store dir>/readmodel.sqlite)"
     )
     worker_id: str | None = Field(None, description="name of this worker in claims and logs")
+    worker_processes: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="worker processes `jetloop worker` (--processes) and `jetloop up` (--workers) "
+        "run; 1: the worker runs in the process itself",
+    )
     log_format: Literal["json", "console"] = Field("json", description="log lines format")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     seal_key: SecretStr | None = Field(
@@ -232,6 +239,27 @@ class Settings(BaseSettings):
             scheme, sep, rest = u.partition("://")
             out.append(u if "@" in rest else f"{scheme}{sep}{user}:{password}@{rest}")
         return out
+
+    def as_env(self, **overrides: object) -> dict[str, str]:
+        """The ``JETLOOP_*`` variables that give a child process these settings: every plain
+        setting given (by the environment, a file, an option or a copy), with ``overrides``
+        (field names) on top; ``None`` leaves a variable out. Settings left at their default
+        are left out too, so what the parent changed in its own environment after reading them
+        (``jetloop up`` sets ``JETLOOP_VENDOR_DB``) still reaches the child; structured ones
+        (the gateway's tokens and hooks) are no worker's business and come from the
+        environment alone."""
+        values: dict[str, object] = {
+            name: getattr(self, name) for name in self.model_fields_set
+        } | overrides
+        env: dict[str, str] = {}
+        for name, value in values.items():
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            if isinstance(value, bool):
+                env[f"JETLOOP_{name.upper()}"] = "true" if value else "false"
+            elif isinstance(value, str | int | float | Path):
+                env[f"JETLOOP_{name.upper()}"] = str(value)
+        return env
 
     def sealer(self) -> Sealer | None:
         if self.seal_key is None:

@@ -2,9 +2,10 @@
 
 Starts nats-server from the wheel on the store directory (unless ``--nats`` names servers),
 applies the topology, and runs a worker for every pool with the given app, the gateway and
-the projector. Ctrl-C stops the gateway, the worker (drain) and the projector, and then the
-server. Running it again resumes what was in flight: the state and the queues are in the
-store directory.
+the projector (``--workers N``: N worker processes, this one and N-1 children, see
+``services.processes``). Ctrl-C stops the gateway, the workers (drain) and the projector,
+and then the server. Running it again resumes what was in flight: the state and the queues
+are in the store directory.
 
 The parts run under a supervisor (``services.supervisor``): one that fails is logged
 (``component.failed``) and restarted, the others keep serving; the server, our child, is
@@ -33,11 +34,12 @@ from services.embedded import EmbeddedServer, PortInUse, SupervisedServer, port_
 from services.gateway.app import Gateway
 from services.gateway.config import GatewayConfig, exposure_error
 from services.natsauth import make_users, write_config
+from services.processes import child_components
 from services.readmodel.projector import Projector
 from services.runner import settle_heap
 from services.settings import LOCAL_USER, WATCH_USER, Settings, make_seal_key
 from services.supervisor import Component, GaveUp, Supervisor, describe
-from services.worker import Worker
+from services.worker import Worker, default_worker_id
 
 log = structlog.get_logger("jetloop.up")
 
@@ -165,9 +167,17 @@ async def _run_up(settings: Settings, external: bool) -> None:
     readmodel_db = gw_config.readmodel_db
     assert readmodel_db is not None
     worker_settings, urls = settings, settings.nats_urls
-    # The worker first: it applies the topology the projector reads. Stopped in reverse:
-    # the gateway (no new turns) and the projector, then the worker (drains), then the server.
-    stages.append([Component("worker", lambda: Worker(worker_settings, app))])
+    # One worker in this process; with --workers N, N-1 more in child processes
+    # (services.processes) named after it: <id>-2 … <id>-N.
+    worker_id = settings.worker_id or default_worker_id()
+    children = child_components(
+        settings, worker_id, range(2, settings.worker_processes + 1), log_format="console"
+    )
+    # The workers first: they apply the topology the projector reads. Stopped in reverse:
+    # the gateway (no new turns) and the projector, then the workers (drain), then the server.
+    stages.append(
+        [Component("worker", lambda: Worker(worker_settings, app, worker_id=worker_id)), *children]
+    )
     stages.append(
         [
             Component(

@@ -256,6 +256,36 @@ async def test_bad_app_is_one_line(tmp_path: Path) -> None:
     assert "JETLOOP_APP / --app" in lines[0] and "bad.path:x" in lines[0], lines
 
 
+async def test_up_with_two_workers(tmp_path: Path, up_procs: list[subprocess.Popen[bytes]]) -> None:
+    """`up --workers 2`: its own worker and a child process named after it (`<id>-2`) are
+    both live; a turn runs; Ctrl-C stops the child too, cleanly."""
+    port = free_port()
+    log = tmp_path / "up.log"
+    proc = start_up(tmp_path, port, "--workers", "2")
+    up_procs.append(proc)
+    c = await connect_when_ready(f"nats://127.0.0.1:{port}", proc, log)
+    own = f"{socket.gethostname()}-{proc.pid}"
+    try:
+
+        async def both() -> bool:
+            live = {w.worker_id for w in await (await c.registry()).workers()}
+            return {own, f"{own}-2"} <= live
+
+        await until(both, 30)
+        h = await c.send("demo", "pair", "create ticket printer on fire; list tickets")
+        assert "T-1" in ((await c.wait(h, timeout=30)).text or "")
+    finally:
+        await c.close()
+    [started] = events(log, "worker.process_started", child=f"{own}-2")
+    child = int(field(started, "pid"))
+    assert alive(child)
+    stop(proc, log)
+    assert not alive(child)
+    [stopped] = events(log, "worker.process_stopped", child=f"{own}-2")
+    assert "exited with status 0" in stopped, stopped
+    assert not events(log, "component.failed"), log.read_text()[-3000:]
+
+
 async def test_nats_server_killed_is_restarted(
     tmp_path: Path, up_procs: list[subprocess.Popen[bytes]]
 ) -> None:

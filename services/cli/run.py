@@ -32,6 +32,12 @@ from services.cli.main import _client_cmd, _run, _settings, main
     help="without tokens, serve every scope to anyone who reaches JETLOOP_GATEWAY_HOST "
     "even when it is not loopback",
 )
+@click.option(
+    "--workers",
+    "worker_processes",
+    type=click.IntRange(1, 256),
+    help="worker processes: this one and N-1 children (default JETLOOP_WORKER_PROCESSES, 1)",
+)
 def up(
     nats_url: str | None,
     app: str | None,
@@ -39,9 +45,10 @@ def up(
     embedded_port: int | None,
     gateway_port: int | None,
     allow_anonymous_remote: bool | None,
+    worker_processes: int | None,
 ) -> None:
-    """Start nats-server (embedded), the topology, a worker with the demo agent, the gateway
-    and the projector; restart any of them that fails."""
+    """Start nats-server (embedded), the topology, a worker with the demo agent (or --workers
+    N), the gateway and the projector; restart any of them that fails."""
     from services.up import UpError, run_up
 
     s = _settings(
@@ -51,6 +58,7 @@ def up(
         embedded_port=embedded_port,
         gateway_port=gateway_port,
         gateway_allow_anonymous_remote=allow_anonymous_remote,
+        worker_processes=worker_processes,
     )
     configure("console", s.log_level)
     try:
@@ -69,26 +77,46 @@ def up(
     help="which step pools this worker serves",
 )
 @click.option("--id", "worker_id", help="worker name in claims and logs")
-def worker(app: str | None, nats_url: str | None, pools: str, worker_id: str | None) -> None:
-    """Run a worker against existing NATS servers."""
+@click.option(
+    "--processes",
+    type=click.IntRange(1, 256),
+    help="run this many worker processes, ids <id>-1 … <id>-N (default "
+    "JETLOOP_WORKER_PROCESSES, 1: this process is the worker)",
+)
+def worker(
+    app: str | None,
+    nats_url: str | None,
+    pools: str,
+    worker_id: str | None,
+    processes: int | None,
+) -> None:
+    """Run a worker (or --processes N of them) against existing NATS servers."""
     from agents import load_app
     from services.runner import settle_when_started
     from services.worker import Worker, default_worker_id
 
-    s = _settings(app=app, nats_url=nats_url, worker_id=worker_id)
+    s = _settings(app=app, nats_url=nats_url, worker_id=worker_id, worker_processes=processes)
     wid = s.worker_id or default_worker_id()
     configure(s.log_format, s.log_level, worker=wid)
     try:
         loaded = load_app(s.app)
     except (ValueError, ImportError) as exc:
         raise click.ClickException(f"setting JETLOOP_APP / --app: {exc}") from None
+    pool_names = [p.strip() for p in pools.split(",") if p.strip()]
+    if s.worker_processes > 1:
+        from services.processes import run_worker_processes
+        from services.supervisor import GaveUp
+
+        try:
+            _run(run_worker_processes(s, wid, pool_names))
+        except GaveUp as exc:
+            raise click.ClickException(str(exc)) from None
+        return
 
     async def go() -> None:
         import signal
 
-        w = Worker(
-            s, loaded, pools=[p.strip() for p in pools.split(",") if p.strip()], worker_id=wid
-        )
+        w = Worker(s, loaded, pools=pool_names, worker_id=wid)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, w.stop_soon)

@@ -179,12 +179,12 @@ def format_report(rep: BenchReport) -> str:
             lines.append(f"| {k} | {cells} |")
     if rep.throughput is not None:
         lines += ["", "### Throughput: 7-step turns on many concurrent sessions", ""]
-        lines.append("| what | turns | in flight | wall s | steps/s | turn p50 ms |")
-        lines.append("|---|---:|---:|---:|---:|---:|")
+        lines.append("| what | turns | in flight | wall s | steps/s | cores | turn p50 ms |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|")
         for t in rep.throughput:
             lines.append(
                 f"| {t.what} | {t.turns} | {t.in_flight} | {t.wall_s:.1f} |"
-                f" {t.steps_per_s:,.0f} | {_ms(t.turn_p50_ms)} |"
+                f" {t.steps_per_s:,.0f} | {t.cores} | {_ms(t.turn_p50_ms)} |"
             )
     if rep.history is not None:
         lines += ["", "### History growth", ""]

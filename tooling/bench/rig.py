@@ -2,7 +2,8 @@
 
 ``Rig`` starts nats-server (with its monitoring port, for per-connection message counts),
 applies the engine's and the floor's topology, starts engine workers
-(``tooling.trials.harness.WorkerProcess`` on ``tooling.bench.app``) or the floor worker
+(``tooling.trials.harness.WorkerProcess`` on ``tooling.bench.app``, one process each or
+``jetloop worker --processes N``) or the floor worker
 (``tooling.bench.floor``) on demand, and drives turns: a turn's end is taken from a core
 NATS subscription on its ``turn.completed`` event (a JetStream publish also reaches core
 subscribers), so waiting costs the driver one message, not a consumer per turn.
@@ -244,6 +245,25 @@ class Rig:
         for w in started:
             await w.wait_for("worker.started", timeout=WORKER_START_SECONDS)
         return started
+
+    async def start_worker_processes(self, n: int, **env: str) -> WorkerProcess:
+        """``jetloop worker --processes n``: one parent of ``n`` worker processes (``n`` = 1:
+        one worker in the process itself), once every one of them has started."""
+        self._ids += 1
+        name = f"bench{self._ids}"
+        w = WorkerProcess(
+            self.server.url,
+            APP,
+            self.base / f"{name}.log",
+            worker_id=name,
+            env=self.worker_env(**env),
+            processes=n,
+        ).start()
+        self.workers.append(w)
+        ids = [name] if n == 1 else [f"{name}-{i}" for i in range(1, n + 1)]
+        for wid in ids:
+            await w.wait_for("worker.started", timeout=WORKER_START_SECONDS, worker=wid)
+        return w
 
     def stop_workers(self) -> None:
         for w in self.workers:

@@ -5,7 +5,8 @@
   ``tooling.bench.app``, sequential and with 50 turns in flight, against the raw JetStream
   floor of ``tooling.bench.floor`` (the same CAS writes, publishes and acks, nothing else).
 - ``throughput``: steps per second (model and tool steps) of 7-step turns on many concurrent
-  sessions, with one and with two worker processes, against the floor.
+  sessions, with 1, 2 and 4 worker processes (``jetloop worker --processes N``), each beside
+  the machine's core count, against the floor.
 - ``history_growth``: durable bytes per step (growth of every jetloop stream's and bucket's
   ``state.bytes``) and turn latency when the session's history holds ~10 and ~1,000 messages.
 - ``waiting_at_scale``: N sessions parked on approvals and timers: worker and server RSS,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -154,21 +156,25 @@ class ThroughputRow:
     wall_s: float
     steps_per_s: float
     turn_p50_ms: float
+    processes: int  # worker processes (the floor: its one process)
+    cores: int  # the machine's, os.cpu_count(): what the processes had to share with the server
 
 
 async def throughput(
     r: Rig,
     turns: int = 1000,
     in_flight: int = 200,
-    workers: Sequence[int] = (1, 2),
+    workers: Sequence[int] = (1, 2, 4),
     warm: int = 100,
     op_turns: int = 20,
 ) -> list[ThroughputRow]:
-    """Steps per second of 7-step turns, ``in_flight`` sessions at once."""
+    """Steps per second of 7-step turns, ``in_flight`` sessions at once, with each number of
+    worker processes in ``workers`` (``jetloop worker --processes N``)."""
     rows = []
     ops: OpCounts | None = None
+    cores = os.cpu_count() or 0
     for n in workers:
-        await r.start_workers(n)
+        await r.start_worker_processes(n)
         await run_batch(r.engine_turn, 5, warm, 50, tag("warm"))
         if ops is None:
             ops = await count_ops(r, r.engine_turn, 5, op_turns, True)
@@ -176,12 +182,14 @@ async def throughput(
         b = await run_batch(r.engine_turn, 5, turns, in_flight, tag("t"))
         rows.append(
             ThroughputRow(
-                f"engine, {n} worker{'s' if n > 1 else ''}",
+                f"engine, {n} worker process{'es' if n > 1 else ''}",
                 turns,
                 in_flight,
                 b.wall,
                 b.per_second(7),
                 Latency.of(b.latencies).p50_ms,
+                n,
+                cores,
             )
         )
         await r.quiet()
@@ -199,6 +207,8 @@ async def throughput(
             b.wall,
             b.per_second(7),
             Latency.of(b.latencies).p50_ms,
+            1,
+            cores,
         )
     )
     await r.quiet()
@@ -451,7 +461,7 @@ class Sizes:
     throughput_warm: int = 100
     op_turns: int = 20
     chunks: int = 4
-    throughput_workers: tuple[int, ...] = (1, 2)
+    throughput_workers: tuple[int, ...] = (1, 2, 4)
 
 
 # A smoke run: every benchmark on small numbers, well under a minute on 2 idle cores.

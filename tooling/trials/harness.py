@@ -34,8 +34,10 @@ class WorkerProcess:
         pools: str = "session,model,tool",
         hold: str | None = None,
         release_file: Path | None = None,
+        processes: int = 1,
     ) -> None:
         self.nats_url = nats_url
+        self.processes = processes  # > 1: a parent of that many worker processes
         self.app = app
         self.log_path = log_path
         self.worker_id = worker_id
@@ -64,6 +66,7 @@ class WorkerProcess:
                 self.pools,
                 "--id",
                 self.worker_id,
+                *(["--processes", str(self.processes)] if self.processes != 1 else []),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -118,9 +121,16 @@ class WorkerProcess:
                 line = json.loads(raw)
             except json.JSONDecodeError:
                 continue
-            if isinstance(line, dict) and line.get("worker", self.worker_id) == self.worker_id:
+            if isinstance(line, dict) and self._mine(line.get("worker", self.worker_id)):
                 out.append(line)
         return out
+
+    def _mine(self, worker: object) -> bool:
+        """A line of this worker, or with ``processes`` > 1 of one of its children
+        (``<id>-<i>``, see ``services.processes``)."""
+        if worker == self.worker_id:
+            return True
+        return self.processes > 1 and str(worker).startswith(f"{self.worker_id}-")
 
     def find(self, event: str, **match: Any) -> list[LogLine]:
         return [

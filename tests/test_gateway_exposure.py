@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from services.embedded import EmbeddedServer, free_port
-from tests.conftest import until
+from tests.conftest import SEAL_KEY, until
 
 HEADER_TIMEOUT = 1.0
 BODY_TIMEOUT = 1.0
@@ -84,7 +84,10 @@ async def test_gateway_anonymous_remote_only_when_allowed(
     """`jetloop gateway` with anonymous scopes on 0.0.0.0 refuses in one line; with
     --allow-anonymous-remote it serves them and logs a warning saying so."""
     port = free_port()
-    env = clean_env(tmp_path, JETLOOP_GATEWAY_ANONYMOUS_SCOPES='["read"]')
+    # The seal key too: a gateway without it refuses to read state (503), by design.
+    env = clean_env(
+        tmp_path, JETLOOP_GATEWAY_ANONYMOUS_SCOPES='["read"]', JETLOOP_SEAL_KEY=SEAL_KEY
+    )
     args = cli("gateway", "--nats", nats_ready.url, "--host", "0.0.0.0", "--port", str(port))
     out = run(args, env)
     assert out.returncode != 0 and "--allow-anonymous-remote" in out.stderr, out.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -63,12 +64,19 @@ async def connect(
         wait = min(0.5, give_up_after / 4)
         attempts = max(1, math.ceil(give_up_after / wait))
         connect_timeout = min(5.0, give_up_after)
+    # Credentials given in a URL are also given as options: nats-py reconnects to servers
+    # the cluster announces (without credentials in their URLs), and there it would connect
+    # as nobody — for the system account's watch user, to the global account, where no
+    # advisory ever arrives (seen after a node's takeover in a kill trial).
+    user, password = credentials_in(urls)
     nc = SizedClient()
     try:
         await asyncio.wait_for(
             nc.connect(
                 servers=list(urls),
                 name=name,
+                user=user,
+                password=password,
                 max_reconnect_attempts=attempts,
                 # nats-py annotates these as int; they are seconds, used as floats
                 reconnect_time_wait=wait,  # type: ignore[arg-type]
@@ -91,6 +99,15 @@ async def connect(
         raise
     closing.append(nc)
     return nc
+
+
+def credentials_in(urls: Sequence[str]) -> tuple[str | None, str | None]:
+    """The user and password of the first URL that has them (None, None without)."""
+    for u in urls:
+        parts = urllib.parse.urlsplit(u.strip())
+        if parts.username:
+            return urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
+    return None, None
 
 
 class NotAuthorized(NatsError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -76,3 +77,47 @@ async def test_publish_and_kv_survive_stream_leader_kill(cluster: LocalCluster) 
         assert entry.revision == rev
     finally:
         await nc.close()
+
+
+async def test_a_watch_connection_keeps_hearing_after_its_node_dies(tmp_path: Path) -> None:
+    """The system account's watch user, given in the URL of one node only, connects again to
+    a node the cluster announced when its own dies — and is still the watch user there,
+    hearing connection-closed advisories (before the fix it came back as nobody, in the
+    global account, and heard nothing for the rest of its life: dead workers then waited
+    for their leases)."""
+    import json
+
+    import nats
+
+    from tooling.trials.servers import write_server_config
+
+    config = write_server_config(tmp_path / "nats-server.conf", "pw")
+    c = LocalCluster(tmp_path / "cluster", "jl-watch", config_file=config)
+    c.start()
+    try:
+        await c.wait_ready()
+        first = c.urls[0].replace("nats://", "nats://watch:pw@")
+        watch = await connect([first], "test-watch")
+        heard: list[str] = []
+
+        async def on_advisory(msg: object) -> None:
+            heard.append(json.loads(msg.data)["client"].get("name", ""))  # type: ignore[attr-defined]
+
+        await watch.subscribe("$SYS.ACCOUNT.*.DISCONNECT", cb=on_advisory)
+
+        async def closes_heard(tag: str) -> bool:
+            for i in (1, 2):
+                probe = await nats.connect(servers=[c.urls[i]], name=f"{tag}-{i}")
+                await probe.close()
+            await asyncio.sleep(0.3)
+            return {f"{tag}-1", f"{tag}-2"} <= set(heard)
+
+        assert await closes_heard("before")
+        c.kill(0)
+        rounds = iter(range(1000))
+        assert await until(lambda: closes_heard(f"after-{next(rounds)}"), timeout=20), (
+            "the watch connection hears nothing after its node died"
+        )
+        await watch.close()
+    finally:
+        c.stop()

@@ -152,7 +152,8 @@ async def test_send_with_idempotency_key_snapshot_and_list(
     )
 
     # The turn's end is told before the session moves on: wait for the session too.
-    await snapshot_when(api, "s1", lambda s: s["status"] == "idle")
+    # (The snapshot says idle once the turn ended; turns_done follows when the session moved.)
+    await snapshot_when(api, "s1", lambda s: s["status"] == "idle" and s["turns_done"] == 1)
     snap = await ok(await api.get("/v1/sessions/s1", params={"history_limit": "1"}, headers=READ))
     assert snap["turns_done"] == 1
     assert len(snap["history"]) == 1 and snap["history_total"] >= 3

@@ -55,8 +55,13 @@ async def test_same_request_id_in_two_sessions_runs_twice_and_unscoped_ids_are_r
         async for ev in client.events(session, types=("turn.accepted",)):
             assert (ev.turn_id, ev.data["request_id"]) == (tid, rid)
             break
-        snap = await client.snapshot(session)
-        assert snap is not None and snap.turns_done == 1
+
+        # The session counts the turn just after its end is told: wait for it.
+        async def counted(session: str = session) -> bool:
+            snap = await client.snapshot(session)
+            return snap is not None and snap.turns_done == 1
+
+        assert await until(counted, timeout=10)
 
     letters = [(r, b) for s, r, b in await client.dead_letters() if s == "jl.turn.tester.rc"]
     [(bare, _), (mismatch, _)] = letters

@@ -10,6 +10,7 @@ logged at the vendor as op ``model_call`` ({"turn", "step"}) so tests count what
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -78,11 +79,25 @@ async def note_call(spec_text: str, step: int) -> None:
     await vendor().note("model_call", None, {"turn": digest, "step": step})
 
 
+async def latch() -> None:
+    """With ``TEST_MODEL_LATCH`` set (a file path), the model call is logged at the vendor as
+    ``model_call.open`` and held open until that file exists: a test kills the worker while
+    pydantic-ai's ``Model.request`` is in progress."""
+    path = os.environ.get("TEST_MODEL_LATCH")
+    if not path:
+        return
+    await vendor().note("model_call.open", None, {})
+    # Polls a file the test process creates (as tests/apps.py does): a stat, no I/O wait.
+    while not Path(path).exists():  # noqa: ASYNC110, ASYNC240
+        await asyncio.sleep(0.02)
+
+
 async def scripted(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     """The model of ``pai``: runs the script, then reports what it saw."""
     spec, turn = turn_of(messages)
     k = sum(1 for m in turn if isinstance(m, ModelResponse))
     await note_call(json.dumps(spec, sort_keys=True), k)
+    await latch()
     steps = spec.get("steps", [])
     if k < len(steps):
         return ModelResponse(

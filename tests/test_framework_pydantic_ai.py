@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -22,13 +23,15 @@ import pytest
 pytest.importorskip("pydantic_ai", reason="the pydantic-ai extra is not installed")
 
 from pydantic_ai import Agent as PydanticAgent
-from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
+from pydantic_ai.exceptions import ModelHTTPError
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, UserPromptPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from agents import Effect
+from agents.adapters import ProviderRejected, ProviderRetryable
 from agents.adapters.history import conversation
-from agents.frameworks.pydantic_ai import durable, to_model_messages
-from agents.model import Message, ToolCallRequest
+from agents.frameworks.pydantic_ai import durable, to_model_messages, tool_context
+from agents.model import Message, ModelRequest, ToolCallRequest
 from demo.vendor import Vendor
 from services.client import Client
 from streams.registry import Registry
@@ -120,6 +123,59 @@ def test_conversation_becomes_pydantic_ai_messages() -> None:
     assert isinstance(ret, pm.ToolReturnPart) and ret.tool_call_id == "c1"
     assert ret.content == '{"v": 1}'
     assert isinstance(note, pm.UserPromptPart) and "a note" in str(note.content)
+
+
+def shouting(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    """A model whose provider fails as the user's last words say, else echoes the count."""
+    last = messages[-1].parts[-1]
+    said = str(last.content) if isinstance(last, UserPromptPart) else ""
+    if said in ("429", "400"):
+        raise ModelHTTPError(int(said), "fake", {"error": said})
+    return ModelResponse(parts=[TextPart(f"{len(messages)} messages")])
+
+
+@dataclass
+class Call:
+    """A ToolContext as the engine gives one, for a tool run without the engine."""
+
+    session_id: str = "s"
+    turn_id: str = "t1"
+    model_step: int = 0
+    call_id: str = "t1-0-0"
+    idempotency_key: str = "key-1"
+    attempt: int = 1
+    cancelled: bool = False
+
+    async def heartbeat(self) -> None:
+        return None
+
+
+async def test_provider_errors_summary_calls_and_sync_tools() -> None:
+    """A 429 from the pydantic-ai model retries the step, a 400 fails it at once; the
+    compaction call goes to the agent's model with the engine's instructions, no tools; a
+    sync tool (run by pydantic-ai in a thread) still reads its call's idempotency key."""
+    agent = PydanticAgent(FunctionModel(shouting), name="x")
+
+    @agent.tool_plain
+    def keyed(a: int) -> str:
+        return f"{tool_context().idempotency_key}:{a}"
+
+    wrapped = durable(agent, effects={"keyed": Effect.READ})
+
+    def ask(text: str, purpose: str = "answer") -> ModelRequest:
+        msgs = [Message("user", text)]
+        return ModelRequest("x", "Summarise.", msgs, [], attempt=1, purpose=purpose)
+
+    with pytest.raises(ProviderRetryable) as retry:
+        await wrapped.model.complete(ask("429"))
+    assert retry.value.status == 429
+    with pytest.raises(ProviderRejected):
+        await wrapped.model.complete(ask("400"))
+    summary = await wrapped.model.complete(ask("hello", purpose="summary"))
+    assert summary.text == "1 messages" and summary.tool_calls == []
+    tool = wrapped.tool("keyed")
+    assert tool is not None
+    assert await tool.fn(tool.args_model.model_validate({"a": 3}), Call()) == "key-1:3"
 
 
 # --- turns on real workers ------------------------------------------------------------------
@@ -234,8 +290,30 @@ async def kill_at(pai: Client, workers: WorkerFactory, point: str, text: str) ->
 async def test_worker_kill_mid_model_call_asks_the_model_again(
     pai: Client, workers: WorkerFactory, vendor: Vendor
 ) -> None:
-    """Killed after pydantic-ai's model answered, before the answer was committed: the new
-    worker asks the model again (RunModel repeats), and the write it planned is made once."""
+    """Killed while pydantic-ai's ``Model.request`` is in progress (the model function holds
+    the request open): the new worker asks the model again (RunModel repeats), and the write
+    it planned is made once."""
+    victim = start(workers, env={"TEST_MODEL_LATCH": str(workers.tmp / "never")})
+    h = await pai.send("pai", "k", script([call("write", name="w")]))
+
+    async def in_call() -> bool:
+        return await count(vendor, "model_call.open") == 1
+
+    await until(in_call)
+    victim.kill()
+    start(workers, name="survivor")
+    res = await pai.wait(h, timeout=60)
+    assert steps_asked(await vendor.payload_counts("model_call")) == {0: 2, 1: 1}
+    assert await vendor.effect_count("write") == 1
+    rec = await pai.call("k", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == "succeeded" and rec.attempts == 1
+    assert json.loads(body(res.text)["seen"][0]["content"]) == {"op": "write", "name": "w"}
+
+
+async def test_worker_kill_before_the_answer_is_committed_asks_the_model_again(
+    pai: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Killed after the model answered, before the answer was committed: asked again too."""
     h, res = await kill_at(
         pai, workers, "run_model.before_commit", script([call("write", name="w")])
     )

@@ -341,9 +341,9 @@ class PydanticAIModel:
 
     async def _answer(self, request: ModelRequest) -> ModelResponse:
         history = to_model_messages(conversation(request.messages))
-        system = await self.agent.system_prompt_parts(deps=self.deps)
-        if system and history and isinstance(history[0], pm.ModelRequest):
-            history[0] = pm.ModelRequest(parts=[*system, *history[0].parts])
+        # pydantic-ai sends system prompts only in a conversation's first request, which the
+        # graph never builds here (the history is never empty): put them there ourselves.
+        _open_with(history, await self.agent.system_prompt_parts(deps=self.deps))
         async with self.agent.iter(
             None, message_history=history, deps=self.deps, conversation_id=request.session_id
         ) as run:
@@ -376,7 +376,7 @@ class PydanticAIModel:
         history = to_model_messages(
             conversation(request.messages, tools_enabled=False, summary=True)
         )
-        history.insert(0, pm.ModelRequest(parts=[pm.SystemPromptPart(request.instructions)]))
+        _open_with(history, [pm.SystemPromptPart(request.instructions)])
         model = self.agent.model
         if model is None:
             raise UserError("the pydantic-ai agent has no model")
@@ -413,6 +413,16 @@ def to_model_messages(items: Sequence[UserText | Context | Exchange]) -> list[pm
         ]
     flush()
     return out
+
+
+def _open_with(history: list[pm.ModelMessage], parts: Sequence[pm.ModelRequestPart]) -> None:
+    """Put ``parts`` (system prompts) at the start of the conversation's first request."""
+    if not parts:
+        return
+    if history and isinstance(history[0], pm.ModelRequest):
+        history[0] = pm.ModelRequest(parts=[*parts, *history[0].parts])
+    else:
+        history.insert(0, pm.ModelRequest(parts=list(parts)))
 
 
 def _usage(usage: RunUsage) -> dict[str, int]:

@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("pydantic_ai", reason="the pydantic-ai extra is not installed")
 
 from pydantic_ai import Agent as PydanticAgent
+from pydantic_ai import FunctionToolset, PrefixedToolset, RunContext
 from pydantic_ai.exceptions import ModelHTTPError
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, UserPromptPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
@@ -176,6 +177,22 @@ async def test_provider_errors_summary_calls_and_sync_tools() -> None:
     tool = wrapped.tool("keyed")
     assert tool is not None
     assert await tool.fn(tool.args_model.model_validate({"a": 3}), Call()) == "key-1:3"
+
+
+async def test_tools_of_other_toolsets_are_deferred_when_named() -> None:
+    """A tool pydantic-ai only lists at run time (here a prefixed toolset; an MCP server is the
+    same) is not known when the app loads: named in ``effects``, it becomes a jetloop tool
+    too and runs through pydantic-ai's ToolManager, with its deps."""
+
+    def area(ctx: RunContext[int], side: int) -> int:
+        return side * side * ctx.deps
+
+    toolset = PrefixedToolset(FunctionToolset([area]), "geo")
+    agent = PydanticAgent(FunctionModel(shouting), name="x", toolsets=[toolset], deps_type=int)
+    wrapped = durable(agent, effects={"geo_area": Effect.READ}, deps=10)
+    tool = wrapped.tool("geo_area")
+    assert tool is not None and tool.effect is Effect.READ
+    assert await tool.fn(tool.args_model.model_validate({"side": 3}), Call()) == 90
 
 
 # --- turns on real workers ------------------------------------------------------------------

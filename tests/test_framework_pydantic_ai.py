@@ -25,7 +25,13 @@ pytest.importorskip("pydantic_ai", reason="the pydantic-ai extra is not installe
 from pydantic_ai import Agent as PydanticAgent
 from pydantic_ai import FunctionToolset, PrefixedToolset, RunContext
 from pydantic_ai.exceptions import ModelHTTPError
-from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, UserPromptPart
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    UserPromptPart,
+)
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from agents import Effect
@@ -132,6 +138,8 @@ def shouting(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
     said = str(last.content) if isinstance(last, UserPromptPart) else ""
     if said in ("429", "400"):
         raise ModelHTTPError(int(said), "fake", {"error": said})
+    if said.startswith("call "):
+        return ModelResponse(parts=[ToolCallPart(said.removeprefix("call "), {"side": 2})])
     return ModelResponse(parts=[TextPart(f"{len(messages)} messages")])
 
 
@@ -193,6 +201,15 @@ async def test_tools_of_other_toolsets_are_deferred_when_named() -> None:
     tool = wrapped.tool("geo_area")
     assert tool is not None and tool.effect is Effect.READ
     assert await tool.fn(tool.args_model.model_validate({"side": 3}), Call()) == 90
+
+    # Not named: not a jetloop tool, and still not run inside the model step; the engine
+    # records the call as one to an unknown tool, which the model then sees.
+    unnamed = durable(agent, deps=10)
+    assert unnamed.tool("geo_area") is None
+    asked = await unnamed.model.complete(
+        ModelRequest("x", "", [Message("user", "call geo_area")], [], 1)
+    )
+    assert [(c.name, c.arguments) for c in asked.tool_calls] == [("geo_area", {"side": 2})]
 
 
 # --- turns on real workers ------------------------------------------------------------------

@@ -53,6 +53,7 @@ from pydantic_ai import (
 )
 from pydantic_ai import messages as pm
 from pydantic_ai import models as pmodels
+from pydantic_ai.capabilities import Hooks
 from pydantic_ai.exceptions import (
     ModelAPIError,
     ModelHTTPError,
@@ -163,7 +164,7 @@ def durable(
     return DurablePydanticAgent(
         name=agent_name,
         instructions=f"(the instructions of the pydantic-ai agent {agent_name})",
-        model=PydanticAIModel(agent, deps=deps, tool_names=frozenset(t.name for t in tools)),
+        model=PydanticAIModel(agent, deps=deps),
         tools=tuple(tools),
         limits=limits or Limits(),
         triggers=tuple(triggers),
@@ -310,12 +311,9 @@ class _ToolRunner:
 class PydanticAIModel:
     """The jetloop model adapter of a pydantic-ai agent: one model request per RunModel step."""
 
-    def __init__(
-        self, agent: PydanticAgent[Any, Any], *, deps: Any, tool_names: frozenset[str]
-    ) -> None:
+    def __init__(self, agent: PydanticAgent[Any, Any], *, deps: Any) -> None:
         self.agent = agent
         self.deps = deps
-        self.tool_names = tool_names
 
     def estimate_tokens(self, messages: list[Message]) -> int:
         return rough_tokens(messages)
@@ -344,17 +342,33 @@ class PydanticAIModel:
         # pydantic-ai sends system prompts only in a conversation's first request, which the
         # graph never builds here (the history is never empty): put them there ourselves.
         _open_with(history, await self.agent.system_prompt_parts(deps=self.deps))
+        output_tools: set[str] = set()
+
+        async def note_output_tools(
+            ctx: RunContext[Any], request_context: pmodels.ModelRequestContext
+        ) -> pmodels.ModelRequestContext:
+            output_tools.update(
+                t.name for t in request_context.model_request_parameters.output_tools
+            )
+            return request_context
+
         async with self.agent.iter(
-            None, message_history=history, deps=self.deps, conversation_id=request.session_id
+            None,
+            message_history=history,
+            deps=self.deps,
+            conversation_id=request.session_id,
+            capabilities=[Hooks(before_model_request=note_output_tools)],
         ) as run:
             node: Any = run.next_node
             while not isinstance(node, End):
                 if isinstance(node, CallToolsNode):
                     answer = node.model_response
-                    calls = [c for c in answer.tool_calls if c.tool_name in self.tool_names]
+                    calls = [c for c in answer.tool_calls if c.tool_name not in output_tools]
                     if calls:
-                        # The engine makes these calls as steps of their own; any output tool
-                        # call beside them is dropped (the model answers again after them).
+                        # Every call but the output tool's is the engine's to make, each as a
+                        # step of its own (one of no tool the engine knows is recorded as a
+                        # call to an unknown tool, which the model sees); an output tool call
+                        # beside them is dropped: the model answers again after the results.
                         return ModelResponse(
                             text=answer.text or "",
                             tool_calls=[
@@ -363,6 +377,8 @@ class PydanticAIModel:
                             ],
                             usage=_usage(run.usage),
                         )
+                # No call for the engine: pydantic-ai validates the output (and asks the model
+                # again, within this step, if it does not validate).
                 node = await run.next(node)
             output = node.data.output
             usage = _usage(run.usage)

@@ -212,6 +212,36 @@ async def test_tools_of_other_toolsets_are_deferred_when_named() -> None:
     assert [(c.name, c.arguments) for c in asked.tool_calls] == [("geo_area", {"side": 2})]
 
 
+async def test_the_readme_example_runs_on_pydantic_ais_test_model() -> None:
+    """README's "### pydantic-ai" block, with pydantic-ai's ``TestModel`` for the real model:
+    the app it builds serves ``weather``, whose model step asks for its tool, whose tool step
+    runs, and whose next model step answers."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("### pydantic-ai\n", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"openai:gpt-4o"' in code
+    scope: dict[str, Any] = {}
+    exec(compile(code.replace('"openai:gpt-4o"', '"test"'), "README.md", "exec"), scope)
+    weather = scope["app"].agent("weather")
+    assert [(t.name, t.effect) for t in weather.tools] == [("forecast", Effect.READ)]
+    first = await weather.model.complete(
+        ModelRequest("weather", "", [Message("user", "Paris?")], [], 1)
+    )
+    [asked] = first.tool_calls
+    tool = weather.tool("forecast")
+    result = await tool.fn(tool.args_model.model_validate(asked.arguments), Call())
+    assert result == {"city": asked.arguments["city"], "temp": 21}
+    history = [
+        Message("user", "Paris?"),
+        Message("assistant", first.text, calls=[asked]),
+        Message("tool", call_id="t1-0-0", tool="forecast", status="ok", result=result),
+    ]
+    last = await weather.model.complete(ModelRequest("weather", "", history, [], 1))
+    assert last.tool_calls == [] and "forecast" in last.text
+
+
 # --- turns on real workers ------------------------------------------------------------------
 
 

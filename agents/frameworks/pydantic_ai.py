@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PydanticSchemaGenerationError,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 from pydantic_ai import Agent as PydanticAgent
 from pydantic_ai import (
     ApprovalRequired,
@@ -47,6 +54,7 @@ from pydantic_ai import (
     NativeOutput,
     PromptedOutput,
     RunContext,
+    TextOutput,
     ToolFailed,
     ToolOutput,
     ToolReturn,
@@ -149,7 +157,7 @@ def durable(
         raise ValueError(f"durable({agent_name}): no tool named {', '.join(unknown)}")
     runner = _ToolRunner(agent, deps)
     tools: list[Tool] = []
-    for tool_name in [*found, *[u for u in unknown if u in effects]]:
+    for tool_name in [*found, *unknown]:
         pai_tool = found.get(tool_name)
         tools.append(
             _jetloop_tool(
@@ -461,7 +469,10 @@ def _output_adapter(spec: Any) -> TypeAdapter[Any] | None:
     if not types:
         return TypeAdapter(Any)
     joined: Any = types[0] if len(types) == 1 else Union[tuple(types)]  # noqa: UP007
-    return TypeAdapter(joined)
+    try:
+        return TypeAdapter(joined)
+    except (TypeError, PydanticSchemaGenerationError):
+        return TypeAdapter(Any)  # a type pydantic cannot validate: the JSON as parsed
 
 
 def _output_types(spec: Any) -> list[Any]:
@@ -469,6 +480,8 @@ def _output_types(spec: Any) -> list[Any]:
         return _output_types(spec.output)
     if isinstance(spec, NativeOutput | PromptedOutput):
         return _output_types(spec.outputs)
+    if isinstance(spec, TextOutput):
+        return _output_types(spec.output_function)
     if isinstance(spec, Sequence) and not isinstance(spec, str):
         return [t for s in spec for t in _output_types(s)]
     if inspect.isfunction(spec) or inspect.ismethod(spec):

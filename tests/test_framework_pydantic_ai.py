@@ -433,6 +433,18 @@ async def test_worker_kill_mid_single_attempt_write_is_never_made_twice(
     assert body(res.text)["seen"][0]["content"].startswith("Outcome unknown")
 
 
+async def test_worker_kill_after_the_mark_never_starts_the_single_attempt_write(
+    pai: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Killed after the in-doubt mark, before the tool started: ``outcome_unknown`` as well,
+    and the pydantic-ai tool never ran at all."""
+    h, res = await kill_at(pai, workers, "call_tool.in_tool", script([call("once", name="o")]))
+    assert await count(vendor, "once") == 0, "the killed attempt never made the call"
+    rec = await pai.call("k", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == "outcome_unknown" and rec.attempts == 1
+    assert body(res.text)["seen"][0]["content"].startswith("Outcome unknown")
+
+
 # --- the crash-matrix row: a tool the framework cannot defer, while it runs -----------------
 
 

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("pydantic_ai", reason="the pydantic-ai extra is not installed")
 
 from pydantic_ai import Agent as PydanticAgent
-from pydantic_ai import FunctionToolset, PrefixedToolset, RunContext
+from pydantic_ai import ApprovalRequired, FunctionToolset, PrefixedToolset, RunContext
 from pydantic_ai.exceptions import ModelHTTPError
 from pydantic_ai.messages import (
     ModelMessage,
@@ -34,7 +34,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from agents import Effect
+from agents import Effect, ToolError
 from agents.adapters import ProviderRejected, ProviderRetryable
 from agents.adapters.history import conversation
 from agents.frameworks.pydantic_ai import durable, to_model_messages, tool_context
@@ -240,6 +240,29 @@ async def test_the_readme_example_runs_on_pydantic_ais_test_model() -> None:
     ]
     last = await weather.model.complete(ModelRequest("weather", "", history, [], 1))
     assert last.tool_calls == [] and "forecast" in last.text
+
+
+async def test_a_tool_asking_for_approval_from_its_body_fails_with_what_to_declare() -> None:
+    """``ApprovalRequired`` raised inside a tool is a decision jetloop cannot see before the
+    call: the call fails (the model sees why), saying to declare the tool in ``approvals``;
+    declared, the call waits for approval and then runs with ``tool_call_approved``."""
+
+    def transfer(ctx: RunContext[None], cents: int) -> str:
+        if cents > 100 and not ctx.tool_call_approved:
+            raise ApprovalRequired()
+        return f"sent {cents}"
+
+    agent = PydanticAgent(FunctionModel(shouting), name="x", tools=[transfer])
+    plain = durable(agent, effects={"transfer": Effect.IDEMPOTENT_WRITE})
+    tool = plain.tool("transfer")
+    assert tool is not None
+    with pytest.raises(ToolError, match=r"declare it with durable\(\.\.\., approvals="):
+        await tool.fn(tool.args_model.model_validate({"cents": 500}), Call())
+    gated = durable(agent, approvals={"transfer": lambda args: args["cents"] > 100})
+    tool = gated.tool("transfer")
+    assert tool is not None
+    args = tool.args_model.model_validate({"cents": 500})
+    assert tool.needs_approval(args) and await tool.fn(args, Call()) == "sent 500"
 
 
 # --- turns on real workers ------------------------------------------------------------------

@@ -17,13 +17,16 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from openai import AsyncOpenAI
 
-from agents.frameworks.openai_agents import sdk
+from agents import Effect, Message, ModelRequest, ProviderRejected, ProviderRetryable
+from agents.adapters import MalformedToolCall
+from agents.frameworks.openai_agents import durable, sdk
 from demo.vendor import Vendor
 from services.client import Client
 from streams.registry import Registry
 from tests.conftest import WorkerFactory, until
-from tests.fakes import FakeCall, FakeOpenAIResponses, Raw, Reply, Stall
+from tests.fakes import Failure, FakeCall, FakeOpenAIChat, FakeOpenAIResponses, Raw, Reply, Stall
 from tests.fakes.base import Outcome
 from tests.test_matrix import Rig, rig  # noqa: F401  (the crash matrix's rig fixture)
 
@@ -150,6 +153,134 @@ async def held(
     h = await client.send(AGENT, session, text)
     await victim.wait_for("fault.hold", point=point)
     return h, victim
+
+
+# --- the wrapper, in process -----------------------------------------------------------------
+
+
+def request(messages: list[Message], purpose: str = "answer") -> ModelRequest:
+    return ModelRequest("x", "Summarise.", messages, [], attempt=1, purpose=purpose)
+
+
+def handed_off(calls: list[Any], target: str) -> list[Message]:
+    return [
+        Message("user", "hello"),
+        Message("assistant", "over to billing", calls=calls),
+        Message(
+            "tool",
+            call_id="t-0-0",
+            tool="transfer_to_billing_agent",
+            status="ok",
+            result={"assistant": target},
+        ),
+    ]
+
+
+def sdk_agents(model: Any) -> tuple[Any, Any]:
+    oa = sdk()
+
+    @oa.function_tool
+    async def lookup(city: str) -> str:
+        """Look up a city's weather."""
+        return f"sunny in {city}"
+
+    @oa.function_tool(needs_approval=True)
+    async def refund(amount: int) -> str:
+        """Refund an amount."""
+        return "refunded"
+
+    billing = oa.Agent(name="Billing agent", instructions=BILLING, model=model, tools=[lookup])
+    triage = oa.Agent(
+        name="Triage agent", instructions=TRIAGE, model=model, tools=[refund], handoffs=[billing]
+    )
+    return triage, billing
+
+
+def test_wrapping_declares_effects_and_refuses_what_it_cannot_run() -> None:
+    oa = sdk()
+    triage, _ = sdk_agents("gpt-fake")
+    agent = durable(triage, effects={"lookup": Effect.READ})
+    assert agent.name == "triage-agent" and agent.instructions == TRIAGE
+    effects = {t.name: (t.effect, t.approval) for t in agent.tools}
+    # Undeclared: a single-attempt write; a handoff: a read; needs_approval carried over.
+    assert effects == {
+        "refund": (Effect.NON_IDEMPOTENT_WRITE, True),
+        "lookup": (Effect.READ, False),
+        "transfer_to_billing_agent": (Effect.READ, False),
+    }
+    lookup = agent.tool("lookup")
+    assert lookup is not None and lookup.json_schema()["required"] == ["city"]
+    with pytest.raises(ValueError, match="effects name tools no agent has"):
+        durable(triage, effects={"lokup": Effect.READ})
+    shell = oa.Agent(name="shell", tools=[oa.LocalShellTool(executor=lambda req: "")])
+    with pytest.raises(TypeError, match="LocalShellTool runs in the SDK's own loop"):
+        durable(shell)
+    with pytest.raises(TypeError, match="expected an OpenAI Agents SDK Agent"):
+        durable(agent)
+
+
+async def test_chat_completions_model_conversation_and_errors() -> None:
+    """The SDK's Chat Completions model: the handoff's result in the conversation makes the
+    billing agent answer; the summary call has no tools; provider errors are classified."""
+    oa = sdk()
+    async with FakeOpenAIChat() as chat:
+        async with AsyncOpenAI(
+            base_url=chat.base_url, api_key=chat.api_key, max_retries=0
+        ) as client:
+            triage, _ = sdk_agents(oa.OpenAIChatCompletionsModel("gpt-fake", client))
+            model = durable(triage, effects={"lookup": Effect.READ}).model
+            chat.script(Reply(text="hi", calls=(FakeCall("transfer_to_billing_agent"),)))
+            first = await model.complete(request([Message("user", "hello")]))
+            assert [c.name for c in first.tool_calls] == ["transfer_to_billing_agent"]
+            assert chat.bodies[0]["messages"][0] == {"role": "system", "content": TRIAGE}
+            messages = handed_off(first.tool_calls, "Billing agent")
+            chat.script(Reply(calls=(FakeCall("lookup", {"city": "Oslo"}), FakeCall("refund"))))
+            second = await model.complete(request(messages))
+            sent = chat.bodies[1]
+            assert sent["messages"][0] == {"role": "system", "content": BILLING}
+            assert [t["function"]["name"] for t in sent["tools"]] == ["lookup"]
+            assert sent["messages"][-1]["content"] == '{"assistant": "Billing agent"}'
+            lookup, refund = second.tool_calls
+            assert lookup.arguments == {"city": "Oslo"} and not isinstance(
+                lookup, MalformedToolCall
+            )
+            # The triage agent's tool, asked of the billing agent: refused, not run.
+            assert isinstance(refund, MalformedToolCall) and "not available" in refund.problem
+            chat.script(Reply(text="SUMMARY"))
+            summary = await model.complete(request(messages, purpose="summary"))
+            assert summary.text == "SUMMARY" and "tools" not in chat.bodies[2]
+            chat.script(Failure(429, "slow down", "rate_limit_error"), Failure(400, "bad input"))
+            with pytest.raises(ProviderRetryable):
+                await model.complete(request(messages))
+            with pytest.raises(ProviderRejected):
+                await model.complete(request(messages))
+
+
+async def test_handoffs_in_one_answer_and_per_turn_agents() -> None:
+    """A second handoff in one answer is refused as the SDK refuses it; without
+    ``sticky_handoffs`` a new turn starts at the first agent again."""
+    oa = sdk()
+    async with FakeOpenAIResponses() as fake:
+        async with AsyncOpenAI(
+            base_url=fake.base_url, api_key=fake.api_key, max_retries=0
+        ) as client:
+            triage, _ = sdk_agents(oa.OpenAIResponsesModel("gpt-fake", client))
+            model = durable(triage, effects={"lookup": Effect.READ}, sticky_handoffs=False).model
+            twice = FakeCall("transfer_to_billing_agent")
+            fake.script(Reply(calls=(twice, twice)))
+            answer = await model.complete(request([Message("user", "hello")]))
+            first, second = answer.tool_calls
+            assert not isinstance(first, MalformedToolCall)
+            assert isinstance(second, MalformedToolCall) and "Multiple handoffs" in second.problem
+            messages = handed_off(answer.tool_calls[:1], "Billing agent")
+            fake.script(Reply(text="billing here"), Reply(text="triage again"))
+            await model.complete(request(messages))
+            await model.complete(
+                request(
+                    [*messages, Message("assistant", "billing here"), Message("user", "next turn")]
+                )
+            )
+            assert [b["instructions"] for b in fake.bodies[1:]] == [BILLING, TRIAGE]
 
 
 # --- a turn: tools, handoffs, hosted tools ------------------------------------------------

@@ -81,6 +81,10 @@ def sdk() -> ModuleType:
     if loaded is not None:
         return loaded
     directory = sdk_directory()
+    # A `pip install --target DIR` directory holds the SDK's dependencies too: last on the
+    # path, it only supplies those the environment lacks (jetloop's `agents` stays first).
+    if str(directory.parent) not in sys.path:
+        sys.path.append(str(directory.parent))
     sys.meta_path.append(_SdkAliases(directory))
     spec = importlib.util.spec_from_file_location(
         SDK_MODULE, directory / "__init__.py", submodule_search_locations=[str(directory)]
@@ -269,12 +273,6 @@ class Graph:
                 "jetloop replaces; wrap it as a function tool"
             )
 
-    def allowed(self, agent: Any) -> set[str]:
-        """The tool names ``agent`` may call (its function tools and handoffs)."""
-        s = sdk()
-        names = {t.name for t in agent.tools if isinstance(t, s.FunctionTool)}
-        return names | {h.tool_name for h in handoffs_of(agent)}
-
     def active(self, messages: Sequence[Message], sticky: bool) -> Any:
         """The agent that answers next: the target of the last handoff that succeeded (in the
         whole conversation, or in the current turn without ``sticky``), else the first."""
@@ -434,7 +432,7 @@ class SdkModel:
         if request.purpose == "summary":
             agent = self.graph.start
             items = conversation(request.messages, tools_enabled=False, summary=True)
-            system, tools, handoffs, output = request.instructions, [], [], None
+            system, tools, handoffs, output, prompt = request.instructions, [], [], None, None
         else:
             agent = self.graph.active(request.messages, self.sticky)
             items = conversation(request.messages)
@@ -444,6 +442,7 @@ class SdkModel:
             tools = await agent.get_all_tools(run)
             handoffs = await turn.get_handoffs(agent, run)
             output = turn.get_output_schema(agent)
+            prompt = await agent.get_prompt(run)
         try:
             response = await self.model_of(agent).get_response(
                 system,
@@ -455,15 +454,16 @@ class SdkModel:
                 s.ModelTracing.DISABLED,
                 previous_response_id=None,
                 conversation_id=None,
-                prompt=None,
+                prompt=prompt,
             )
         except Exception as exc:
             mapped = provider_error(exc)
             if mapped is exc:
                 raise
             raise mapped from exc
-        allowed = self.graph.allowed(agent) if request.purpose != "summary" else set()
-        return self.answer(response, allowed)
+        # What the model was offered this step (``is_enabled`` may hide a tool or handoff).
+        allowed = {t.name for t in tools if isinstance(t, s.FunctionTool)}
+        return self.answer(response, allowed | {h.tool_name for h in handoffs})
 
     def answer(self, response: Any, allowed: set[str]) -> ModelResponse:
         """The SDK's output items as jetloop's answer: text, and the function calls (a call

@@ -57,8 +57,6 @@ PATH_ENV = "JETLOOP_OPENAI_AGENTS_PATH"
 """A directory holding the SDK's ``agents`` package (a ``pip install --target`` directory),
 for when it is not installed where ``importlib.metadata`` finds it."""
 
-PROJECT_SUBMODULES = frozenset({"adapters", "agent", "frameworks", "model", "tools"})
-
 # Tools the provider runs inside the model call: they cannot be deferred to a CallTool step.
 HOSTED_TOOLS = (
     "WebSearchTool",
@@ -85,7 +83,10 @@ def sdk() -> ModuleType:
     # path, it only supplies those the environment lacks (jetloop's `agents` stays first).
     if str(directory.parent) not in sys.path:
         sys.path.append(str(directory.parent))
-    sys.meta_path.append(_SdkAliases(directory))
+    aliases = _SdkAliases(directory)
+    # First on the path: `agents.util._types` must not be found by the path finder in the
+    # aliased `agents.util`'s directory, which would load a second copy of the SDK's module.
+    sys.meta_path.insert(0, aliases)
     spec = importlib.util.spec_from_file_location(
         SDK_MODULE, directory / "__init__.py", submodule_search_locations=[str(directory)]
     )
@@ -95,7 +96,15 @@ def sdk() -> ModuleType:
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        sys.modules.pop(SDK_MODULE, None)
+        # Leave nothing half-loaded behind: a later call starts afresh.
+        sys.meta_path.remove(aliases)
+        for name in [n for n in sys.modules if n.partition(".")[0] in ("agents", SDK_MODULE)]:
+            if (
+                name == SDK_MODULE
+                or name.startswith(SDK_MODULE + ".")
+                or (getattr(sys.modules[name], "__name__", "").startswith(SDK_MODULE))
+            ):
+                del sys.modules[name]
         raise
     return module
 
@@ -132,26 +141,29 @@ def sdk_directory() -> Path:
     )
 
 
+def _has(package: Path, name: str) -> bool:
+    return (package / name).is_dir() or (package / f"{name}.py").is_file()
+
+
 class _SdkAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers the SDK's absolute ``agents.<x>`` imports (``agents.util._types``,
     ``agents.model_settings``, …) with the SDK's module ``openai_agents_sdk.<x>``.
 
-    It sits last on ``sys.meta_path``: jetloop's own submodules are found first, and a name
-    jetloop has is never aliased."""
+    A name jetloop's own package has is never aliased: ``agents.agent``, ``agents.tools``…
+    stay jetloop's."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self.ours = Path(__file__).resolve().parent.parent
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         head, _, rest = fullname.partition(".")
         top = rest.partition(".")[0]
-        if head != "agents" or not top or top in PROJECT_SUBMODULES:
+        if head != "agents" or not top or _has(self.ours, top):
             return None
-        if not ((self.directory / top).is_dir() or (self.directory / f"{top}.py").is_file()):
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self)
+        return importlib.machinery.ModuleSpec(fullname, self) if _has(self.directory, top) else None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return None

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from agents import (
+from jetloop.agents import (
     Agent,
     App,
     Effect,
@@ -40,8 +40,8 @@ from agents import (
     tool,
     wait,
 )
-from demo.agent import current_turn
-from demo.vendor import Vendor
+from jetloop.demo.agent import current_turn
+from jetloop.demo.vendor import Vendor
 
 
 def vendor() -> Vendor:
@@ -69,7 +69,8 @@ async def latch(op: str, ctx: ToolContext) -> None:
     if not path:
         return
     await vendor().note(f"{op}.open", ctx.idempotency_key, {"attempt": ctx.attempt})
-    # Polls a file the test process creates (as consumers/faults.py does): a stat, no I/O wait.
+    # Polls a file the test process creates (as jetloop/consumers/faults.py does): a stat,
+    # no I/O wait.
     while not Path(path).exists():  # noqa: ASYNC110, ASYNC240
         await asyncio.sleep(0.02)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from agents import App, Effect
-from agents.frameworks.openai_agents import durable, sdk
+from jetloop.agents import App, Effect
+from jetloop.agents.frameworks.openai_agents import durable, sdk
 from tests.apps import vendor
 
 oa = sdk()

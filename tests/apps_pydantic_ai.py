@@ -35,9 +35,9 @@ from pydantic_ai.messages import (
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.native_tools import WebSearchTool
 
-from agents import App, Effect, Limits
-from agents.frameworks.pydantic_ai import durable, tool_context
-from demo.vendor import Vendor
+from jetloop.agents import App, Effect, Limits
+from jetloop.agents.frameworks.pydantic_ai import durable, tool_context
+from jetloop.demo.vendor import Vendor
 
 DEPS = "deps-of-the-test"
 

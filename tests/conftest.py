@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 
-from demo.agent import app as demo_app
-from demo.vendor import Vendor
-from services.client import Client
-from services.embedded import EmbeddedServer
-from services.natsauth import system_account
-from services.settings import Settings
-from streams import topology
-from streams.connection import connect, retrying
-from streams.registry import Registry
+from jetloop.demo.agent import app as demo_app
+from jetloop.demo.vendor import Vendor
+from jetloop.services.client import Client
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.services.natsauth import system_account
+from jetloop.services.settings import Settings
+from jetloop.streams import topology
+from jetloop.streams.connection import connect, retrying
+from jetloop.streams.registry import Registry
+from jetloop.tooling.trials.harness import WorkerProcess
 from tests.apps import app as test_app
-from tooling.trials.harness import WorkerProcess
 
 # Checkpoints are sealed in every test, as `jetloop up` seals them; the test process
 # (clients that cancel or reconcile) and the workers it starts share the key.
@@ -42,7 +42,7 @@ _ids = itertools.count(1)
 
 
 # The servers run with a system account whose `watch` user hears connections close, as
-# `jetloop up`'s does: the workers hand a dead worker's steps on at once (services.rescue).
+# `jetloop up`'s does: the workers hand a dead worker's steps on at once (jetloop.services.rescue).
 WATCH_PASSWORD = "watch-" + "0f" * 8
 TEST_ENV["JETLOOP_NATS_WATCH_PASSWORD"] = WATCH_PASSWORD
 

@@ -58,7 +58,7 @@ def cell(column: str, row: str) -> str:
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "dispatch-acks-when-lost",
-        "consumers/dispatch.py",
+        "jetloop/consumers/dispatch.py",
         '        if d.lost:\n            raise TakenOver(d.fence_key or "?")\n'
         "        await _let_go(rt, msg)\n",
         "        await _let_go(rt, msg)\n",
@@ -67,7 +67,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dispatch-settles-taken-over",
-        "consumers/dispatch.py",
+        "jetloop/consumers/dispatch.py",
         '        log.warning("step.taken_over", key=exc.key)\n',
         '        log.warning("step.taken_over", key=exc.key)\n        await _quietly(msg.nak())\n',
         "a taken-over attempt naks its message (sends something on it)",
@@ -75,7 +75,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-fence-check-before-the-tool",
-        "consumers/call_tool.py",
+        "jetloop/consumers/call_tool.py",
         "    if not await env.d.still_ours(fresh_for=rt.lease_seconds / 4):\n",
         "    if False:\n",
         "the fence check before the tool call is removed",
@@ -86,7 +86,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-fence-check-before-the-model-call",
-        "consumers/run_model.py",
+        "jetloop/consumers/run_model.py",
         "    if not await d.still_ours(fresh_for=rt.lease_seconds / 4):\n",
         "    if False:\n",
         "the fence check before the model call is removed (a stalled worker asks the model again)",
@@ -94,7 +94,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-fence-check-before-the-summary-call",
-        "consumers/compact.py",
+        "jetloop/consumers/compact.py",
         "        if not await d.still_ours(fresh_for=rt.lease_seconds / 4):\n",
         "        if False:\n",
         "the fence check before a compaction's summary call is removed",
@@ -102,7 +102,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "model-call-not-cancelled-when-lost",
-        "consumers/runtime.py",
+        "jetloop/consumers/runtime.py",
         '                paid.cancel("the step was taken over")\n',
         "                pass\n",
         "a heartbeat that finds the claim lost lets the model call in flight run on",
@@ -112,7 +112,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "approval-gate-passes-while-pending",
-        "consumers/approvals.py",
+        "jetloop/consumers/approvals.py",
         "    if approval.status == Decision.PENDING:\n",
         "    if approval.status == Decision.PENDING and False:\n",
         "the approval gate passes while the approval is pending",
@@ -126,7 +126,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "lost-write-recorded-succeeded",
-        "consumers/call_tool.py",
+        "jetloop/consumers/call_tool.py",
         '        log.info("call.resume", settlement="made again with the same idempotency key")\n'
         '        return "made again"\n',
         '        await settle(env, CallOutcome(state=CallState.SUCCEEDED), "made again")\n'
@@ -139,7 +139,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "single-attempt-write-marked-running",
-        "consumers/call_tool.py",
+        "jetloop/consumers/call_tool.py",
         '            "state": CallState.IN_DOUBT if effect.is_write else CallState.RUNNING,\n',
         '            "state": CallState.RUNNING,\n',
         "a single-attempt write is marked RUNNING instead of in doubt",
@@ -153,7 +153,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "idempotency-key-per-attempt",
-        "consumers/calls.py",
+        "jetloop/consumers/calls.py",
         "        return self._call.idempotency_key\n",
         '        return f"{self._call.idempotency_key}.a{self._attempt}"\n',
         "the idempotency key includes the attempt number",
@@ -164,7 +164,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-commit-time-fence",
-        "consumers/runtime.py",
+        "jetloop/consumers/runtime.py",
         "            if self.lost:\n"
         "                raise TakenOver(self.fence_key)\n"
         "            try:\n"
@@ -177,7 +177,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-attempt-exhaustion",
-        "consumers/call_tool.py",
+        "jetloop/consumers/call_tool.py",
         "    if rec.attempts >= tool.max_attempts or window_passed(rec, tool):\n",
         "    if False:\n",
         "a call whose attempts ran out is made again instead of settled `exhausted`",
@@ -188,7 +188,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-join-recovery",
-        "consumers/join.py",
+        "jetloop/consumers/join.py",
         "        results = _results(calls)\n"
         "        if results is not None:\n"
         "            await joined(turn, results).publish(rt.bus)\n"
@@ -199,7 +199,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-read-back-of-a-lost-reply",
-        "streams/state.py",
+        "jetloop/streams/state.py",
         "            return entry.revision if entry.value in sent and entry.revision else None\n",
         "            return None\n",
         "a state write whose reply was lost is not read back (a retried CAS looks like a takeover)",
@@ -207,7 +207,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-re-emit-on-redelivery",
-        "consumers/run_model.py",
+        "jetloop/consumers/run_model.py",
         "    if turn.model_step == n and turn.phase == TurnPhase.CALLS:\n"
         "        await answer(turn).publish(rt.bus)\n"
         "        return\n",
@@ -217,7 +217,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-outcome-event-once-the-turn-moved-on",
-        "consumers/call_tool.py",
+        "jetloop/consumers/call_tool.py",
         "        await call_done(turn, rec_v.value).publish(rt.bus)\n",
         "        if current:\n            await call_done(turn, rec_v.value).publish(rt.bus)\n",
         "a redelivered call whose outcome is committed re-emits nothing once the turn moved on",
@@ -228,7 +228,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "seal-not-checked",
-        "streams/state.py",
+        "jetloop/streams/state.py",
         "                raise SealBroken(key, why)\n",
         "                pass\n",
         "a checkpoint whose seal does not verify is trusted",
@@ -236,7 +236,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "seal-not-bound-to-key",
-        "streams/seal.py",
+        "jetloop/streams/seal.py",
         '    return DOMAIN + key.encode() + b"\\n" + str(at_ms).encode() + b"\\n" + body\n',
         '    return DOMAIN + b"\\n" + str(at_ms).encode() + b"\\n" + body\n',
         "a sealed record copied to another key (another call, another session) is trusted",
@@ -244,7 +244,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "seal-time-not-checked",
-        "streams/seal.py",
+        "jetloop/streams/seal.py",
         "        if abs(stored_at - sealed_at) > self.tolerance:\n",
         "        if False:\n",
         "an older sealed state put back (a replay) is trusted",
@@ -255,7 +255,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "only-checkpoints-sealed",
-        "streams/state.py",
+        "jetloop/streams/state.py",
         "        if self.sealer is None or not verify:\n",
         "        if self.sealer is None or not verify or model not in (TurnRecord, CallRecord):\n",
         "approval and session records are trusted without their seal (a raw put decides a call)",
@@ -266,7 +266,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "live-holder-taken-over",
-        "consumers/liveness.py",
+        "jetloop/consumers/liveness.py",
         "    rt = d.rt\n    if held.incarnation == rt.incarnation:\n",
         "    rt = d.rt\n    return\n    if held.incarnation == rt.incarnation:\n",
         "another delivery of a step takes it over while the attempt holding it lives",
@@ -277,7 +277,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "holder-lost-header-trusted",
-        "consumers/liveness.py",
+        "jetloop/consumers/liveness.py",
         "        if await gone(rt.nc, held.incarnation, closed_cleanly=True):\n",
         "        if True:\n",
         "a copy whose header says the holder is dead is believed without asking the holder",
@@ -285,7 +285,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "heartbeat-only-reads",
-        "consumers/runtime.py",
+        "jetloop/consumers/runtime.py",
         "            await self._rewrite()\n",
         "            pass\n",
         "the heartbeat extends the lease but leaves no sign of life in state",
@@ -293,7 +293,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "heartbeat-rewrites-a-value-read-before-the-lock",
-        "consumers/runtime.py",
+        "jetloop/consumers/runtime.py",
         "        if self.fence_value is not None and not self.lost:\n",
         "        if self.fence_value is not None and not self.lost:\n"
         "            await self.commit(self.fence_value)\n"
@@ -304,7 +304,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "holds-not-published",
-        "streams/holds.py",
+        "jetloop/streams/holds.py",
         "        await self.nc.publish(subject, json.dumps(body).encode())\n",
         "        return\n",
         "nobody knows what a worker held: its steps wait for their leases when it dies",

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
-from agents import (
+from jetloop.agents import (
     Agent,
     Message,
     ModelAdapter,
@@ -26,7 +26,7 @@ from agents import (
     ToolCallRequest,
     ToolSpec,
 )
-from agents.adapters import (
+from jetloop.agents.adapters import (
     AnthropicAdapter,
     HttpAdapter,
     MalformedToolCall,
@@ -36,8 +36,8 @@ from agents.adapters import (
     ProviderRetryable,
     adapter_from_spec,
 )
-from agents.adapters.base import retry_after, sse_events
-from agents.adapters.history import NO_RESULT, NOTE_PREFIX, STATUS_TEXT, SUMMARY_REQUEST
+from jetloop.agents.adapters.base import retry_after, sse_events
+from jetloop.agents.adapters.history import NO_RESULT, NOTE_PREFIX, STATUS_TEXT, SUMMARY_REQUEST
 from tests.fakes import (
     Failure,
     FakeAnthropic,
@@ -792,7 +792,7 @@ def test_adapter_from_spec_errors(spec: str, key: str | None, message: str) -> N
 
 
 def run_tool(call: ToolCallRequest, call_id: str) -> Message:
-    """The engine's side: a tool result as ``consumers.followers.joined`` records it."""
+    """The engine's side: a tool result as ``jetloop.consumers.followers.joined`` records it."""
     if call.name == "close_ticket":
         return result(call_id, call.name, "denied", text="rejected by alice: not yet")
     if call.name == "get_ticket" and call.arguments["ticket"] == "T-9":

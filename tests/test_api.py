@@ -16,11 +16,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 import jetloop
-from demo.vendor import Vendor
-from services.client import Client
-from services.embedded import EmbeddedServer
-from services.gateway.app import make_app
-from services.settings import load_settings
+from jetloop.demo.vendor import Vendor
+from jetloop.services.client import Client
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.services.gateway.app import make_app
+from jetloop.services.settings import load_settings
 from tests.conftest import WorkerFactory, body, call, script
 from tests.test_cli import acli
 from tests.test_gateway import READ, make_config, ok, problem

@@ -6,7 +6,7 @@ import hashlib
 
 import msgpack
 
-from services.client import Client
+from jetloop.services.client import Client
 from tests.conftest import WorkerFactory, call, script
 
 

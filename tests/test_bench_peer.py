@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from tooling.bench.peer import DBOS, JETLOOP, RESTATE, PeerResult, PeerRow, SystemRun, available
-from tooling.bench.peer import format_peer as render
-from tooling.bench.report import BenchReport, judge
-from tooling.bench.restate import side as restate_side
-from tooling.bench.rig import Latency
+from jetloop.tooling.bench.peer import (
+    DBOS,
+    JETLOOP,
+    RESTATE,
+    PeerResult,
+    PeerRow,
+    SystemRun,
+    available,
+)
+from jetloop.tooling.bench.peer import format_peer as render
+from jetloop.tooling.bench.report import BenchReport, judge
+from jetloop.tooling.bench.restate import side as restate_side
+from jetloop.tooling.bench.rig import Latency
 
 
 def test_restate_missing_is_said_with_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,7 +30,7 @@ def test_restate_missing_is_said_with_what_to_install(monkeypatch: pytest.Monkey
     assert RESTATE not in peers
     said = next(s for s in skipped if s.startswith("Restate skipped"))
     assert "restate-server binary" in said
-    assert "npm ci --prefix tooling/bench/restate" in said
+    assert "npm ci --prefix jetloop/tooling/bench/restate" in said
     assert "pip install -e '.[peer]'" in said
 
 

@@ -13,12 +13,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from demo.vendor import Vendor
-from services.cli.main import PATIENCE
-from services.client import Client
-from services.embedded import EmbeddedServer, free_port
-from streams import topology
-from streams.connection import connect
+from jetloop.demo.vendor import Vendor
+from jetloop.services.cli.main import PATIENCE
+from jetloop.services.client import Client
+from jetloop.services.embedded import EmbeddedServer, free_port
+from jetloop.streams import topology
+from jetloop.streams.connection import connect
 from tests.conftest import WorkerFactory, call, script, until
 
 # What a subprocess may take beyond the command's own bound: Python's start on a busy box.
@@ -29,7 +29,7 @@ def cli(
     url: str, *args: str, stdin: str = "", timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args, "--nats", url],
+        [sys.executable, "-m", "jetloop.services.cli", *args, "--nats", url],
         input=stdin,
         capture_output=True,
         text=True,
@@ -109,7 +109,7 @@ async def test_a_server_gone_mid_command_ends_it_with_one_line(nats_ready: Embed
     kv = await nc.jetstream().key_value(topology.STATE_BUCKET)
     await kv.put("session.gone", b"\x80")  # a state record is enough to exist
     proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "services.cli", "events", "gone", "--nats", url),
+        *(sys.executable, "-m", "jetloop.services.cli", "events", "gone", "--nats", url),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -269,7 +269,7 @@ async def test_sessions_lists_from_the_read_model(
     nats_ready: EmbeddedServer, workers: WorkerFactory, tmp_path: Path
 ) -> None:
     """`jetloop sessions` finds a session the projector has written to the read model."""
-    from services.readmodel.projector import Projector
+    from jetloop.services.readmodel.projector import Projector
 
     workers.start()
     db = tmp_path / "rm.sqlite"
@@ -282,7 +282,7 @@ async def test_sessions_lists_from_the_read_model(
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "jetloop.services.cli",
             "sessions",
             "--db",
             str(db),

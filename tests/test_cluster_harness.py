@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from streams import topology
-from streams.connection import connect
+from jetloop.streams import topology
+from jetloop.streams.connection import connect
+from jetloop.tooling.trials.cluster import LocalCluster
 from tests.conftest import until
-from tooling.trials.cluster import LocalCluster
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ async def test_a_watch_connection_keeps_hearing_after_its_node_dies(tmp_path: Pa
 
     import nats
 
-    from tooling.trials.servers import write_server_config
+    from jetloop.tooling.trials.servers import write_server_config
 
     config = write_server_config(tmp_path / "nats-server.conf", "pw")
     c = LocalCluster(tmp_path / "cluster", "jl-watch", config_file=config)

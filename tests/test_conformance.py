@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from services.embedded import free_port
-from services.natsauth import url_as
+from jetloop.services.embedded import free_port
+from jetloop.services.natsauth import url_as
 from tests.test_up import start_up, stop, wait_ready
 
 HERE = Path(__file__).resolve().parent.parent / "conformance"

@@ -17,17 +17,17 @@ from typing import Any
 import pytest
 import structlog
 
-from demo.vendor import Vendor
-from schemas import CallState, SessionRecord
-from services.client import Client
-from services.embedded import EmbeddedServer
-from streams import topology
-from streams.connection import connect
-from streams.state import StateStore, session_key
+from jetloop.demo.vendor import Vendor
+from jetloop.schemas import CallState, SessionRecord
+from jetloop.services.client import Client
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.streams import topology
+from jetloop.streams.connection import connect
+from jetloop.streams.state import StateStore, session_key
+from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import WorkerFactory, body, call, script, until
 from tests.fakes import FakeOpenAIChat, Reply, Stall
 from tests.test_models_engine import model_env
-from tooling.trials.harness import WorkerProcess
 
 
 async def test_stalled_worker_writes_and_acks_nothing(
@@ -66,7 +66,7 @@ async def test_stalled_worker_writes_and_acks_nothing(
 
 
 def before_key(rec: object) -> str:
-    from schemas import idempotency_key
+    from jetloop.schemas import idempotency_key
 
     parts = rec.key.split(".")  # type: ignore[attr-defined]
     return idempotency_key(parts[0], parts[1], int(parts[2]), int(parts[3]))
@@ -268,13 +268,17 @@ async def test_stalled_worker_makes_no_model_call_after_a_takeover(
         env = model_env(fake, "openai:gpt-test")
         release = tmp_path / "release"
         stalled = workers.start(
-            "stalled", app="demo.agent:app", env=env, hold="run_model.in_call", release_file=release
+            "stalled",
+            app="jetloop.demo.agent:app",
+            env=env,
+            hold="run_model.in_call",
+            release_file=release,
         )
         h = await client.send("demo", "pf1", "hello")
         held = await stalled.wait_for("fault.hold", point="run_model.in_call")
         seq, delivery = held["seq"], held["delivery"]
         stalled.pause()
-        workers.start("taker", app="demo.agent:app", env=env)
+        workers.start("taker", app="jetloop.demo.agent:app", env=env)
         res = await client.wait(h, timeout=30)
         assert res.text == "The one answer."
         assert len(fake.received) == 1
@@ -308,7 +312,11 @@ async def test_model_call_in_flight_is_cancelled_when_the_claim_is_found_lost(
         release = tmp_path / "release"
         release.touch()  # the hold point only names the delivery; it does not wait
         stalled = workers.start(
-            "stalled", app="demo.agent:app", env=env, hold="run_model.in_call", release_file=release
+            "stalled",
+            app="jetloop.demo.agent:app",
+            env=env,
+            hold="run_model.in_call",
+            release_file=release,
         )
         h = await client.send("demo", "pf2", "hello")
         held = await stalled.wait_for("fault.hold", point="run_model.in_call")
@@ -319,7 +327,7 @@ async def test_model_call_in_flight_is_cancelled_when_the_claim_is_found_lost(
 
         await until(in_flight)
         stalled.pause()
-        workers.start("taker", app="demo.agent:app", env=env)
+        workers.start("taker", app="jetloop.demo.agent:app", env=env)
         res = await client.wait(h, timeout=30)
         assert res.text == "The one answer."
         turn = await client.turn("pf2", h.turn_id)

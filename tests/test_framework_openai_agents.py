@@ -1,4 +1,4 @@
-"""OpenAI Agents SDK agents on jetloop (agents/frameworks/openai_agents.py), end to end.
+"""OpenAI Agents SDK agents on jetloop (jetloop/agents/frameworks/openai_agents.py), end to end.
 
 Real nats-server, real worker processes (``tests.apps_openai_agents:app``), the SDK's own
 ``OpenAIResponsesModel`` talking to the local fake of the OpenAI Responses API; no network.
@@ -13,19 +13,18 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 from openai import AsyncOpenAI
 
-from agents import Effect, Message, ModelRequest, ProviderRejected, ProviderRetryable
-from agents.adapters import MalformedToolCall
-from agents.frameworks.openai_agents import durable, sdk
-from demo.vendor import Vendor
-from services.client import Client
-from streams.registry import Registry
+from jetloop.agents import Effect, Message, ModelRequest, ProviderRejected, ProviderRetryable
+from jetloop.agents.adapters import MalformedToolCall
+from jetloop.agents.frameworks.openai_agents import durable, sdk
+from jetloop.demo.vendor import Vendor
+from jetloop.services.client import Client
+from jetloop.streams.registry import Registry
 from tests.conftest import WorkerFactory, until
 from tests.fakes import Failure, FakeCall, FakeOpenAIChat, FakeOpenAIResponses, Raw, Reply, Stall
 from tests.fakes.base import Outcome
@@ -195,27 +194,6 @@ def sdk_agents(model: Any) -> tuple[Any, Any]:
         name="Triage agent", instructions=TRIAGE, model=model, tools=[refund], handoffs=[billing]
     )
     return triage, billing
-
-
-def test_the_sdk_loads_beside_jetloops_agents_package() -> None:
-    """``import agents`` stays jetloop's; the SDK's absolute ``agents.<x>`` imports get the
-    SDK's own modules, one copy each (module state such as the default client is shared)."""
-    import sys
-
-    import agents
-
-    oa = sdk()
-    assert oa.__name__ == "openai_agents_sdk" and agents.Agent.__module__ == "agents.agent"
-    for name in ("model_settings", "util._types", "models._openai_shared"):
-        assert sys.modules[f"agents.{name}"] is sys.modules[f"openai_agents_sdk.{name}"]
-    copies = [
-        n
-        for n, m in sys.modules.items()
-        if n.startswith("agents.")
-        and getattr(m, "__name__", n) == n
-        and str(getattr(m, "__file__", "")).startswith(str(Path(oa.__file__).parent))
-    ]
-    assert copies == [], "an SDK module loaded twice"
 
 
 def test_wrapping_declares_effects_and_refuses_what_it_cannot_run() -> None:

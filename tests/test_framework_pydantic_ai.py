@@ -34,19 +34,19 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from agents import Effect, ToolError
-from agents.adapters import ProviderRejected, ProviderRetryable
-from agents.adapters.history import conversation
-from agents.frameworks.pydantic_ai import durable, to_model_messages, tool_context
-from agents.model import Message, ModelRequest, ToolCallRequest
-from demo.vendor import Vendor
-from services.client import Client
-from streams.registry import Registry
+from jetloop.agents import Effect, ToolError
+from jetloop.agents.adapters import ProviderRejected, ProviderRetryable
+from jetloop.agents.adapters.history import conversation
+from jetloop.agents.frameworks.pydantic_ai import durable, to_model_messages, tool_context
+from jetloop.agents.model import Message, ModelRequest, ToolCallRequest
+from jetloop.demo.vendor import Vendor
+from jetloop.services.client import Client
+from jetloop.streams.registry import Registry
+from jetloop.tooling.trials.harness import WorkerProcess
 from tests.apps_pydantic_ai import DEPS, Forecast
 from tests.apps_pydantic_ai import app as pai_app
 from tests.conftest import WorkerFactory, call, script, until
 from tests.test_matrix import Rig, count, rig, steps_asked  # noqa: F401  (the rig fixture)
-from tooling.trials.harness import WorkerProcess
 
 APP = "tests.apps_pydantic_ai:app"
 
@@ -111,8 +111,8 @@ def test_tools_get_their_declared_effect_and_undeclared_ones_are_single_attempt_
 
 
 def test_conversation_becomes_pydantic_ai_messages() -> None:
-    """jetloop's history, paired by agents.adapters.history, as ModelRequest / ModelResponse:
-    each call with its result under the same id, notes as prompt parts."""
+    """jetloop's history, paired by jetloop.agents.adapters.history, as ModelRequest /
+    ModelResponse: each call with its result under the same id, notes as prompt parts."""
     from pydantic_ai import messages as pm
 
     msgs = [

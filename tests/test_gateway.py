@@ -22,15 +22,15 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from standardwebhooks.webhooks import Webhook
 
-from services.client import Client
-from services.embedded import EmbeddedServer
-from services.gateway.app import ROUTES, Gateway, make_app
-from services.gateway.config import GatewayConfig
-from services.gateway.openapi import openapi_document
-from services.readmodel.model import ReadModel
-from services.readmodel.projector import Projector
-from services.settings import SettingsError, describe_errors, fingerprint, load_settings
-from streams.seal import Sealer, key_bytes
+from jetloop.services.client import Client
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.services.gateway.app import ROUTES, Gateway, make_app
+from jetloop.services.gateway.config import GatewayConfig
+from jetloop.services.gateway.openapi import openapi_document
+from jetloop.services.readmodel.model import ReadModel
+from jetloop.services.readmodel.projector import Projector
+from jetloop.services.settings import SettingsError, describe_errors, fingerprint, load_settings
+from jetloop.streams.seal import Sealer, key_bytes
 from tests.conftest import SEAL_KEY, WorkerFactory, body, call, script, until
 
 Api = TestClient[web.Request, web.Application]

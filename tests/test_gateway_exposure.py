@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from services.embedded import EmbeddedServer, free_port
+from jetloop.services.embedded import EmbeddedServer, free_port
 from tests.conftest import SEAL_KEY, until
 
 HEADER_TIMEOUT = 1.0
@@ -32,7 +32,7 @@ def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
+    return [sys.executable, "-m", "jetloop.services.cli", *args]
 
 
 def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:

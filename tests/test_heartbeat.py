@@ -1,6 +1,6 @@
 """The heartbeat's write of the claim never undoes a commit it waited behind.
 
-A heartbeat writes the claimed record again (consumers/runtime.py). When a commit is slow —
+A heartbeat writes the claimed record again (jetloop/consumers/runtime.py). When a commit is slow —
 the server stalls, as through a restart — the heartbeat waits for the delivery's lock behind
 it; what it then writes must be the record as the commit left it, not the one it saw before
 waiting. (In a kill trial, a value read before the wait put a call back "in doubt" after its
@@ -18,14 +18,14 @@ from collections.abc import AsyncIterator
 import pytest
 from pydantic import BaseModel
 
-from consumers.runtime import Delivery, Runtime
-from services.embedded import EmbeddedServer
-from streams import topology
-from streams.blobs import BlobStore
-from streams.bus import Bus
-from streams.connection import connect
-from streams.history import HistoryReader
-from streams.state import StateStore
+from jetloop.consumers.runtime import Delivery, Runtime
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.streams import topology
+from jetloop.streams.blobs import BlobStore
+from jetloop.streams.bus import Bus
+from jetloop.streams.connection import connect
+from jetloop.streams.history import HistoryReader
+from jetloop.streams.state import StateStore
 from tests.apps import app as test_app
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from demo.vendor import Vendor
-from schemas import CallState
-from services.client import Client
+from jetloop.demo.vendor import Vendor
+from jetloop.schemas import CallState
+from jetloop.services.client import Client
 from tests.conftest import WorkerFactory, call, script, until
 
 

@@ -1,5 +1,5 @@
-"""A step's ids on its log lines (``consumers.logcontext``): bound once per step, merged only
-into lines that are written, never seen by another step."""
+"""A step's ids on its log lines (``jetloop.consumers.logcontext``): bound once per step,
+merged only into lines that are written, never seen by another step."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 
 import structlog
 
-from consumers.logcontext import bind_step, end_step, merge_step, start_step, step_ids
-from services.logs import configure
+from jetloop.consumers.logcontext import bind_step, end_step, merge_step, start_step, step_ids
+from jetloop.services.logs import configure
 
 
 def test_a_line_carries_the_step_ids_and_its_own_fields_win() -> None:
@@ -57,7 +57,7 @@ async def test_steps_in_their_own_tasks_never_see_each_others_ids() -> None:
 
 
 def test_the_worker_log_chain_writes_the_ids() -> None:
-    """``services.logs.configure`` puts the ids on every JSON line a step writes, at any
+    """``jetloop.services.logs.configure`` puts the ids on every JSON line a step writes, at any
     level that is written, and writes nothing for a level below the one set."""
     out = io.StringIO()
     saved = structlog.get_config()  # other tests in this process log with it

@@ -26,14 +26,14 @@ from typing import Any
 
 import pytest
 
-from demo.vendor import Vendor
-from services.client import Client
-from services.embedded import EmbeddedServer
-from services.settings import Settings
-from streams import topology
-from streams.connection import connect
+from jetloop.demo.vendor import Vendor
+from jetloop.services.client import Client
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.services.settings import Settings
+from jetloop.streams import topology
+from jetloop.streams.connection import connect
+from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import LEASE, WorkerFactory, body, call, prepare, script, until
-from tooling.trials.harness import WorkerProcess
 
 MODES = ("worker_kill", "server_restart", "takeover")
 
@@ -50,7 +50,7 @@ class Rig:
     release: Path
     latch: Path
     server: EmbeddedServer | None = None
-    cluster: Any = None  # tooling.trials.cluster.LocalCluster
+    cluster: Any = None  # jetloop.tooling.trials.cluster.LocalCluster
     killed: int = -1  # the node the takeover column killed
 
     def worker(self, hold: str | None = None, **env: str) -> WorkerProcess:
@@ -156,7 +156,7 @@ async def rig(
     cluster: Any = None
     server: EmbeddedServer | None = None
     if mode == "takeover":
-        from tooling.trials.cluster import LocalCluster
+        from jetloop.tooling.trials.cluster import LocalCluster
 
         cluster = LocalCluster(tmp_path / "cluster", "jl-test")
         cluster.start()

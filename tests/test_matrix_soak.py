@@ -13,9 +13,9 @@ import random
 
 import pytest
 
-from demo.vendor import Vendor
-from schemas import CallState
-from services.client import Client
+from jetloop.demo.vendor import Vendor
+from jetloop.schemas import CallState
+from jetloop.services.client import Client
 from tests.conftest import WorkerFactory, body, call, script, until
 
 ROUNDS = int(os.environ.get("JETLOOP_SOAK_ROUNDS", "2"))

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from demo.vendor import Vendor
-from services.client import Client
+from jetloop.demo.vendor import Vendor
+from jetloop.services.client import Client
 from tests.conftest import WorkerFactory
 from tests.fakes.anthropic import FakeAnthropic
 from tests.fakes.base import FakeCall, Reply, Stall
@@ -55,7 +55,7 @@ async def test_demo_conversation_on_each_provider(
             Reply(text="Opening it.", calls=(FakeCall("create_ticket", {"title": "printer"}),)),
             Reply(text="Ticket T-1 is open."),
         )
-        workers.start(app="demo.agent:app", env=model_env(fake, spec))
+        workers.start(app="jetloop.demo.agent:app", env=model_env(fake, spec))
         h = await client.send("demo", f"m-{provider}", "please open a printer ticket")
         res = await client.wait(h, timeout=60)
         assert res.text == "Ticket T-1 is open."
@@ -86,7 +86,7 @@ async def test_same_history_on_every_provider(client: Client, workers: WorkerFac
                 Reply(text="Looking.", calls=(FakeCall("list_tickets", {}),)),
                 Reply(text="No tickets yet."),
             )
-            w = workers.start(app="demo.agent:app", env=model_env(fake, spec))
+            w = workers.start(app="jetloop.demo.agent:app", env=model_env(fake, spec))
             h = await client.send("demo", f"same-{provider}", "what tickets are there?")
             await client.wait(h, timeout=60)
             w.kill()
@@ -102,7 +102,7 @@ async def test_worker_killed_during_the_model_call(client: Client, workers: Work
     async with FakeOpenAIChat() as fake:
         fake.script(Stall(), Reply(text="The one answer."))
         env = model_env(fake, "openai:gpt-test")
-        victim = workers.start("victim", app="demo.agent:app", env=env)
+        victim = workers.start("victim", app="jetloop.demo.agent:app", env=env)
         h = await client.send("demo", "kill-mid", "hello")
 
         async def in_flight() -> bool:
@@ -112,7 +112,7 @@ async def test_worker_killed_during_the_model_call(client: Client, workers: Work
 
         await until(in_flight)
         victim.kill()
-        workers.start("survivor", app="demo.agent:app", env=env)
+        workers.start("survivor", app="jetloop.demo.agent:app", env=env)
         res = await client.wait(h, timeout=60)
         assert res.text == "The one answer."
         assert len(fake.received) == 2

@@ -1,4 +1,4 @@
-"""`jetloop up` serves NATS with users and roles (services.natsauth): the CLI beside it
+"""`jetloop up` serves NATS with users and roles (jetloop.services.natsauth): the CLI beside it
 finds the worker credentials in the store directory; a client credential starts and reads
 turns, and decides (approve, cancel) through the workers' control API, but cannot write
 state or publish a step; no credential is refused."""
@@ -23,20 +23,20 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
 
-from consumers.control import ControlError
-from consumers.snapshot import SessionSnapshot
-from demo.vendor import Vendor
-from schemas import ApprovalRecord
-from services.client import Client
-from services.embedded import EmbeddedServer, free_port
-from services.natsauth import make_users, url_as, write_config
-from services.settings import SettingsError, load_settings
-from streams.seal import Sealer, key_bytes
-from streams.topology import STATE_BUCKET, STEPS_STREAM
+from jetloop.consumers.control import ControlError
+from jetloop.consumers.snapshot import SessionSnapshot
+from jetloop.demo.vendor import Vendor
+from jetloop.schemas import ApprovalRecord
+from jetloop.services.client import Client
+from jetloop.services.embedded import EmbeddedServer, free_port
+from jetloop.services.natsauth import make_users, url_as, write_config
+from jetloop.services.settings import SettingsError, load_settings
+from jetloop.streams.seal import Sealer, key_bytes
+from jetloop.streams.topology import STATE_BUCKET, STEPS_STREAM
+from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import WorkerFactory, body, call, prepare, script, until
 from tests.test_seal_key import Up, cancelled_then_next_completes, env_without_key, waiting_turn
 from tests.test_up import wait_ready
-from tooling.trials.harness import WorkerProcess
 
 NO_CREDENTIALS = ("JETLOOP_NATS_USER", "JETLOOP_NATS_PASSWORD")
 
@@ -55,7 +55,7 @@ def cli(up: Up, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str
     env = {k: v for k, v in env_without_key().items() if k not in NO_CREDENTIALS}
     env.update(extra_env)
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args, "--nats", up.url],
+        [sys.executable, "-m", "jetloop.services.cli", *args, "--nats", up.url],
         cwd=up.cwd,
         env=env,
         capture_output=True,
@@ -163,7 +163,7 @@ def cli_elsewhere(
     assert not (cwd / ".jetloop").exists()
     env = {k: v for k, v in env_without_key().items() if k not in NO_CREDENTIALS}
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args, "--nats", url],
+        [sys.executable, "-m", "jetloop.services.cli", *args, "--nats", url],
         cwd=cwd,
         env={**env, **extra_env},
         capture_output=True,
@@ -367,7 +367,14 @@ async def test_credentials_for_servers_started_elsewhere(tmp_path: Path) -> None
 
     def run() -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "services.cli", "credentials", "--store-dir", str(store)],
+            [
+                sys.executable,
+                "-m",
+                "jetloop.services.cli",
+                "credentials",
+                "--store-dir",
+                str(store),
+            ],
             env=env,
             capture_output=True,
             text=True,

@@ -12,9 +12,9 @@ from typing import Any
 
 import msgpack
 
-from schemas import turn_id_for
-from services.client import Client
-from streams.connection import PayloadTooLarge, message_size
+from jetloop.schemas import turn_id_for
+from jetloop.services.client import Client
+from jetloop.streams.connection import PayloadTooLarge, message_size
 from tests.conftest import WorkerFactory, script, until
 
 MIB = 1024 * 1024

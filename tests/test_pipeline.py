@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-from demo.vendor import Vendor
-from schemas import EventType, TurnStatus
-from services.client import Client
-from services.embedded import EmbeddedServer
-from streams import topology
+from jetloop.demo.vendor import Vendor
+from jetloop.schemas import EventType, TurnStatus
+from jetloop.services.client import Client
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.streams import topology
 from tests.conftest import WorkerFactory, call, script
 
 

@@ -9,11 +9,11 @@ import time
 import msgpack
 import pytest
 
-from consumers.dispatch import TRANSIENT_FOR, UNEXPECTED_TRIES, Failing, fate
-from schemas import turn_id_for
-from services.client import Client, TurnFailed
-from streams.seal import SealBroken
-from streams.state import Conflict, turn_key
+from jetloop.consumers.dispatch import TRANSIENT_FOR, UNEXPECTED_TRIES, Failing, fate
+from jetloop.schemas import turn_id_for
+from jetloop.services.client import Client, TurnFailed
+from jetloop.streams.seal import SealBroken
+from jetloop.streams.state import Conflict, turn_key
 from tests.conftest import WorkerFactory, call, script, until
 from tests.test_resume import pending_approval
 

@@ -1,4 +1,4 @@
-"""`jetloop worker --processes N`: N worker processes under one parent (services.processes).
+"""`jetloop worker --processes N`: N worker processes under one parent (jetloop.services.processes).
 
 Real processes on a real nats-server: the children serve turns under ids of their own, a
 child killed with SIGKILL is started again, SIGTERM to the parent drains and stops them all,
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from schemas import TurnStatus
-from services.client import Client
-from services.settings import load_settings
-from streams.registry import Registry
+from jetloop.schemas import TurnStatus
+from jetloop.services.client import Client
+from jetloop.services.settings import load_settings
+from jetloop.streams.registry import Registry
 from tests.conftest import WorkerFactory, call, script, until
 from tests.test_up import alive
 
@@ -79,7 +79,15 @@ async def test_worker_processes_serve_restart_and_stop(
 
 def run_worker(*args: str, **env: str) -> tuple[int, list[str]]:
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "worker", "--nats", "nats://127.0.0.1:1", *args],
+        [
+            sys.executable,
+            "-m",
+            "jetloop.services.cli",
+            "worker",
+            "--nats",
+            "nats://127.0.0.1:1",
+            *args,
+        ],
         capture_output=True,
         env={**os.environ, **env},
         timeout=60,

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from schemas import Event, EventType, HistoryEntry, HistoryRole, encode
-from services.client import Client
-from services.embedded import EmbeddedServer
-from services.readmodel.model import Incoming, ReadModel
-from services.readmodel.projector import Projector
-from streams import topology
+from jetloop.schemas import Event, EventType, HistoryEntry, HistoryRole, encode
+from jetloop.services.client import Client
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.services.readmodel.model import Incoming, ReadModel
+from jetloop.services.readmodel.projector import Projector
+from jetloop.streams import topology
 from tests.conftest import TEST_ENV, WorkerFactory, call, script, until
 
 
@@ -41,7 +41,7 @@ async def dump(db: Path) -> dict[str, list[tuple[Any, ...]]]:
 
 
 class ProjectorProcess:
-    """``python -m services.readmodel.projector`` as a subprocess that can be SIGKILLed."""
+    """``python -m jetloop.services.readmodel.projector`` as a subprocess that can be SIGKILLed."""
 
     def __init__(self, url: str, db: Path, log: Path, hold: str | None = None) -> None:
         env = {**os.environ, **TEST_ENV, "JETLOOP_LOG_LEVEL": "debug"}
@@ -52,7 +52,7 @@ class ProjectorProcess:
             [
                 sys.executable,
                 "-m",
-                "services.readmodel.projector",
+                "jetloop.services.readmodel.projector",
                 "--nats",
                 url,
                 "--db",

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.embedded import EmbeddedServer
+from jetloop.services.embedded import EmbeddedServer
 from tests.conftest import WorkerFactory
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,11 +1,11 @@
 """How fast a dead worker's step moves on, and that a live worker's step never does.
 
 A dead worker's connection closes at once; the server says so to the system account's
-watch user, and another worker hands on what the dead one held (``services.rescue``) — well
+watch user, and another worker hands on what the dead one held (``jetloop.services.rescue``) — well
 before the lease. A worker restarted after the death does the same at start. A step whose
 holder still lives is never taken over, whatever delivery of it another worker gets: a copy
 of its message, a copy claiming the holder is dead, a redelivery after a server restart
-(``consumers.liveness``). The leases here are long (30 s) so that a takeover by the lease
+(``jetloop.consumers.liveness``). The leases here are long (30 s) so that a takeover by the lease
 cannot pass for either.
 """
 
@@ -15,12 +15,12 @@ import asyncio
 import time
 from pathlib import Path
 
-from demo.vendor import Vendor
-from schemas import CallState, EventType
-from services.client import Client
-from services.embedded import EmbeddedServer
-from streams import topology
-from streams.holds import read_holds
+from jetloop.demo.vendor import Vendor
+from jetloop.schemas import CallState, EventType
+from jetloop.services.client import Client
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.streams import topology
+from jetloop.streams.holds import read_holds
 from tests.conftest import WorkerFactory, body, call, script, until
 
 LONG_LEASE = {"JETLOOP_LEASE_SECONDS": "30"}

@@ -9,8 +9,8 @@ import json
 
 import nats
 
-from schemas import turn_id_for
-from services.client import Client
+from jetloop.schemas import turn_id_for
+from jetloop.services.client import Client
 from tests.conftest import WorkerFactory, script, until
 
 

@@ -9,11 +9,11 @@ import json
 import msgpack
 import pytest
 
-from demo.vendor import Vendor
-from schemas import TurnPhase, call_key
-from services.client import Client, TurnFailed
-from streams import topology
-from streams.state import turn_key
+from jetloop.demo.vendor import Vendor
+from jetloop.schemas import TurnPhase, call_key
+from jetloop.services.client import Client, TurnFailed
+from jetloop.streams import topology
+from jetloop.streams.state import turn_key
 from tests.conftest import SEAL_KEY, WorkerFactory, body, call, script, until
 from tests.test_crash import last_seqs
 
@@ -71,7 +71,7 @@ async def test_rotated_key_still_verifies(
     # at once what the dead one still held, and the stranger below must never see "rot".
     old.terminate()
     new_key = "ab" * 32
-    from services.settings import load_settings
+    from jetloop.services.settings import load_settings
 
     # A worker with the new key only: the old seal does not verify, nothing runs.
     stranger = workers.start("stranger", env={"JETLOOP_SEAL_KEY": new_key})

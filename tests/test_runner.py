@@ -1,4 +1,4 @@
-"""How a worker process runs (``services.runner``): on uvloop unless turned off, with its
+"""How a worker process runs (``jetloop.services.runner``): on uvloop unless turned off, with its
 start-up objects frozen out of the collector's sight and the collector's threshold set."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from services.client import Client
-from services.runner import loop_factory, loop_name, run, settle_heap
-from services.settings import DEFAULT_GC_THRESHOLD
+from jetloop.services.client import Client
+from jetloop.services.runner import loop_factory, loop_name, run, settle_heap
+from jetloop.services.settings import DEFAULT_GC_THRESHOLD
 from tests.conftest import WorkerFactory, script
 
 

@@ -13,14 +13,14 @@ from typing import Any
 import msgpack
 import pytest
 
-from consumers.control import ControlError
-from demo.vendor import Vendor
-from schemas import Event, SessionRecord, StepKind, StepMessage
-from services.client import Client, TurnFailed
-from services.embedded import EmbeddedServer
-from streams.bus import Bus, step_out
-from streams.seal import SealBroken, Sealer, key_bytes
-from streams.state import StateStore, approval_key, call_state_key, session_key, turn_key
+from jetloop.consumers.control import ControlError
+from jetloop.demo.vendor import Vendor
+from jetloop.schemas import Event, SessionRecord, StepKind, StepMessage
+from jetloop.services.client import Client, TurnFailed
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.streams.bus import Bus, step_out
+from jetloop.streams.seal import SealBroken, Sealer, key_bytes
+from jetloop.streams.state import StateStore, approval_key, call_state_key, session_key, turn_key
 from tests.conftest import SEAL_KEY, WorkerFactory, call, script, until
 from tests.test_resume import pending_approval
 

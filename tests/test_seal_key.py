@@ -18,11 +18,11 @@ import aiohttp
 import msgpack
 import pytest
 
-from services.client import Client
-from services.embedded import free_port
-from services.natsauth import url_as
-from services.settings import SettingsError, load_settings, make_seal_key
-from streams.seal import Sealer, key_bytes
+from jetloop.services.client import Client
+from jetloop.services.embedded import free_port
+from jetloop.services.natsauth import url_as
+from jetloop.services.settings import SettingsError, load_settings, make_seal_key
+from jetloop.streams.seal import Sealer, key_bytes
 from tests.conftest import SEAL_KEY, WorkerFactory, call, script, until
 from tests.test_up import wait_ready
 
@@ -49,7 +49,7 @@ class Up:
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "up", "--port", str(self.port)],
+                [sys.executable, "-m", "jetloop.services.cli", "up", "--port", str(self.port)],
                 cwd=self.cwd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -116,7 +116,7 @@ async def test_cli_cancel_beside_up_is_sealed(up: Up, up_client: Client) -> None
     turn_id = await waiting_turn(up_client, "cli")
     out = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "services.cli", "cancel", "cli", "--nats", up.url],
+        [sys.executable, "-m", "jetloop.services.cli", "cancel", "cli", "--nats", up.url],
         cwd=up.cwd,
         env=env_without_key(),
         capture_output=True,

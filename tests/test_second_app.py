@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from services.client import Client, UnknownAgent
-from services.embedded import free_port
-from services.natsauth import url_as
-from streams.seal import Sealer, key_bytes
+from jetloop.services.client import Client, UnknownAgent
+from jetloop.services.embedded import free_port
+from jetloop.services.natsauth import url_as
+from jetloop.streams.seal import Sealer, key_bytes
 from tests.conftest import until
 
 ROOT = Path(__file__).resolve().parent.parent
-JETLOOP = [sys.executable, "-m", "services.cli"]
+JETLOOP = [sys.executable, "-m", "jetloop.services.cli"]
 
 
 def readme_app() -> str:

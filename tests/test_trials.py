@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from tooling.trials.measures import (
+from jetloop.tooling.trials.measures import (
     SeenEvent,
     engine_detection,
     false_takeovers,
     targets,
     worker_detection,
 )
-from tooling.trials.run import format_reports, percentile, run_trials
+from jetloop.tooling.trials.run import format_reports, percentile, run_trials
 
 ROUNDS = int(os.environ.get("JETLOOP_TRIALS", "2"))
 SEED = int(os.environ.get("JETLOOP_KILL_SEED", str(random.randrange(1 << 30))))

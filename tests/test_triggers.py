@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from agents import Trigger
-from consumers.delegation import child_session
-from demo.vendor import Vendor
-from schemas import call_key
-from services.client import Client
+from jetloop.agents import Trigger
+from jetloop.consumers.delegation import child_session
+from jetloop.demo.vendor import Vendor
+from jetloop.schemas import call_key
+from jetloop.services.client import Client
 from tests.conftest import WorkerFactory, body, call, script, until
 
 

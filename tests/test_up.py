@@ -22,11 +22,11 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
-from services.client import Client
-from services.embedded import free_port
-from services.lifecycle import Service
-from services.natsauth import url_as
-from services.supervisor import Component, GaveUp, Supervisor
+from jetloop.services.client import Client
+from jetloop.services.embedded import free_port
+from jetloop.services.lifecycle import Service
+from jetloop.services.natsauth import url_as
+from jetloop.services.supervisor import Component, GaveUp, Supervisor
 from tests.conftest import until
 
 
@@ -34,7 +34,7 @@ def up_command(tmp_path: Path, port: int, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "services.cli",
+        "jetloop.services.cli",
         "up",
         "--nats-port",
         str(port),

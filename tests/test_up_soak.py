@@ -10,7 +10,7 @@ For the long run: ``JETLOOP_UP_SOAK_SECONDS=900 .venv/bin/pytest -m slow tests/t
 
 Memory bounds, from measurements here (2 cores, the demo agent; tree = python + nats-server):
 the tree starts at ~82 MB after the first burst. Memory grows with the turns, by design:
-each worker keeps the history of up to 512 sessions (``streams.history``) and nats-server
+each worker keeps the history of up to 512 sessions (``jetloop.streams.history``) and nats-server
 the streams' per-subject state; with this pace and four sessions that was ~0.18 MB a turn
 (+4.8 MB over 180 s / 25 turns, +19 MB over 900 s / 105 turns; back-to-back turns, up to
 ~0.3 MB). Idle it does not grow: +1.1 MB over the 7 gaps of a 300 s run, +1.4 MB over the
@@ -31,9 +31,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from services.client import Client
-from services.embedded import free_port
-from services.natsauth import url_as
+from jetloop.services.client import Client
+from jetloop.services.embedded import free_port
+from jetloop.services.natsauth import url_as
 from tests.test_up import alive, events, field, start_up, wait_ready
 
 SECONDS = float(os.environ.get("JETLOOP_UP_SOAK_SECONDS", "180"))

@@ -8,16 +8,17 @@ from typing import Any
 import msgpack
 from nats.js.errors import NotFoundError
 
-from schemas import EVENT_DATA, EventType
-from services.client import Client
-from streams import topology
+from jetloop.schemas import EVENT_DATA, EventType
+from jetloop.services.client import Client
+from jetloop.streams import topology
+from jetloop.tooling.wire_schemas import OUT, render, stale
 from tests.conftest import WorkerFactory, call, script, until
-from tooling.wire_schemas import OUT, render, stale
 
 
 def test_checked_in_schemas_are_current() -> None:
-    """A model changed without `python -m tooling.wire_schemas` fails here, naming the file."""
-    assert stale() == [], "stale schema files: run `python -m tooling.wire_schemas`"
+    """A model changed without `python -m jetloop.tooling.wire_schemas` fails here, naming
+    the file."""
+    assert stale() == [], "stale schema files: run `python -m jetloop.tooling.wire_schemas`"
     assert len(render()) == len(list(OUT.glob("*.json")))
 
 

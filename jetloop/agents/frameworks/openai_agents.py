@@ -1,0 +1,567 @@
+"""OpenAI Agents SDK agents, run durably: ``durable(sdk_agent, effects={...})``.
+
+The wrapper turns an SDK ``Agent`` (and every agent it can hand off to) into one jetloop
+``agents.Agent``. The engine keeps the loop the SDK's ``Runner`` would have run:
+
+- each model request is a RunModel step: ``SdkModel`` turns jetloop's conversation into the
+  SDK's input items (Responses format) and calls the SDK ``Model.get_response`` of the agent
+  that is active, with that agent's instructions, tools, handoffs and output type;
+- each function tool is a CallTool step with the effect class the user declares for it
+  (undeclared: ``NON_IDEMPOTENT_WRITE``, a write that runs at most once);
+- each handoff is a CallTool step (``READ`` unless declared) whose result names the agent it
+  hands off to; the active agent is derived from the conversation (the last handoff that
+  succeeded), so a redelivered model step derives the same agent again;
+- a tool with ``needs_approval`` waits for a person's decision (AwaitToolApproval);
+- hosted tools (``WebSearchTool``, ``FileSearchTool``, ``CodeInterpreterTool``,
+  ``ImageGenerationTool``, ``HostedMCPTool``, ``ToolSearchTool``) run at the provider, inside
+  the model call: inside RunModel, so they run again when RunModel runs again.
+
+The name clash. The SDK's import name is ``agents``, and so is this project's package: in a
+process that runs jetloop, ``import agents`` is jetloop. ``sdk()`` loads the SDK under another
+name (``openai_agents_sdk``) from its own directory and answers the SDK's few absolute
+``agents.<x>`` imports with its own modules, so both live in one process. User code takes the
+SDK's names from ``sdk()`` (or ``from openai_agents_sdk import Agent`` once ``sdk()`` ran).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from jetloop.agents.adapters.base import MalformedToolCall, tool_call, usage
+from jetloop.agents.adapters.errors import ProviderRejected, ProviderRetryable
+from jetloop.agents.adapters.history import Context, Item, UserText, conversation
+from jetloop.agents.agent import Agent, Limits
+from jetloop.agents.model import Message, ModelRequest, ModelResponse, ToolCallRequest, rough_tokens
+from jetloop.agents.tools import Effect, Tool, ToolContext
+
+SDK_MODULE = "openai_agents_sdk"
+"""The name the OpenAI Agents SDK is loaded under in a jetloop process."""
+
+PATH_ENV = "JETLOOP_OPENAI_AGENTS_PATH"
+"""A directory holding the SDK's ``agents`` package (a ``pip install --target`` directory),
+for when it is not installed where ``importlib.metadata`` finds it."""
+
+# Tools the provider runs inside the model call: they cannot be deferred to a CallTool step.
+HOSTED_TOOLS = (
+    "WebSearchTool",
+    "FileSearchTool",
+    "CodeInterpreterTool",
+    "ImageGenerationTool",
+    "HostedMCPTool",
+    "ToolSearchTool",
+)
+
+RETRYABLE_STATUS = frozenset({408, 409, 429})
+
+
+# --- loading the SDK next to jetloop's own ``agents`` ---------------------------------------
+
+
+def sdk() -> ModuleType:
+    """The OpenAI Agents SDK's top-level module, loaded as ``openai_agents_sdk``."""
+    loaded = sys.modules.get(SDK_MODULE)
+    if loaded is not None:
+        return loaded
+    directory = sdk_directory()
+    # A `pip install --target DIR` directory holds the SDK's dependencies too: last on the
+    # path, it only supplies those the environment lacks (jetloop's `agents` stays first).
+    if str(directory.parent) not in sys.path:
+        sys.path.append(str(directory.parent))
+    aliases = _SdkAliases(directory)
+    # First on the path: `agents.util._types` must not be found by the path finder in the
+    # aliased `agents.util`'s directory, which would load a second copy of the SDK's module.
+    sys.meta_path.insert(0, aliases)
+    spec = importlib.util.spec_from_file_location(
+        SDK_MODULE, directory / "__init__.py", submodule_search_locations=[str(directory)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[SDK_MODULE] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        # Leave nothing half-loaded behind: a later call starts afresh.
+        sys.meta_path.remove(aliases)
+        for name in [n for n in sys.modules if n.partition(".")[0] in ("agents", SDK_MODULE)]:
+            if (
+                name == SDK_MODULE
+                or name.startswith(SDK_MODULE + ".")
+                or (getattr(sys.modules[name], "__name__", "").startswith(SDK_MODULE))
+            ):
+                del sys.modules[name]
+        raise
+    return module
+
+
+def sdk_module(name: str) -> ModuleType:
+    """A submodule of the SDK (``sdk_module("tool_context")``)."""
+    sdk()
+    return importlib.import_module(f"{SDK_MODULE}.{name}")
+
+
+def sdk_directory() -> Path:
+    """Where the SDK's ``agents`` package is: ``$JETLOOP_OPENAI_AGENTS_PATH``, the
+    ``openai-agents`` distribution's files, or an ``agents`` package on ``sys.path`` that is
+    not jetloop's."""
+    ours = Path(__file__).resolve().parent.parent
+    candidates: list[Path] = []
+    if os.environ.get(PATH_ENV):
+        candidates.append(Path(os.environ[PATH_ENV]) / "agents")
+    try:
+        dist = importlib.metadata.distribution("openai-agents")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    else:
+        candidates.append(Path(str(dist.locate_file("agents"))))
+    candidates += [Path(p or ".") / "agents" for p in sys.path]
+    for c in candidates:
+        if (c / "run.py").is_file() and (c / "handoffs").is_dir() and c.resolve() != ours:
+            return c.resolve()
+    raise ImportError(
+        "the OpenAI Agents SDK is not installed where jetloop can load it: install "
+        f"`openai-agents` into a directory of its own (`pip install --target DIR openai-agents`)"
+        f" and set {PATH_ENV}=DIR. Its import name `agents` is jetloop's package name too, so "
+        "both cannot share one site-packages directory."
+    )
+
+
+def _has(package: Path, name: str) -> bool:
+    return (package / name).is_dir() or (package / f"{name}.py").is_file()
+
+
+class _SdkAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Answers the SDK's absolute ``agents.<x>`` imports (``agents.util._types``,
+    ``agents.model_settings``, …) with the SDK's module ``openai_agents_sdk.<x>``.
+
+    A name jetloop's own package has is never aliased: ``jetloop.agents.agent``,
+    ``jetloop.agents.tools``… stay jetloop's."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.ours = Path(__file__).resolve().parent.parent
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        head, _, rest = fullname.partition(".")
+        top = rest.partition(".")[0]
+        if head != "agents" or not top or _has(self.ours, top):
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self) if _has(self.directory, top) else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return None
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The import system returns what sys.modules holds once this returns: the SDK's module.
+        target = importlib.import_module(SDK_MODULE + module.__name__[len("agents") :])
+        sys.modules[module.__name__] = target
+
+
+# --- the wrapper -----------------------------------------------------------------------------
+
+
+def durable(
+    agent: Any,
+    *,
+    name: str | None = None,
+    effects: Mapping[str, Effect] | None = None,
+    model_provider: Any = None,
+    context: Any = None,
+    limits: Limits | None = None,
+    sticky_handoffs: bool = True,
+) -> Agent:
+    """A jetloop agent that runs the SDK ``agent`` (and the agents it hands off to) durably.
+
+    ``effects`` declares each function tool's effect class by name (and a handoff's, whose
+    default is ``READ``); a function tool it does not name is a ``NON_IDEMPOTENT_WRITE``.
+    ``model_provider`` resolves an agent whose ``model`` is a name (default: the SDK's
+    ``MultiProvider``). ``context`` is the run context the SDK hands to dynamic instructions,
+    ``is_enabled`` and approval policies. With ``sticky_handoffs`` (the default, as the SDK's
+    ``result.last_agent``) the agent a handoff chose answers the next turns too; without, each
+    turn starts at ``agent``.
+    """
+    graph = Graph.of(agent)
+    declared = dict(effects or {})
+    tools: list[Tool] = []
+    for t in graph.function_tools.values():
+        effect = Effect(declared.pop(t.name, Effect.NON_IDEMPOTENT_WRITE))
+        tools.append(function_tool(t, effect, context))
+    for tool_name, h in graph.handoffs.items():
+        tools.append(handoff_tool(h, Effect(declared.pop(tool_name, Effect.READ)), context))
+    if declared:
+        raise ValueError(
+            f"effects name tools no agent has: {sorted(declared)} "
+            f"(tools: {sorted(graph.function_tools)}, handoffs: {sorted(graph.handoffs)})"
+        )
+    instructions = agent.instructions if isinstance(agent.instructions, str) else ""
+    return Agent(
+        name=name or slug(agent.name),
+        instructions=instructions,
+        model=SdkModel(graph, model_provider, context, sticky_handoffs),
+        tools=tuple(tools),
+        limits=limits or Limits(),
+    )
+
+
+def slug(text: str) -> str:
+    """An SDK agent's name as a jetloop name (``Billing agent`` → ``billing-agent``)."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", text).strip("-").lower()[:64] or "agent"
+
+
+@dataclass
+class Graph:
+    """The SDK agents reachable by handoffs from the first one, their function tools, their
+    handoffs (by tool name) and hosted tools, checked once when the agent is wrapped."""
+
+    start: Any
+    agents: dict[str, Any] = field(default_factory=dict)
+    function_tools: dict[str, Any] = field(default_factory=dict)
+    handoffs: dict[str, Any] = field(default_factory=dict)
+    # The agent each handoff tool hands off to.
+    targets: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, start: Any) -> Graph:
+        s = sdk()
+        if not isinstance(start, s.Agent):
+            raise TypeError(f"expected an OpenAI Agents SDK Agent, got {type(start).__name__}")
+        graph = cls(start)
+        todo = [start]
+        while todo:
+            a = todo.pop()
+            if a.name in graph.agents:
+                if graph.agents[a.name] is not a:
+                    raise ValueError(f"two different agents are named {a.name!r}")
+                continue
+            graph.agents[a.name] = a
+            if getattr(a, "mcp_servers", None):
+                raise TypeError(
+                    f"agent {a.name!r}: MCP servers are not supported (their tools are only "
+                    "known at run time); wrap what you need as function tools"
+                )
+            for t in a.tools:
+                graph._add_tool(a, t)
+            for h in handoffs_of(a):
+                target = h._agent_ref() if h._agent_ref is not None else None
+                if target is None:
+                    raise TypeError(f"agent {a.name!r}: handoff {h.tool_name} has no agent")
+                known = graph.targets.get(h.tool_name)
+                if known is not None and known != target.name:
+                    raise ValueError(f"handoff tool {h.tool_name!r} leads to two agents")
+                if h.tool_name in graph.function_tools:
+                    raise ValueError(f"{h.tool_name!r} is both a function tool and a handoff")
+                graph.handoffs.setdefault(h.tool_name, h)
+                graph.targets[h.tool_name] = target.name
+                todo.append(target)
+        return graph
+
+    def _add_tool(self, owner: Any, t: Any) -> None:
+        s = sdk()
+        if isinstance(t, s.FunctionTool):
+            known = self.function_tools.get(t.name)
+            if known is not None and known is not t:
+                raise ValueError(f"two different function tools are named {t.name!r}")
+            self.function_tools[t.name] = t
+        elif not isinstance(t, tuple(getattr(s, n) for n in HOSTED_TOOLS)):
+            raise TypeError(
+                f"agent {owner.name!r}: {type(t).__name__} runs in the SDK's own loop, which "
+                "jetloop replaces; wrap it as a function tool"
+            )
+
+    def active(self, messages: Sequence[Message], sticky: bool) -> Any:
+        """The agent that answers next: the target of the last handoff that succeeded (in the
+        whole conversation, or in the current turn without ``sticky``), else the first."""
+        scope = messages
+        if not sticky:
+            starts = [i for i, m in enumerate(messages) if m.role == "user"]
+            scope = messages[starts[-1] :] if starts else messages
+        current = self.start
+        for m in scope:
+            if m.role != "tool" or m.tool not in self.handoffs or (m.status or "ok") != "ok":
+                continue
+            target = m.result.get("assistant") if isinstance(m.result, dict) else None
+            if isinstance(target, str) and target in self.agents:
+                current = self.agents[target]
+        return current
+
+
+def handoffs_of(agent: Any) -> list[Any]:
+    """An agent's handoffs as SDK ``Handoff`` objects (an agent listed directly gets the SDK's
+    default handoff to it)."""
+    s = sdk()
+    return [h if isinstance(h, s.Handoff) else s.handoff(h) for h in agent.handoffs]
+
+
+# --- tools -----------------------------------------------------------------------------------
+
+
+class SdkArguments(BaseModel):
+    """A function tool's arguments as the model wrote them: the SDK validates them itself."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def arguments_model(tool_name: str, schema: dict[str, Any]) -> type[SdkArguments]:
+    """An argument model whose JSON schema is the SDK tool's own."""
+    fixed = dict(schema)
+
+    class Arguments(SdkArguments):
+        @classmethod
+        def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            return fixed
+
+    Arguments.__name__ = Arguments.__qualname__ = f"{tool_name}_arguments"
+    return Arguments
+
+
+def function_tool(t: Any, effect: Effect, context: Any) -> Tool:
+    """An SDK ``FunctionTool`` as a jetloop tool: the SDK's own invoker runs inside CallTool,
+    with a ``ToolContext`` whose ``context`` is jetloop's (``ctx.context.idempotency_key``)."""
+    tool_context = sdk_module("tool_context").ToolContext
+
+    async def run(args: BaseModel, ctx: ToolContext) -> Any:
+        raw = json.dumps(args.model_dump(mode="json"))
+        call = tool_context(
+            context=ctx, tool_name=t.name, tool_call_id=ctx.call_id, tool_arguments=raw
+        )
+        return jsonable(await t.on_invoke_tool(call, raw))
+
+    return Tool(
+        name=t.name,
+        description=t.description or "",
+        args_model=arguments_model(t.name, t.params_json_schema),
+        fn=run,
+        effect=effect,
+        approval=approval_policy(t.needs_approval, context),
+    )
+
+
+def handoff_tool(h: Any, effect: Effect, context: Any) -> Tool:
+    """A handoff as a jetloop tool: the SDK's ``on_invoke_handoff`` (and the user's
+    ``on_handoff``) runs inside CallTool; its result names the agent that answers next."""
+    s = sdk()
+
+    async def run(args: BaseModel, ctx: ToolContext) -> Any:
+        raw = json.dumps(args.model_dump(mode="json"))
+        target = await h.on_invoke_handoff(s.RunContextWrapper(context=context), raw)
+        return {"assistant": target.name}
+
+    return Tool(
+        name=h.tool_name,
+        description=h.tool_description or "",
+        args_model=arguments_model(h.tool_name, h.input_json_schema),
+        fn=run,
+        effect=effect,
+    )
+
+
+def approval_policy(needs: Any, context: Any) -> bool | Any:
+    """``needs_approval`` as jetloop's approval policy (a bool, or a predicate over the
+    arguments). The SDK's policy is async; jetloop's is decided synchronously, so the
+    coroutine is run to its end here: a policy that really waits is taken as "needs approval"
+    (the safe answer)."""
+    if not callable(needs):
+        return bool(needs)
+
+    def policy(args: BaseModel) -> bool:
+        s = sdk()
+        out = needs(s.RunContextWrapper(context=context), args.model_dump(mode="json"), "")
+        if not inspect.isawaitable(out):
+            return bool(out)
+        if not inspect.iscoroutine(out):
+            return True
+        try:
+            out.send(None)
+        except StopIteration as done:
+            return bool(done.value)
+        out.close()
+        return True
+
+    return policy
+
+
+def jsonable(value: Any) -> Any:
+    """A tool's output as a JSON value for the history (what is not JSON becomes its text)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return value
+
+
+# --- the model -------------------------------------------------------------------------------
+
+
+class SdkModel:
+    """jetloop's ``ModelAdapter`` over the SDK's ``Model``: one ``get_response`` per RunModel
+    step, for the agent the conversation says is active."""
+
+    def __init__(self, graph: Graph, provider: Any, context: Any, sticky: bool) -> None:
+        self.graph = graph
+        self.provider = provider
+        self.context = context
+        self.sticky = sticky
+        self._models: dict[str, Any] = {}
+
+    def estimate_tokens(self, messages: list[Message]) -> int:
+        return rough_tokens(messages)
+
+    def model_of(self, agent: Any) -> Any:
+        """The SDK ``Model`` an agent's requests go to (resolved once per agent)."""
+        s = sdk()
+        found = self._models.get(agent.name)
+        if found is None:
+            if isinstance(agent.model, s.Model):
+                found = agent.model
+            else:
+                if self.provider is None:
+                    self.provider = s.MultiProvider()
+                found = self.provider.get_model(agent.model)
+            self._models[agent.name] = found
+        return found
+
+    async def complete(self, request: ModelRequest) -> ModelResponse:
+        s = sdk()
+        if request.purpose == "summary":
+            agent = self.graph.start
+            items = conversation(request.messages, tools_enabled=False, summary=True)
+            system, tools, handoffs, output, prompt = request.instructions, [], [], None, None
+        else:
+            agent = self.graph.active(request.messages, self.sticky)
+            items = conversation(request.messages)
+            run = s.RunContextWrapper(context=self.context)
+            turn = sdk_module("run_internal.turn_preparation")
+            system = await agent.get_system_prompt(run)
+            tools = await agent.get_all_tools(run)
+            handoffs = await turn.get_handoffs(agent, run)
+            output = turn.get_output_schema(agent)
+            prompt = await agent.get_prompt(run)
+        try:
+            response = await self.model_of(agent).get_response(
+                system,
+                input_items(items),
+                agent.model_settings,
+                tools,
+                output,
+                handoffs,
+                s.ModelTracing.DISABLED,
+                previous_response_id=None,
+                conversation_id=None,
+                prompt=prompt,
+            )
+        except Exception as exc:
+            mapped = provider_error(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        # What the model was offered this step (``is_enabled`` may hide a tool or handoff).
+        allowed = {t.name for t in tools if isinstance(t, s.FunctionTool)}
+        return self.answer(response, allowed | {h.tool_name for h in handoffs})
+
+    def answer(self, response: Any, allowed: set[str]) -> ModelResponse:
+        """The SDK's output items as jetloop's answer: text, and the function calls (a call
+        of a tool the active agent lacks, or a second handoff, is refused as the SDK does)."""
+        text: list[str] = []
+        calls: list[ToolCallRequest] = []
+        handed_off = False
+        for item in response.output:
+            kind = getattr(item, "type", None)
+            if kind == "message":
+                for part in item.content:
+                    if part.type == "output_text":
+                        text.append(part.text)
+                    elif part.type == "refusal":
+                        text.append(part.refusal)
+            elif kind == "function_call":
+                call = tool_call(item.name, item.arguments, item.call_id)
+                problem = None
+                if item.name not in allowed:
+                    problem = f"tool {item.name} is not available to this agent"
+                elif item.name in self.graph.handoffs:
+                    if handed_off:
+                        problem = "Multiple handoffs detected, ignoring this one."
+                    handed_off = True
+                if problem is not None and not isinstance(call, MalformedToolCall):
+                    call = MalformedToolCall(
+                        item.name, {}, item.call_id, raw_arguments=item.arguments, problem=problem
+                    )
+                calls.append(call)
+            # Other items (reasoning, a hosted tool's call) were made inside the model call.
+        u = response.usage
+        cached = getattr(getattr(u, "input_tokens_details", None), "cached_tokens", None)
+        return ModelResponse(
+            text="".join(text),
+            tool_calls=calls,
+            usage=usage(u.input_tokens, u.output_tokens, cached),
+        )
+
+
+def input_items(items: list[Item]) -> list[dict[str, Any]]:
+    """jetloop's conversation as the SDK's input items (the Responses API format)."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, UserText):
+            out.append({"role": "user", "content": item.text})
+        elif isinstance(item, Context):
+            out.append({"role": "developer", "content": item.text})
+        else:
+            if item.text:
+                out.append({"role": "assistant", "content": item.text})
+            out += [
+                {
+                    "type": "function_call",
+                    "call_id": c.id,
+                    "name": c.name,
+                    "arguments": c.arguments_json,
+                }
+                for c in item.calls
+            ]
+            out += [
+                {"type": "function_call_output", "call_id": r.call_id, "output": r.content}
+                for r in item.results
+            ]
+    return out
+
+
+def provider_error(exc: Exception) -> Exception:
+    """An ``openai`` client error as the engine's: retryable (rate limits, timeouts, lost
+    connections, 5xx) or rejected (other 4xx). Anything else is left as it is (the engine
+    retries the step within its attempts)."""
+    import openai
+
+    if isinstance(exc, openai.APIStatusError):
+        status = exc.status_code
+        body = exc.body if isinstance(exc.body, dict) else {}
+        error_type = body.get("type") or body.get("code")
+        kind = (
+            ProviderRetryable if status in RETRYABLE_STATUS or status >= 500 else ProviderRejected
+        )
+        return kind(
+            "openai-agents",
+            str(exc.message),
+            status=status,
+            error_type=error_type,
+            request_id=exc.request_id,
+        )
+    if isinstance(exc, openai.APIConnectionError):
+        return ProviderRetryable("openai-agents", str(exc))
+    return exc

@@ -1,0 +1,265 @@
+"""CallTool and CallSingleAttemptTool, and the waits of a call; the call's state decides.
+
+The call record ``call.<sid>.<tid>.<step>.<index>`` is the one key a call step commits. Every
+message that concerns a call (the call itself, an approval's or an answer's wake, a timer
+firing, a poll) comes here; what happens is read from the record, never from the message:
+
+    no record / claimed  → the approval gate, then by tool kind: run, ask, set a timer, start
+    awaiting_approval    → the gate again: still pending → wait; approved → run; rejected → denied
+    awaiting_answer      → answered → succeeded with the answer; else wait
+    waiting_timer        → due → succeeded; else (re)arm the schedule
+    task_running         → poll the task
+    in_doubt, attempt    → a lost attempt: settle (ARCHITECTURE.md settlement table)
+
+The claim of a write is its in-doubt mark, written just before the tool is made; a read is
+never marked. A lost CAS anywhere is a takeover: nothing more is written, published or acked.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+from pydantic import BaseModel
+
+from jetloop.agents import Effect, Found, RetryableToolError, ToolError, ToolKind
+from jetloop.consumers import delegation, tasks, waits
+from jetloop.consumers.approvals import Gate, gate
+from jetloop.consumers.calls import (
+    NOT_SENT_AGAIN,
+    TOOL_CALL_NOT_RUN_ERROR_PREFIX,
+    CallEnv,
+    ToolCtx,
+    exhausted,
+    new_record,
+    settle,
+    settle_record,
+    succeeded,
+    window_passed,
+    write,
+)
+from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
+from jetloop.consumers.followers import call_done
+from jetloop.consumers.join import join_calls
+from jetloop.consumers.liveness import holder_lost
+from jetloop.consumers.logcontext import bind_step
+from jetloop.consumers.losses import record_loss, tell_resumed
+from jetloop.consumers.runtime import Delivery
+from jetloop.schemas import CallOutcome, CallState, StepMessage, TurnPhase, call_key
+from jetloop.streams.state import call_state_key
+
+log = structlog.get_logger("jetloop.call_tool")
+
+__all__ = ["TOOL_CALL_NOT_RUN_ERROR_PREFIX", "on_call"]
+
+# The states an attempt holds a call in while it runs the tool: found by another delivery,
+# the attempt is lost once its holder is (jetloop.consumers.liveness).
+LOSABLE = (CallState.IN_DOUBT, CallState.RUNNING)
+
+
+async def on_call(d: Delivery, step: StepMessage) -> None:
+    rt = d.rt
+    sid, tid, n = step.session_id, step.turn_id, step.model_step
+    if step.call_index is None:
+        raise DeadLetter(f"{step.kind.value} step without call_index")
+    i = step.call_index
+    ckey = call_key(sid, tid, n, i)
+    bind_step(call=ckey)
+
+    turn_v, rec_v, session_v = await rt.state.step_view(sid, tid, ckey)
+    if turn_v is None:
+        raise DeadLetter(f"{step.kind.value} for turn {tid} of session {sid}, which has no record")
+    turn = turn_v.value
+    current = turn.model_step == n and turn.phase == TurnPhase.CALLS and not turn.status.terminal
+    if rec_v is not None and rec_v.value.done:
+        # The outcome is committed; its worker may have died before what follows went out.
+        # Sent again from state, under the same message ids (it lands once): the event
+        # always, whatever the turn's state now (the audit stream and the read model need
+        # every outcome); then the join, which moves the turn only while it is at this step
+        # and publishes what follows again if it moved (the dead worker's move, maybe).
+        await call_done(turn, rec_v.value).publish(rt.bus)
+        if current or turn.model_step == n + 1:
+            await join_calls(d, sid, tid, n, first=False)
+        return
+    if not current:
+        # The turn moved on, ended or was cancelled: nothing to make.
+        log.info("call.stale_step", turn_step=turn.model_step, status=turn.status.value)
+        return
+    held = rec_v.value.attempt if rec_v is not None else None
+    if held is not None and rec_v is not None and rec_v.value.state in LOSABLE:
+        # Another attempt claimed it: settled here only once that attempt is lost.
+        await holder_lost(d, call_state_key(ckey), held, rec_v.stored_at)
+    if i >= len(turn.calls):
+        raise DeadLetter(f"call index {i} is out of range for step {n} of turn {tid}")
+    call = turn.calls[i]
+    rec = rec_v.value if rec_v else new_record(ckey, call)
+
+    agent = rt.app.agent(turn.agent)
+    if agent is None and call.invalid is None:
+        raise RetryLater(5.0, f"agent {turn.agent!r} is not served by this worker")
+    tool = agent.tool(call.tool) if agent else None
+    if agent is None or tool is None or call.invalid is not None:
+        # Gates as they stand now: a tool the agent no longer offers is not made; a write
+        # left in doubt by a lost attempt may have run, so its outcome is unknown.
+        why = call.invalid or f"the agent no longer offers the tool {call.tool!r}"
+        if rec.state == CallState.IN_DOUBT and rec.attempt is not None:
+            outcome = CallOutcome(state=CallState.OUTCOME_UNKNOWN, error=f"{NOT_SENT_AGAIN}; {why}")
+        else:
+            outcome = CallOutcome(
+                state=CallState.FAILED, error=f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {why}"
+            )
+        await settle_record(
+            d, turn, n, call.index, rec, rec_v.revision if rec_v else None, outcome, "gate"
+        )
+        return
+    env = CallEnv(
+        d,
+        turn,
+        n,
+        call,
+        ckey,
+        rec,
+        rec_v.revision if rec_v else None,
+        agent,
+        tool,
+        session_v.value if session_v else None,
+    )
+    d.watch_turn = (sid, tid)
+
+    match rec.state:
+        case CallState.TASK_RUNNING:
+            await tasks.poll(env)
+            return
+        case CallState.WAITING_TIMER:
+            await waits.timer_due(env)
+            return
+        case CallState.AWAITING_ANSWER:
+            await waits.answer_ready(env)
+            return
+        case CallState.AWAITING_CHILD:
+            await delegation.child_ready(env)
+            return
+
+    passed = await gate(env)
+    if passed is Gate.WAIT or passed is Gate.DONE:
+        return
+    env = passed  # the gate may have written the record (an approval was read)
+
+    match tool.kind:
+        case ToolKind.QUESTION:
+            await waits.ask(env)
+        case ToolKind.TIMER:
+            await waits.set_timer(env)
+        case ToolKind.DELEGATE:
+            await delegation.start(env)
+        case ToolKind.CALL | ToolKind.TASK:
+            await run(env)
+
+
+async def run(env: CallEnv) -> None:
+    """Make the call (or start the task) at most as often as its effect class allows."""
+    rt, rec, tool = env.rt, env.rec, env.tool
+    # A call once marked as a write stays a write: the checkpointed effect decides.
+    effect = Effect(env.call.effect)
+    args = tool.args_model.model_validate(env.call.args)
+
+    if rec.attempt is not None and rec.state in LOSABLE:
+        # An attempt was lost (its holder is gone, on_call checked): a takeover of the turn,
+        # counted once.
+        lost = rec.attempt
+        step_key = f"{env.turn.session_id}.{env.turn.turn_id}.m{env.n}.c{env.call.index}"
+        losses = await record_loss(rt, env.turn.session_id, env.turn.turn_id, step_key, lost)
+        if losses is None:
+            return  # one loss too many: the turn failed, close_turn settles this call
+        how = await _resume_settlement(env, effect, args)
+        await tell_resumed(rt, env.turn, step_key, lost, losses, {env.ckey: how})
+        if how != "made again":
+            return
+
+    if rec.attempts >= tool.max_attempts or window_passed(rec, tool):
+        await settle(env, exhausted(rec, effect.is_write), "attempts_exhausted")
+        return
+
+    await rt.faults.point("call_tool.before_mark")
+    attempt = rt.new_attempt(rec.attempts + 1)
+    marked = rec.model_copy(
+        update={
+            "state": CallState.IN_DOUBT if effect.is_write else CallState.RUNNING,
+            "attempt": attempt,
+            "attempts": attempt.no,
+            "marked": rec.marked + (1 if effect.is_write else 0),
+            "first_attempt_at": rec.first_attempt_at or attempt.started_at,
+        }
+    )
+    env = await write(env, marked)
+    bind_step(attempt=attempt.no)
+
+    await rt.faults.point("call_tool.in_tool")
+    if not await env.d.still_ours(fresh_for=rt.lease_seconds / 4):
+        # Stalled past the lease between the mark and the call: another attempt owns it.
+        raise TakenOver(env.skey)
+    ctx = ToolCtx(env.d, env.turn, env.n, env.call, attempt.no)
+    try:
+        result = await tool.fn(args, ctx)
+    except ToolError as exc:
+        outcome = CallOutcome(state=CallState.FAILED, error=str(exc))
+    except Exception as exc:
+        retryable = isinstance(exc, RetryableToolError) or effect != Effect.NON_IDEMPOTENT_WRITE
+        if retryable and attempt.no < tool.max_attempts:
+            # The attempt ended with a known failure (it was not lost): say so in state, so
+            # the next attempt makes the call again instead of settling it.
+            log.warning("tool.failed", error=str(exc), will_retry=True)
+            await write(env, marked.model_copy(update={"attempt": None}))
+            raise RetryLater(min(30.0, 0.5 * 2 ** (attempt.no - 1)), str(exc)) from exc
+        log.warning("tool.failed", error=str(exc), will_retry=False)
+        state = CallState.OUTCOME_UNKNOWN if effect.is_write else CallState.FAILED
+        error = f"{type(exc).__name__}: {exc}"
+        if retryable:
+            error = f"every attempt ({attempt.no}) failed; the last with {error}"
+        outcome = CallOutcome(state=state, error=error)
+    else:
+        if tool.kind == ToolKind.TASK:
+            await rt.faults.point("call_tool.before_commit")
+            await tasks.started(env, result)
+            return
+        outcome = await succeeded(rt, env.ckey, attempt.no, result)
+
+    await rt.faults.point("call_tool.before_commit")
+    done = env.rec.model_copy(update={"state": outcome.state, "outcome": outcome, "attempt": None})
+    env = await write(env, done)
+    log.debug("call.recorded", state=outcome.state.value, attempts=attempt.no)
+    await rt.faults.point("call_tool.after_commit")
+    await call_done(env.turn, done).publish(rt.bus)
+    await join_calls(env.d, env.turn.session_id, env.turn.turn_id, env.n, first=True)
+
+
+async def _resume_settlement(env: CallEnv, effect: Effect, args: BaseModel) -> str:
+    """Settle a call whose attempt was lost (ARCHITECTURE.md, settlement table); returns
+    how, or "made again" when the call is to be made again now."""
+    tool, rec = env.tool, env.rec
+    if rec.state == CallState.RUNNING or effect == Effect.READ:
+        return "made again"
+    window = tool.dedupe_window_seconds
+    past_window = (
+        effect == Effect.IDEMPOTENT_WRITE
+        and window is not None
+        and rec.first_attempt_at is not None
+        and time.time() - rec.first_attempt_at > window
+    )
+    if effect == Effect.IDEMPOTENT_WRITE and not past_window:
+        log.info("call.resume", settlement="made again with the same idempotency key")
+        return "made again"
+    # A single-attempt write, or a keyed write whose vendor has forgotten the key by now.
+    if tool.reader is not None:
+        back = await tool.reader(args, ToolCtx(env.d, env.turn, env.n, env.call, rec.attempts))
+        if isinstance(back, Found):
+            outcome = await succeeded(env.rt, env.ckey, rec.attempts, back.result)
+            await settle(env, outcome, "read_back")
+            return "read back"
+        log.info("call.resume", settlement="read back: not applied, made again")
+        return "made again"
+    error = NOT_SENT_AGAIN
+    if past_window:
+        error += f" (its vendor dedupes the key only for {window:g}s, which has passed)"
+    await settle(env, CallOutcome(state=CallState.OUTCOME_UNKNOWN, error=error), "outcome_unknown")
+    return "outcome_unknown"

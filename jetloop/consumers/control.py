@@ -1,0 +1,323 @@
+"""What people and readers do to a session: decide approvals, answer questions, cancel a
+turn, reconcile an ``outcome_unknown`` call, set approval policies, read a snapshot.
+
+One implementation, used by the Python client directly and by the worker's NATS
+request/reply service (``jetloop.services.control``). Every change is a CAS on the record and then
+a publish of the step that moves the turn on, keyed by identity: repeating a request
+(after a timeout, a crash) re-publishes the same step and returns the recorded result.
+The first decision wins.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
+
+import structlog
+from pydantic import BaseModel
+
+from jetloop.consumers.closing import cancel_turn
+from jetloop.consumers.errors import RetryLater
+from jetloop.consumers.followers import note
+from jetloop.schemas import (
+    ApprovalRecord,
+    CallOutcome,
+    CallRecord,
+    CallState,
+    Decision,
+    Event,
+    EventType,
+    QuestionRecord,
+    SessionRecord,
+    StepKind,
+    StepMessage,
+    TurnRecord,
+    TurnStatus,
+    validate_name,
+)
+from jetloop.schemas.errors import JetloopError
+from jetloop.streams.bus import Bus, event_out, step_out
+from jetloop.streams.seal import SealBroken
+from jetloop.streams.state import (
+    Conflict,
+    StateStore,
+    approval_key,
+    call_state_key,
+    question_key,
+    session_key,
+)
+
+log = structlog.get_logger("jetloop.control")
+
+CAS_TRIES = 20
+
+
+class ControlError(JetloopError):
+    """A request that cannot be done; ``status`` follows HTTP (404, 409, 422, 503), ``title``
+    says what in a few words, ``detail`` which thing."""
+
+    def __init__(self, status: int, title: str, detail: str = "") -> None:
+        super().__init__(f"{title}: {detail}" if detail else title)
+        self.status = status
+        self.title = title
+        self.detail = detail
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def refuses_untrusted(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    """A record whose seal does not verify is never acted on: the request is refused (409)
+    with the reason, and nothing is written."""
+
+    @functools.wraps(fn)
+    async def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except SealBroken as exc:
+            log.warning("control.untrusted_record", key=exc.key, reason=exc.reason)
+            raise ControlError(409, "record not trusted", str(exc)) from None
+
+    return run
+
+
+class Control:
+    def __init__(self, state: StateStore, bus: Bus) -> None:
+        self.state = state
+        self.bus = bus
+
+    @refuses_untrusted
+    async def decide(
+        self,
+        session_id: str,
+        approval_id: str,
+        approve: bool,
+        by: str,
+        reason: str | None = None,
+    ) -> ApprovalRecord:
+        """Approve or reject a held call; a repeat returns the decision already recorded."""
+        for _ in range(CAS_TRIES):
+            found = await self.state.approval(session_id, approval_id)
+            if found is None:
+                raise ControlError(404, "no such approval", f"{session_id}/{approval_id}")
+            ap = found.value
+            if ap.status == Decision.PENDING:
+                ap = ap.model_copy(
+                    update={
+                        "status": Decision.APPROVED if approve else Decision.REJECTED,
+                        "decided_by": by,
+                        "decided_at": time.time(),
+                        "reason": reason,
+                    }
+                )
+                try:
+                    await self.state.write(
+                        approval_key(session_id, approval_id), ap, found.revision
+                    )
+                except Conflict:
+                    continue
+                log.info("approval.decided", approval_id=approval_id, status=ap.status.value, by=by)
+            await self._wake(
+                ap.session_id,
+                ap.turn_id,
+                ap.model_step,
+                ap.call_index,
+                StepKind.AWAIT_TOOL_APPROVAL,
+                Event(
+                    key=f"approval.{approval_id}.decided",
+                    type=EventType.APPROVAL_DECIDED,
+                    session_id=ap.session_id,
+                    turn_id=ap.turn_id,
+                    data={
+                        "approval_id": approval_id,
+                        "status": ap.status.value,
+                        "by": ap.decided_by,
+                        "reason": ap.reason,
+                        "call_key": ap.call_key,
+                    },
+                ),
+            )
+            return ap
+        raise ControlError(409, "approval kept changing", approval_id)
+
+    @refuses_untrusted
+    async def answer(
+        self, session_id: str, question_id: str, answer: str, by: str
+    ) -> QuestionRecord:
+        """Answer the model's question; the first answer wins, a repeat returns it."""
+        for _ in range(CAS_TRIES):
+            found = await self.state.question(session_id, question_id)
+            if found is None:
+                raise ControlError(404, "no such question", f"{session_id}/{question_id}")
+            q = found.value
+            if not q.answered:
+                q = q.model_copy(
+                    update={"answer": answer, "answered_by": by, "answered_at": time.time()}
+                )
+                try:
+                    await self.state.write(question_key(session_id, question_id), q, found.revision)
+                except Conflict:
+                    continue
+            await self._wake(
+                q.session_id,
+                q.turn_id,
+                q.model_step,
+                q.call_index,
+                StepKind.AWAIT_QUESTION_ANSWER,
+                Event(
+                    key=f"question.{question_id}.answered",
+                    type=EventType.QUESTION_ANSWERED,
+                    session_id=q.session_id,
+                    turn_id=q.turn_id,
+                    data={
+                        "question_id": question_id,
+                        "answer": q.answer,
+                        "by": q.answered_by,
+                        "call_key": q.call_key,
+                    },
+                ),
+            )
+            return q
+        raise ControlError(409, "question kept changing", question_id)
+
+    async def _wake(self, sid: str, tid: str, n: int, i: int, kind: StepKind, event: Event) -> None:
+        await self.bus.publish([event_out(event)])
+        # The step goes to the workers of the session's agent: the subject names it.
+        session = await self.state.session(sid)
+        if session is None:
+            raise ControlError(404, "no such session", sid)
+        step = StepMessage(
+            kind=kind,
+            agent=session.value.agent,
+            session_id=sid,
+            turn_id=tid,
+            model_step=n,
+            call_index=i,
+        )
+        await self.bus.publish([step_out(step)])
+
+    @refuses_untrusted
+    async def cancel(self, session_id: str, turn_id: str | None, by: str) -> TurnRecord:
+        """Cancel a turn (default: the session's running turn), and the child turns its
+        delegations started."""
+        if turn_id is None:
+            sv = await self.state.session(session_id)
+            if sv is None or sv.value.active is None:
+                raise ControlError(409, "no running turn", f"session {session_id} is idle")
+            turn_id = sv.value.active
+        try:
+            turn = await cancel_turn(self.state, self.bus, session_id, turn_id, by)
+        except RetryLater:
+            raise ControlError(409, "turn kept changing", session_id) from None
+        if turn is None:
+            raise ControlError(404, "no such turn", f"{session_id}/{turn_id}")
+        if turn.status != TurnStatus.CANCELLED:
+            raise ControlError(409, f"the turn already {turn.status.value}", turn_id)
+        return turn
+
+    @refuses_untrusted
+    async def reconcile(
+        self,
+        call_key: str,
+        succeeded: bool,
+        by: str,
+        result: Any = None,
+        error: str | None = None,
+    ) -> CallRecord:
+        """Settle an ``outcome_unknown`` call as succeeded or failed; audited, and the
+        session's next turn sees it."""
+        for _ in range(CAS_TRIES):
+            found = await self.state.call(call_key)
+            if found is None:
+                raise ControlError(404, "no such call", call_key)
+            rec = found.value
+            if rec.state != CallState.OUTCOME_UNKNOWN:
+                if rec.reconciled_by is not None:
+                    return rec
+                raise ControlError(
+                    409,
+                    "only an outcome_unknown call can be reconciled",
+                    f"{call_key} is {rec.state.value}",
+                )
+            state = CallState.SUCCEEDED if succeeded else CallState.FAILED
+            done = rec.model_copy(
+                update={
+                    "state": state,
+                    "outcome": CallOutcome(
+                        state=state, result=result, error=None if succeeded else (error or "failed")
+                    ),
+                    "reconciled_by": by,
+                    "reconciled_at": time.time(),
+                    "settlement": "reconciled",
+                }
+            )
+            try:
+                await self.state.write(call_state_key(call_key), done, found.revision)
+            except Conflict:
+                continue
+            sid, tid = call_key.split(".")[:2]
+            what = f"succeeded with result {result!r}" if succeeded else f"failed: {error}"
+            await self.bus.publish(
+                [
+                    event_out(
+                        Event(
+                            key=f"call.{call_key}.reconciled",
+                            type=EventType.CALL_RECONCILED,
+                            session_id=sid,
+                            turn_id=tid,
+                            data={
+                                "call_key": call_key,
+                                "state": state.value,
+                                "by": by,
+                                "result": result,
+                                "error": error,
+                            },
+                        )
+                    ),
+                    note(
+                        sid,
+                        tid,
+                        f"call.{call_key}.reconciled.note",
+                        f"The call of {rec.tool} ({call_key}) whose outcome was unknown was "
+                        f"reconciled by {by}: it {what}.",
+                    ),
+                ]
+            )
+            return done
+        raise ControlError(409, "call kept changing", call_key)
+
+    @refuses_untrusted
+    async def set_approval(
+        self, session_id: str, tool: str, required: bool | None, agent: str | None = None
+    ) -> SessionRecord:
+        """Override a tool's approval policy in one session (None removes the override)."""
+        validate_name("session id", session_id)
+        for _ in range(CAS_TRIES):
+            found = await self.state.session(session_id)
+            if found is None:
+                if agent is None:
+                    raise ControlError(404, "no such session", session_id)
+                session = SessionRecord(session_id=session_id, agent=agent)
+            else:
+                session = found.value
+            overrides = dict(session.approval_overrides)
+            if required is None:
+                overrides.pop(tool, None)
+            else:
+                overrides[tool] = required
+            session = session.model_copy(update={"approval_overrides": overrides})
+            try:
+                await self.state.write(
+                    session_key(session_id), session, found.revision if found else None
+                )
+            except Conflict:
+                continue
+            return session
+        raise ControlError(409, "session kept changing", session_id)
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json", exclude_none=True)

@@ -1,0 +1,268 @@
+"""The one place a message's fate is decided (STYLE rule 4).
+
+A handler returns (ack) or raises a ``StepOutcome``; ``dispatch`` acks, naks, terms or
+dead-letters accordingly, and runs the heartbeat while the handler works. No handler calls
+``ack()`` itself. A taken-over attempt sends nothing at all on its message: JetStream does
+not fence late acks, so an ack from a stale worker could settle the live worker's delivery.
+
+Any other exception is sorted by whether a retry can cure it (``fate``):
+
+- a body or record that does not decode or validate (``DecodeError``, pydantic's
+  ``ValidationError``), a state record whose seal does not verify where no turn can be
+  failed for it (``SealBroken``; a step's own checkpoint fails its turn instead, see
+  ``jetloop.consumers.router``), or a message the step would publish that is over the server's
+  ``max_payload`` (``PayloadTooLarge``): dead-lettered at once, with the reason;
+- an outage or a lost race (``TRANSIENT_ERRORS``: NATS timeouts, no responders, a
+  connection closed or reconnecting, ``Conflict``): nak'd with backoff (0.2 s doubling to
+  30 s) for up to ``TRANSIENT_FOR`` seconds of failing deliveries, then dead-lettered;
+- anything else (a bug, a refusal from the server): nak'd with backoff for
+  ``UNEXPECTED_TRIES`` deliveries (about 3 s), then dead-lettered with the error.
+
+Failing deliveries are counted per message by this worker process (``Failures``): a
+redelivery the handler settled another way (a ``RetryLater`` wait, a takeover) does not
+count, and neither does one another worker failed, so with N workers a poison message is
+tried at most N times the bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+from nats.aio.msg import Msg
+from nats.errors import (
+    ConnectionReconnectingError,
+    OutboundBufferLimitError,
+    StaleConnectionError,
+)
+from pydantic import ValidationError
+
+from jetloop.consumers import metrics
+from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
+from jetloop.consumers.logcontext import end_step, start_step
+from jetloop.consumers.runtime import Delivery, Runtime
+from jetloop.schemas import DecodeError
+from jetloop.streams.bus import H_KIND, H_SESSION, H_STEP, H_TURN
+from jetloop.streams.connection import PayloadTooLarge, message_size
+from jetloop.streams.seal import SealBroken
+from jetloop.streams.state import RETRYABLE, Conflict
+from jetloop.streams.topology import dead_subject
+
+log = structlog.get_logger("jetloop.dispatch")
+
+Handler = Callable[[Delivery], Awaitable[None]]
+
+MAX_BACKOFF = 30.0
+# What an outage or a race looks like: time cures it.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    *RETRYABLE,
+    ConnectionReconnectingError,
+    StaleConnectionError,
+    OutboundBufferLimitError,
+    ConnectionError,
+    Conflict,
+)
+# What no retry cures: the message (or a record it names) is not what the code reads.
+# A message the step would publish that passes the server's max_payload is one too.
+INCURABLE_ERRORS: tuple[type[BaseException], ...] = (
+    DecodeError,
+    ValidationError,
+    PayloadTooLarge,
+    SealBroken,
+)
+TRANSIENT_FOR = 900.0
+UNEXPECTED_TRIES = 5
+
+
+def backoff(num_delivered: int) -> float:
+    return float(min(MAX_BACKOFF, 0.2 * 2 ** min(num_delivered - 1, 8)))
+
+
+@dataclass
+class Failing:
+    """The failed deliveries of one message in a row, as this worker saw them."""
+
+    since: float  # monotonic time of the first
+    count: int = 0  # all of them
+    unexpected: int = 0  # those neither transient nor incurable
+
+
+class Failures:
+    """Failed deliveries per message (stream, sequence), for the bounds of ``fate``.
+
+    Kept in memory, at most ``most`` messages (the oldest is forgotten first): a bound
+    that a worker restart resets is still a bound, and it costs no write on the way."""
+
+    def __init__(self, most: int = 10_000) -> None:
+        self.most = most
+        self._seen: OrderedDict[tuple[str, int], Failing] = OrderedDict()
+
+    def failed(self, key: tuple[str, int], transient: bool) -> Failing:
+        f = self._seen.pop(key, None) or Failing(since=time.monotonic())
+        f.count += 1
+        if not transient:
+            f.unexpected += 1
+        self._seen[key] = f
+        while len(self._seen) > self.most:
+            self._seen.popitem(last=False)
+        return f
+
+    def forget(self, key: tuple[str, int]) -> None:
+        self._seen.pop(key, None)
+
+
+FAILURES = Failures()
+
+
+def fate(exc: Exception, failing: Failing) -> tuple[float | None, str]:
+    """(delay before the next try, or None to dead-letter now; the reason to log)."""
+    what = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, INCURABLE_ERRORS):
+        return None, what
+    if isinstance(exc, TRANSIENT_ERRORS) and not failing.unexpected:
+        if time.monotonic() - failing.since >= TRANSIENT_FOR:
+            return None, f"{what} (still failing after {failing.count} deliveries)"
+        return backoff(failing.count), what
+    if failing.unexpected >= UNEXPECTED_TRIES:
+        return None, f"{what} (failed {failing.unexpected} deliveries in a row)"
+    return backoff(failing.count), what
+
+
+async def dead_letter(rt: Runtime, msg: Msg, reason: str) -> None:
+    """Keep the bad message, whole, beside its reason; then it is safe to term it."""
+    meta = msg.metadata
+    hdrs = dict(msg.headers or {})
+    hdrs.update(
+        {
+            "Nats-Msg-Id": f"dead.{meta.stream}.{meta.sequence.stream}",
+            "Jl-Dead-Reason": reason[:1000],
+            "Jl-Dead-Stream": meta.stream,
+            "Jl-Dead-Sequence": str(meta.sequence.stream),
+            "Jl-Dead-Subject": msg.subject,
+        }
+    )
+    body = msg.data
+    if message_size(body, hdrs) > rt.nc.max_payload:
+        # The message fit, but not with the reason beside it: keep the reason, say so.
+        hdrs["Jl-Dead-Body-Dropped"] = str(len(body))
+        body = b""
+    await rt.js.publish(dead_subject(msg.subject), body, headers=hdrs)
+
+
+async def _heartbeats(d: Delivery, every: float) -> None:
+    while True:
+        await asyncio.sleep(every)
+        try:
+            await d.heartbeat()
+        except Exception as exc:  # an outage: the next beat tries again
+            log.warning("step.heartbeat_failed", error=str(exc))
+        if d.lost:
+            log.warning("step.lease_lost")
+            return
+
+
+async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
+    hdrs = msg.headers or {}
+    ids = start_step(
+        session=hdrs.get(H_SESSION),
+        turn=hdrs.get(H_TURN),
+        step=hdrs.get(H_STEP) or hdrs.get("Nats-Msg-Id"),
+        kind=hdrs.get(H_KIND),
+        seq=msg.metadata.sequence.stream,
+        delivery=msg.metadata.num_delivered,
+    )
+    d = Delivery(rt, msg)
+    key = (msg.metadata.stream, msg.metadata.sequence.stream)
+    kind = hdrs.get(H_KIND) or "unknown"
+    if msg.metadata.num_delivered > 1:
+        metrics.REDELIVERIES.labels(kind).inc()
+    started = time.perf_counter()
+    outcome = "error"
+    beat = asyncio.create_task(_heartbeats(d, rt.lease_seconds / 3))
+    try:
+        try:
+            await handler(d)
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+        if d.lost:
+            raise TakenOver(d.fence_key or "?")
+        await _let_go(rt, msg)
+        # Not waited for: state already says the step is done, so an ack lost with a
+        # restarting server only costs one more delivery, which finds it done and acks.
+        await msg.ack()
+        outcome = "acked"
+        log.debug("step.acked")
+    except TakenOver as exc:
+        outcome = "taken_over"
+        log.warning("step.taken_over", key=exc.key)
+        await _let_go(rt, msg)  # another attempt owns the step now
+    except RetryLater as exc:
+        outcome = "retry_later"
+        log.info("step.retry_later", delay=exc.delay, reason=exc.reason)
+        await _let_go(rt, msg)
+        await _quietly(msg.nak(delay=exc.delay))
+    except (DeadLetter, DecodeError) as exc:
+        outcome = "dead_letter"
+        reason = exc.reason if isinstance(exc, DeadLetter) else str(exc)
+        await _dead_letter(rt, msg, reason)
+    except asyncio.CancelledError:
+        # Shutdown past the drain timeout: hand the work back now rather than at ack-wait.
+        # (Still listed as held: if this process dies before the next list, a rescuer hands
+        # the step on at once; the nak does the same while it lives.)
+        if not d.lost:
+            await _quietly(msg.nak())
+        raise
+    except Exception as exc:
+        failing = FAILURES.failed(key, transient=isinstance(exc, TRANSIENT_ERRORS))
+        delay, reason = fate(exc, failing)
+        if d.lost:
+            log.warning("step.error_after_takeover", error=reason)
+        elif delay is None:
+            outcome = "dead_letter"
+            log.exception("step.error", error=reason, retry=False)
+            await _dead_letter(rt, msg, reason)
+        else:
+            log.exception("step.error", error=reason, retry_in=delay)
+            await _let_go(rt, msg)
+            await _quietly(msg.nak(delay=delay))
+    finally:
+        d.release()
+        if outcome != "error":
+            FAILURES.forget(key)
+        metrics.STEPS.labels(kind, outcome).inc()
+        metrics.STEP_SECONDS.labels(kind).observe(time.perf_counter() - started)
+        end_step(ids)
+
+
+async def _let_go(rt: Runtime, msg: Msg) -> None:
+    """This process is about to settle ``msg``: take it off the list a rescuer would read
+    first, so a settled step is never handed on as if it were held (``jetloop.streams.holds``)."""
+    if rt.holds is not None:
+        await rt.holds.let_go(msg)
+
+
+async def _dead_letter(rt: Runtime, msg: Msg, reason: str) -> None:
+    log.error("step.dead_letter", reason=reason)
+    try:
+        await dead_letter(rt, msg, reason)
+    except Exception as pub_exc:
+        # Not stored in JL_DEAD yet: keep the message and try again later.
+        log.error("step.dead_letter_failed", error=str(pub_exc))
+        await _quietly(msg.nak(delay=backoff(msg.metadata.num_delivered)))
+    else:
+        await _let_go(rt, msg)
+        await _quietly(msg.term())
+
+
+async def _quietly(op: Awaitable[None]) -> None:
+    try:
+        await op
+    except Exception as exc:  # a lost nak/term only means redelivery at ack-wait
+        log.warning("step.settle_failed", error=str(exc))

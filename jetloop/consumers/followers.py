@@ -1,0 +1,256 @@
+"""What follows a committed state, derived from the state alone (rules 1 and 4).
+
+Every function here builds the messages that come after a checkpoint: history entries and
+events first, then the next steps. A handler that finds its work already recorded calls the
+same function again; identical ``Nats-Msg-Id`` keys make the re-emission a no-op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jetloop.schemas import (
+    CallRecord,
+    CallState,
+    Event,
+    EventType,
+    HistoryEntry,
+    HistoryRole,
+    StepKind,
+    StepMessage,
+    ToolStatus,
+    TurnRecord,
+    TurnStatus,
+)
+from jetloop.streams.bus import Bus, Outgoing, event_out, history_out, step_out
+
+
+@dataclass
+class Followers:
+    """Records (history, events) go out and are confirmed before the steps that read them."""
+
+    records: list[Outgoing] = field(default_factory=list)
+    steps: list[Outgoing] = field(default_factory=list)
+
+    def __add__(self, other: Followers) -> Followers:
+        return Followers(self.records + other.records, self.steps + other.steps)
+
+    async def publish(self, bus: Bus) -> None:
+        await bus.publish(self.records)
+        await bus.publish(self.steps)
+
+
+def _base(turn: TurnRecord) -> str:
+    return f"{turn.session_id}.{turn.turn_id}"
+
+
+def turn_start(turn: TurnRecord) -> Followers:
+    base = _base(turn)
+    user = HistoryEntry(
+        key=f"{base}.user",
+        role=HistoryRole.USER,
+        turn_id=turn.turn_id,
+        text=turn.text if turn.text_ref is None else None,
+        text_ref=turn.text_ref,
+    )
+    started = Event(
+        key=f"{base}.started",
+        type=EventType.TURN_STARTED,
+        session_id=turn.session_id,
+        turn_id=turn.turn_id,
+        data={"request_id": turn.request_id, "agent": turn.agent},
+    )
+    first = StepMessage(
+        kind=StepKind.RUN_MODEL,
+        agent=turn.agent,
+        session_id=turn.session_id,
+        turn_id=turn.turn_id,
+        model_step=0,
+    )
+    return Followers([history_out(turn.session_id, user), event_out(started)], [step_out(first)])
+
+
+def _assistant_entry(turn: TurnRecord) -> HistoryEntry:
+    return HistoryEntry(
+        key=f"{_base(turn)}.m{turn.model_step}.assistant",
+        role=HistoryRole.ASSISTANT,
+        turn_id=turn.turn_id,
+        text=turn.answer_text,
+        text_ref=turn.answer_ref,
+        calls=turn.calls if turn.phase == "calls" else [],
+    )
+
+
+def answer(turn: TurnRecord) -> Followers:
+    """A model step answered with calls: record the answer, then run every call."""
+    n = turn.model_step
+    answered = Event(
+        key=f"{_base(turn)}.m{n}.answered",
+        type=EventType.MODEL_ANSWERED,
+        session_id=turn.session_id,
+        turn_id=turn.turn_id,
+        data={
+            "model_step": n,
+            "usage": turn.usage,
+            "text": turn.answer_text,
+            "calls": [
+                {"call_id": c.call_id, "tool": c.tool, "args": c.args, "effect": c.effect}
+                for c in turn.calls
+            ],
+        },
+    )
+    steps = [
+        step_out(
+            StepMessage(
+                kind=StepKind.CALL_SINGLE_ATTEMPT_TOOL
+                if c.effect == "non_idempotent_write"
+                else StepKind.CALL_TOOL,
+                agent=turn.agent,
+                session_id=turn.session_id,
+                turn_id=turn.turn_id,
+                model_step=n,
+                call_index=c.index,
+            )
+        )
+        for c in turn.calls
+    ]
+    return Followers(
+        [history_out(turn.session_id, _assistant_entry(turn)), event_out(answered)], steps
+    )
+
+
+def finished(turn: TurnRecord) -> Followers:
+    """A turn ended (completed or failed): its last words, its event, and the wake of a
+    delegating parent. (The session moves on in the same step: ``session.end_turn``.)"""
+    base = _base(turn)
+    records: list[Outgoing] = []
+    if turn.status == TurnStatus.COMPLETED:
+        records.append(history_out(turn.session_id, _assistant_entry(turn)))
+        ev = Event(
+            key=f"{base}.completed",
+            type=EventType.TURN_COMPLETED,
+            session_id=turn.session_id,
+            turn_id=turn.turn_id,
+            data={
+                "request_id": turn.request_id,
+                "text": turn.answer_text if turn.answer_ref is None else None,
+                "text_ref": turn.answer_ref.model_dump() if turn.answer_ref else None,
+                "model_steps": turn.model_step + 1,
+                "usage": turn.usage,
+            },
+        )
+    elif turn.status == TurnStatus.CANCELLED:
+        ev = Event(
+            key=f"{base}.cancelled",
+            type=EventType.TURN_CANCELLED,
+            session_id=turn.session_id,
+            turn_id=turn.turn_id,
+            data={"request_id": turn.request_id, "by": turn.cancelled_by},
+        )
+    else:
+        ev = Event(
+            key=f"{base}.failed",
+            type=EventType.TURN_FAILED,
+            session_id=turn.session_id,
+            turn_id=turn.turn_id,
+            data={"request_id": turn.request_id, "error": turn.error},
+        )
+        if turn.tool_calls_made:
+            records.append(history_out(turn.session_id, failed_turn_note(turn)))
+    records.append(event_out(ev))
+    steps = []
+    if turn.parent is not None:
+        # A delegated child turn: its end wakes the parent's call, which reads the answer.
+        p = turn.parent
+        steps.append(
+            step_out(
+                StepMessage(
+                    kind=StepKind.AWAIT_DELEGATION,
+                    agent=p.agent,
+                    session_id=p.session_id,
+                    turn_id=p.turn_id,
+                    model_step=p.model_step,
+                    call_index=p.call_index,
+                )
+            )
+        )
+    return Followers(records, steps)
+
+
+def call_done(turn: TurnRecord, rec: CallRecord) -> Followers:
+    """A call has its outcome: tell the log. (The step that committed it then joins the
+    turn itself, ``jetloop.consumers.join.join_calls``: no message of its own.)"""
+    assert rec.outcome is not None
+    ev = Event(
+        key=f"call.{rec.key}.outcome",
+        type=EventType.CALL_OUTCOME,
+        session_id=turn.session_id,
+        turn_id=turn.turn_id,
+        data={
+            "call_key": rec.key,
+            "tool": rec.tool,
+            "effect": rec.effect,
+            "state": rec.state.value,
+            "attempts": rec.attempts,
+            "error": rec.outcome.error,
+            "settlement": rec.settlement,
+        },
+    )
+    return Followers([event_out(ev)])
+
+
+TOOL_STATUS = {
+    CallState.SUCCEEDED: ToolStatus.OK,
+    CallState.FAILED: ToolStatus.ERROR,
+    CallState.OUTCOME_UNKNOWN: ToolStatus.OUTCOME_UNKNOWN,
+    CallState.DENIED: ToolStatus.DENIED,
+    CallState.CANCELLED: ToolStatus.CANCELLED,
+}
+
+
+def failed_turn_note(turn: TurnRecord) -> HistoryEntry:
+    """Tells the next turn's model that this failed turn's tool calls did run."""
+    return HistoryEntry(
+        key=f"{_base(turn)}.failed.note",
+        role=HistoryRole.NOTE,
+        turn_id=turn.turn_id,
+        text=(
+            f"The previous turn failed ({turn.error}) after {turn.tool_calls_made} tool "
+            "call(s) had already run; their results are above. Do not repeat those calls "
+            "without checking what they did."
+        ),
+    )
+
+
+def note(session_id: str, turn_id: str, key: str, text: str) -> Outgoing:
+    return history_out(
+        session_id, HistoryEntry(key=key, role=HistoryRole.NOTE, turn_id=turn_id, text=text)
+    )
+
+
+def joined(turn: TurnRecord, results: list[CallRecord]) -> Followers:
+    """Every call of step n has its outcome and the turn is at step n+1: results, then model."""
+    n = turn.model_step - 1
+    records = []
+    for call, rec in zip(turn.calls, results, strict=True):
+        assert rec.outcome is not None
+        entry = HistoryEntry(
+            key=f"{_base(turn)}.m{n}.c{call.index}.result",
+            role=HistoryRole.TOOL,
+            turn_id=turn.turn_id,
+            call_id=call.call_id,
+            tool=call.tool,
+            status=TOOL_STATUS[rec.state],
+            result=rec.outcome.result,
+            result_ref=rec.outcome.result_ref,
+            text=rec.outcome.error,
+        )
+        records.append(history_out(turn.session_id, entry))
+    step = StepMessage(
+        kind=StepKind.RUN_MODEL,
+        agent=turn.agent,
+        session_id=turn.session_id,
+        turn_id=turn.turn_id,
+        model_step=turn.model_step,
+    )
+    return Followers(records, [step_out(step)])

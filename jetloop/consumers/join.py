@@ -1,0 +1,83 @@
+"""The join: when every call of a model step has its outcome, the turn moves to the next step.
+
+The step that commits a call's outcome joins right after, in the same delivery (no join
+message of its own: one delivery per call). Whichever call completes the set moves the
+turn on; the others find calls still open, or the turn moved, and stop. The move is one CAS
+on the turn record from the revision read: two calls racing cannot both win. The winner
+publishes what follows before its step is acked; if it dies before that, its call step is
+redelivered, finds its outcome committed and the turn moved, and publishes it (same message
+ids: it lands once). So a first delivery that finds the turn already moved has nothing to
+do. The turn and its step's call records are read in one request
+(``StateStore.join_view``). ``on_join`` still handles join messages a worker of an earlier
+version published.
+"""
+
+from __future__ import annotations
+
+from jetloop.consumers.errors import DeadLetter, RetryLater
+from jetloop.consumers.followers import joined
+from jetloop.consumers.runtime import Delivery
+from jetloop.schemas import CallRecord, StepMessage, TurnPhase, TurnRecord
+from jetloop.streams.state import Conflict, Versioned, turn_key
+
+
+def _results(got: list[Versioned[CallRecord] | None]) -> list[CallRecord] | None:
+    if any(v is None or not v.value.done for v in got):
+        return None
+    return [v.value for v in got if v is not None]
+
+
+def _moved_on(turn: TurnRecord, n: int) -> bool:
+    return turn.model_step == n + 1 and turn.phase == TurnPhase.MODEL
+
+
+async def on_join(d: Delivery, step: StepMessage) -> None:
+    await join_calls(d, step.session_id, step.turn_id, step.model_step, d.num_delivered == 1)
+
+
+async def join_calls(d: Delivery, sid: str, tid: str, n: int, first: bool) -> None:
+    """Move turn ``tid`` past model step ``n`` if every call of the step has its outcome.
+    ``first``: this step committed an outcome just now (rather than finding it committed):
+    a turn already moved on was then moved by another step, which publishes what follows."""
+    rt = d.rt
+    cur, calls = await rt.state.join_view(sid, tid, n)
+    if cur is None:
+        raise DeadLetter(f"join for turn {tid} of session {sid}, which has no record")
+    turn = cur.value
+    if turn.status.terminal:
+        return
+    if _moved_on(turn, n):
+        if first:
+            return  # another step moved it; its message is not acked until it published
+        # Maybe this message moved it and its worker died before publishing what follows.
+        results = _results(calls)
+        if results is not None:
+            await joined(turn, results).publish(rt.bus)
+        return
+    if turn.model_step != n or turn.phase != TurnPhase.CALLS:
+        return
+    results = _results(calls)
+    if results is None:
+        return  # a later call's join will move the turn
+    moved = turn.model_copy(
+        update={
+            "model_step": n + 1,
+            "phase": TurnPhase.MODEL,
+            "attempt": None,
+            "attempts": 0,
+            "first_attempt_at": None,
+            "error": None,
+            "answer_text": None,
+            "answer_ref": None,
+            "tool_calls_made": turn.tool_calls_made + len(results),
+        }
+    )
+    try:
+        await rt.state.write(turn_key(sid, tid), moved, cur.revision)
+    except Conflict:
+        again = await rt.state.turn(sid, tid)
+        if again is not None and (again.value.status.terminal or _moved_on(again.value, n)):
+            return  # another join won the race (or the turn ended): it publishes what follows
+        raise RetryLater(0.02, "turn changed while joining") from None
+    await rt.faults.point("join.before_publish")
+    await joined(moved, results).publish(rt.bus)

@@ -1,0 +1,137 @@
+"""Is the attempt that claimed this step still alive? A new delivery asks before it takes over.
+
+A delivery that finds another attempt's unfinished claim (a call in doubt or running, a
+model step's or a summary's attempt) must not settle it while its holder lives: the delivery
+count says nothing about that (a nats-server restarted on its store may deliver a message a
+live worker still holds as delivery 1). The holder's own writes do: its claim, then a
+heartbeat every third of the lease, each rewrites the claimed record, so the time the server
+stored the record is the holder's last sign of life. The claim is lost when:
+
+- the record's last write is older than the lease (the holder died, stalled or was cut off
+  for longer than the lease: the rule of the lease) — unless the holder, asked on
+  ``jl.alive.<incarnation>`` with the key, answers that it still works on it: its heartbeat
+  writes are then waiting out an election or a restart, and it is given up to ``BEAT_GRACE``
+  more for one of them to land (a stalled holder does not answer in time); or
+- the message was handed on by ``jetloop.services.rescue`` after the server reported the holder's
+  connection closed (header ``Jl-Holder-Lost`` naming the holder's incarnation) and the
+  holder does not answer on ``jl.alive.<incarnation>`` — asked again here, so a forged or
+  stale header cannot take a live worker's step; or
+- the holder is this very process, which no longer works on the step (its delivery ended).
+
+Otherwise the delivery waits: ``RetryLater`` until the lease would lapse, then it looks again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from jetloop.consumers.errors import RetryLater
+from jetloop.consumers.runtime import Delivery
+from jetloop.schemas import Attempt
+from jetloop.streams.topology import alive_subject
+
+log = structlog.get_logger("jetloop.liveness")
+
+H_HOLDER_LOST = "Jl-Holder-Lost"
+ASK_TIMEOUT = 0.5
+# A request naming a key is answered HOLDING while this process works on that key.
+HOLDING = b"holding"
+# How long a holder's state writes are tried again through an outage (StateStore.retry_for).
+BEAT_GRACE = 15.0
+
+
+async def answers(nc: Client, incarnation: str, timeout: float = ASK_TIMEOUT) -> bool:
+    """Whether the worker process ``incarnation`` answers now. No responders means its
+    connection is gone; a timeout is not proof of death, so it counts as an answer."""
+    try:
+        await nc.request(alive_subject(incarnation), b"", timeout=timeout)
+    except NoRespondersError:
+        return False
+    except (NatsTimeoutError, TimeoutError):
+        return True
+    return True
+
+
+# How long a process whose connection the server reported closed is asked, again and again,
+# before it counts as gone. A live process that lost its connection (a network blip, its
+# server restarting) connects again and answers well within it. On a cluster a request can
+# also go unanswered for a moment after a death (the dead subscription is still known on
+# other nodes): silence is asked again, not taken as an answer either way.
+GONE_PATIENCE = 0.75
+ASK_AGAIN_TIMEOUT = 0.2
+
+
+async def gone(nc: Client, incarnation: str, closed_cleanly: bool) -> bool:
+    """Whether the process ``incarnation``, whose connection the server reported closed, is
+    gone: it does not answer on ``jl.alive`` within ``GONE_PATIENCE``. ``closed_cleanly``:
+    the client's own close (what a killed process's socket gives): then "no responders" is
+    final at once; after any other close (a read error, a stale connection) the process may
+    be reconnecting, and is given the patience."""
+    deadline = time.monotonic() + GONE_PATIENCE
+    while True:
+        try:
+            await nc.request(alive_subject(incarnation), b"", timeout=ASK_AGAIN_TIMEOUT)
+            return False
+        except NoRespondersError:
+            if closed_cleanly:
+                return True
+        except (NatsTimeoutError, TimeoutError):
+            pass
+        if time.monotonic() >= deadline:
+            return True
+        await asyncio.sleep(0.1)
+
+
+async def still_holds(nc: Client, incarnation: str, key: str) -> bool | None:
+    """Whether the process ``incarnation`` says it still works on ``key``: True or False as it
+    answers, None when it does not answer in time (gone, or stalled: SIGSTOP)."""
+    try:
+        reply = await nc.request(alive_subject(incarnation), key.encode(), timeout=ASK_TIMEOUT)
+    except (NoRespondersError, NatsTimeoutError, TimeoutError):
+        return None
+    return reply.data == HOLDING
+
+
+async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) -> None:
+    """Return when the attempt ``held`` (read from ``key``, stored at ``stored_at``) is lost
+    and may be taken over; raise ``RetryLater`` while its holder lives."""
+    rt = d.rt
+    if held.incarnation == rt.incarnation:
+        if key in rt.holding:
+            raise RetryLater(rt.lease_seconds / 2, f"this worker still runs attempt {held.no}")
+        return  # our own earlier delivery ended without finishing it
+    age = time.time() - stored_at
+    if age > rt.lease_seconds:
+        # No sign of life within the lease. A holder that still works on the step and says so
+        # is waiting out an election or a restart (its writes are tried again for up to
+        # BEAT_GRACE): give its next beat a chance. One that is gone, stalled (no answer in
+        # time) or done with the step is lost, as the lease says.
+        said = None
+        if age < rt.lease_seconds + BEAT_GRACE:
+            said = await still_holds(rt.nc, held.incarnation, key)
+            if said:
+                why = f"attempt {held.no} of worker {held.worker} still runs (its beats are late)"
+                raise RetryLater(rt.lease_seconds / 3, why)
+        log.info(
+            "step.holder_stale",
+            holder=held.worker,
+            incarnation=held.incarnation,
+            key=key,
+            age=round(age, 2),
+            said=said,
+        )
+        return
+    if (d.msg.headers or {}).get(H_HOLDER_LOST) == held.incarnation:
+        # Asked again here, so a stale or forged header cannot take a live worker's step.
+        if await gone(rt.nc, held.incarnation, closed_cleanly=True):
+            log.info("step.holder_gone", holder=held.worker, incarnation=held.incarnation)
+            return
+    wait = max(0.05, rt.lease_seconds - age + 0.05)
+    why = f"attempt {held.no} of worker {held.worker} is alive (its last beat {age:.1f}s ago)"
+    raise RetryLater(wait, why)

@@ -1,0 +1,107 @@
+"""Loss accounting: a turn is lost once for every worker that lost it.
+
+An attempt is lost when its lease lapses and another attempt finds its claim: its worker
+died, stalled, or could not reach the servers for longer than the lease. A loss is named by
+the lost attempt's worker incarnation (one worker process), so every step that one failure
+left behind — the parallel calls of a step, a whole election's worth of steps — counts as
+one loss, and counting it again after a redelivery changes nothing. A turn lost by more than
+``JETLOOP_MAX_LOSSES`` workers (default 2) — a turn that keeps killing its workers — fails
+with the reason; its calls are settled by ``close_turn`` and waiting callers are told. A
+step's own attempts bound how often one step runs, whoever loses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jetloop.consumers import metrics
+from jetloop.consumers.closing import fail_turn
+from jetloop.consumers.errors import RetryLater
+from jetloop.consumers.runtime import Runtime
+from jetloop.schemas import Attempt, Event, EventType, TurnRecord
+from jetloop.streams.bus import event_out
+from jetloop.streams.state import Conflict, turn_key
+
+
+def loss_id(lost: Attempt) -> str:
+    return f"{lost.worker}/{lost.incarnation}"
+
+
+def lost_reason(turn: TurnRecord, losses: int, step_key: str) -> str:
+    return (
+        f"the turn was lost {losses} times (its worker died or stalled past the lease); "
+        f"the last loss was at {step_key}"
+    )
+
+
+def lost_event(turn: TurnRecord, losses: int, step_key: str) -> Event:
+    return Event(
+        key=f"{turn.session_id}.{turn.turn_id}.lost",
+        type=EventType.TURN_LOST,
+        session_id=turn.session_id,
+        turn_id=turn.turn_id,
+        data={"losses": losses, "step": step_key},
+    )
+
+
+async def record_loss(
+    rt: Runtime, turn_sid: str, turn_tid: str, step_key: str, lost: Attempt
+) -> int | None:
+    """Count the loss on the turn record; None when it was one too many (the turn failed)."""
+    lid = loss_id(lost)
+    metrics.TAKEOVERS.inc()
+    for _ in range(20):
+        cur = await rt.state.turn(turn_sid, turn_tid)
+        assert cur is not None
+        turn = cur.value
+        if lid in turn.lost:
+            return len(turn.lost)
+        losses = [*turn.lost, lid]
+        if len(losses) > rt.max_losses:
+            await fail_turn(
+                rt,
+                turn.model_copy(update={"lost": losses}),
+                cur.revision,
+                lost_reason(turn, len(losses), step_key),
+                lost_event(turn, len(losses), step_key),
+            )
+            return None
+        try:
+            await rt.state.write(
+                turn_key(turn_sid, turn_tid), turn.model_copy(update={"lost": losses}), cur.revision
+            )
+        except Conflict:
+            continue
+        return len(losses)
+    raise RetryLater(0.05, "turn kept changing while counting a loss")
+
+
+async def tell_resumed(
+    rt: Runtime,
+    turn: TurnRecord,
+    step_key: str,
+    lost: Attempt,
+    losses: int,
+    settled: dict[str, Any],
+) -> None:
+    """The audit of a resume: which step, how many losses, how its calls were settled."""
+    await rt.bus.publish(
+        [
+            event_out(
+                Event(
+                    key=f"{step_key}.resumed.{lost.no}",
+                    type=EventType.CRASH_RESUMED,
+                    session_id=turn.session_id,
+                    turn_id=turn.turn_id,
+                    data={
+                        "step": step_key,
+                        "losses": losses,
+                        "lost_attempt": lost.no,
+                        "lost_worker": lost.worker,
+                        "lost_incarnation": lost.incarnation,
+                        "settled": settled,
+                    },
+                )
+            )
+        ]
+    )

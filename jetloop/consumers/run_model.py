@@ -1,0 +1,260 @@
+"""RunModel: ask the model for the next step of a turn, and commit its answer ahead of work.
+
+Rules kept: state first (a step already answered is never asked again, only re-emitted);
+claim then work then commit with CAS (a lost CAS is a takeover: nothing more is written,
+published or acked); nothing is paid for after a takeover (the fence is checked right before
+the model call, and a heartbeat that finds it lost cancels the call in flight); write ahead
+(the answer and every call it plans are committed before any call is made); commit,
+publish, ack.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+
+from jetloop.agents import Agent, Message, ModelRequest, ModelResponse, ToolSpec
+from jetloop.agents.adapters import MalformedToolCall, ProviderRejected, ProviderRetryable
+from jetloop.consumers import metrics
+from jetloop.consumers.compact import compact_first, compaction_needed
+from jetloop.consumers.conversation import conversation
+from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
+from jetloop.consumers.followers import answer
+from jetloop.consumers.liveness import holder_lost
+from jetloop.consumers.logcontext import bind_step
+from jetloop.consumers.losses import loss_id, lost_event, lost_reason, tell_resumed
+from jetloop.consumers.runtime import Delivery, Runtime
+from jetloop.consumers.session import end_turn
+from jetloop.schemas import (
+    PlannedCall,
+    StepMessage,
+    TurnPhase,
+    TurnRecord,
+    TurnStatus,
+    idempotency_key,
+)
+from jetloop.streams.bus import event_out
+from jetloop.streams.state import turn_key
+from jetloop.streams.topology import live_subject
+
+log = structlog.get_logger("jetloop.run_model")
+
+
+async def on_run_model(d: Delivery, step: StepMessage) -> None:
+    rt = d.rt
+    sid, tid, n = step.session_id, step.turn_id, step.model_step
+    cur, session = await rt.state.turn_view(sid, tid)
+    if cur is None:
+        raise DeadLetter(f"run_model for turn {tid} of session {sid}, which has no record")
+    turn = cur.value
+    if turn.status.terminal:
+        await end_turn(rt, turn)
+        return
+    if turn.model_step > n:
+        return
+    if turn.model_step == n and turn.phase == TurnPhase.CALLS:
+        await answer(turn).publish(rt.bus)
+        return
+    if turn.model_step < n:
+        raise DeadLetter(f"run_model for step {n} but turn {tid} is at step {turn.model_step}")
+
+    agent = rt.app.agent(turn.agent)
+    if agent is None:
+        raise RetryLater(5.0, f"agent {turn.agent!r} is not served by this worker")
+
+    now = time.time()
+    limits = agent.limits
+    resumed = turn.attempt
+    lost = list(turn.lost)
+    if resumed is not None:
+        # Another attempt claimed this step: taken over only once that attempt is lost.
+        await holder_lost(d, turn_key(sid, tid), resumed, cur.stored_at)
+        metrics.TAKEOVERS.inc()
+        # The attempt before this one was lost (its lease lapsed): a takeover of the turn.
+        lid = loss_id(resumed)
+        if lid not in lost:
+            lost.append(lid)
+        if len(lost) > rt.max_losses:
+            gone = turn.model_copy(
+                update={
+                    "status": TurnStatus.FAILED,
+                    "attempt": None,
+                    "lost": lost,
+                    "error": lost_reason(turn, len(lost), step.step_key()),
+                }
+            )
+            await d.claim(turn_key(sid, tid), gone, cur.revision)
+            await rt.bus.publish([event_out(lost_event(turn, len(lost), step.step_key()))])
+            await end_turn(rt, gone)
+            return
+
+    exhausted = turn.attempts >= limits.model_attempts or (
+        turn.first_attempt_at is not None
+        and now - turn.first_attempt_at > limits.model_attempt_window_seconds
+    )
+    messages: list[Message] | None = None  # read once: for the budget, then for the model
+    if not exhausted and n < limits.max_model_steps and limits.context_budget_tokens:
+        messages = await conversation(rt, sid, session=session)
+        if await compaction_needed(rt, agent, turn, messages, session):
+            await compact_first(rt, turn)
+            return
+
+    if exhausted or n >= limits.max_model_steps:
+        reason = (
+            f"model step {n} failed after {turn.attempts} attempts"
+            if exhausted
+            else f"the turn reached its limit of {limits.max_model_steps} model steps"
+        )
+        failed = turn.model_copy(
+            update={"status": TurnStatus.FAILED, "error": reason, "attempt": None, "lost": lost}
+        )
+        await d.claim(turn_key(sid, tid), failed, cur.revision)
+        await end_turn(rt, failed)
+        return
+
+    if messages is None:
+        # Read before the claim: a read that fails (an election) then leaves no claimed
+        # attempt behind, which the next delivery would have to count as lost.
+        messages = await conversation(rt, sid, session=session)
+    attempt = rt.new_attempt(turn.attempts + 1)
+    claimed = turn.model_copy(
+        update={
+            "status": TurnStatus.RUNNING,
+            "attempt": attempt,
+            "attempts": attempt.no,
+            "first_attempt_at": turn.first_attempt_at or now,
+            "lost": lost,
+        }
+    )
+    await d.claim(turn_key(sid, tid), claimed, cur.revision)
+    bind_step(attempt=attempt.no)
+    if resumed is not None:
+        await tell_resumed(rt, turn, step.step_key(), resumed, len(lost), {})
+
+    request = ModelRequest(
+        agent=agent.name,
+        instructions=agent.instructions,
+        messages=messages,
+        tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in agent.tools],
+        attempt=attempt.no,
+        session_id=sid,
+        turn_id=tid,
+        model_step=n,
+    )
+    await rt.faults.point("run_model.in_call")
+    if not await d.still_ours(fresh_for=rt.lease_seconds / 4):
+        # Stalled past the lease since the claim: another attempt owns the step, and a model
+        # call now would be paid for and thrown away (or ask again what was answered).
+        raise TakenOver(turn_key(sid, tid))
+    log.debug("model.call", attempt=attempt.no)
+    try:
+        async with d.cancelled_when_lost():
+            response = await _complete(rt, agent, request, sid, tid, attempt.no)
+    except TakenOver:
+        raise
+    except ProviderRejected as exc:
+        # The provider refused the request itself (a 4xx): trying again cannot help.
+        log.warning("model.rejected", error=str(exc))
+        failed = claimed.model_copy(
+            update={
+                "status": TurnStatus.FAILED,
+                "attempt": None,
+                "error": f"the model provider rejected model step {n}: {exc}",
+            }
+        )
+        await d.commit(failed)
+        await end_turn(rt, failed)
+        return
+    except Exception as exc:
+        log.warning("model.call_failed", error=str(exc))
+        # The attempt ended (it was not lost): record that, so the next one is no resume.
+        await d.commit(
+            claimed.model_copy(update={"attempt": None, "error": f"attempt {attempt.no}: {exc}"})
+        )
+        delay = min(30.0, 0.5 * 2 ** (attempt.no - 1))
+        if isinstance(exc, ProviderRetryable) and exc.retry_after:
+            delay = max(delay, exc.retry_after)  # honour Retry-After with a delayed nak
+        raise RetryLater(delay, f"model call failed: {exc}") from exc
+
+    committed = await _plan(rt, agent, claimed, response)
+    await rt.faults.point("run_model.before_commit")
+    await d.commit(committed)
+    log.debug("model.answered", calls=len(committed.calls), status=committed.status.value)
+    await rt.faults.point("run_model.after_commit")
+    if committed.status == TurnStatus.COMPLETED:
+        await end_turn(rt, committed)
+    else:
+        await answer(committed).publish(rt.bus)
+
+
+async def _complete(
+    rt: Runtime, agent: Agent, request: ModelRequest, sid: str, tid: str, attempt: int
+) -> ModelResponse:
+    """Call the model; an adapter that streams sends text deltas to the turn's live subject
+    (core NATS, not durable: the history records the final text once)."""
+    if not getattr(agent.model, "supports_streaming", False):
+        return await agent.model.complete(request)
+    subject = live_subject(sid, tid)
+    hdrs = {"Jl-Attempt": str(attempt)}
+
+    async def on_delta(text: str) -> None:
+        await rt.nc.publish(subject, text.encode(), headers=hdrs)
+
+    complete: Any = agent.model.complete
+    response: ModelResponse = await complete(request, on_delta=on_delta)
+    return response
+
+
+async def _plan(rt: Runtime, agent: Agent, turn: TurnRecord, resp: ModelResponse) -> TurnRecord:
+    """The write-ahead checkpoint: the answer and every call it asks for, not yet made."""
+    sid, tid, n = turn.session_id, turn.turn_id, turn.model_step
+    assert turn.attempt is not None
+    text: str | None = resp.text
+    text_ref = None
+    raw = (resp.text or "").encode()
+    if rt.blobs.too_big(raw):
+        text_ref = await rt.blobs.put(f"{sid}.{tid}.m{n}.a{turn.attempt.no}.text", raw)
+        text = None
+    calls = []
+    for i, c in enumerate(resp.tool_calls):
+        t = agent.tool(c.name)
+        invalid = None
+        if isinstance(c, MalformedToolCall):
+            invalid = f"malformed arguments for {c.name}: {c.problem}"
+            effect = t.effect.value if t is not None else "read"
+        elif t is None:
+            invalid = f"unknown tool {c.name!r}"
+            effect = "read"
+        else:
+            effect = t.effect.value
+            try:
+                t.args_model.model_validate(c.arguments)
+            except ValidationError as exc:
+                invalid = f"invalid arguments for {c.name}: {exc.errors()[0]['msg']}"
+        calls.append(
+            PlannedCall(
+                index=i,
+                call_id=f"{tid}-{n}-{i}",
+                provider_id=c.provider_id,
+                tool=c.name,
+                args=c.arguments,
+                effect=effect,
+                idempotency_key=idempotency_key(sid, tid, n, i),
+                invalid=invalid,
+            )
+        )
+    update: dict[str, Any] = {
+        "usage": dict(resp.usage),
+        "answer_text": text,
+        "answer_ref": text_ref,
+        "attempt": None,
+        "calls": calls,
+    }
+    if calls:
+        update["phase"] = TurnPhase.CALLS
+    else:
+        update["status"] = TurnStatus.COMPLETED
+    return turn.model_copy(update=update)

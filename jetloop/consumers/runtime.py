@@ -1,0 +1,225 @@
+"""What every handler works with: the worker's shared parts and the delivery in hand.
+
+``Delivery.claim`` and ``Delivery.commit`` are the fence of rule 2: the claim records the
+attempt with a CAS, every later write expects the revision written last, and a lost CAS
+raises ``TakenOver``. The heartbeat writes the claimed record again (the same value, a CAS
+like any commit) and then sends an in-progress ack: the write proves the fence still holds
+and is the holder's sign of life that another delivery reads (``jetloop.consumers.liveness``); a
+heartbeat that finds the fence lost cancels the paid work in flight (``cancelled_when_lost``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from pydantic import BaseModel
+
+from jetloop.agents import App
+from jetloop.consumers.conversation import MessageCache
+from jetloop.consumers.errors import TakenOver
+from jetloop.consumers.faults import Faults
+from jetloop.schemas import Attempt
+from jetloop.streams.blobs import BlobStore
+from jetloop.streams.bus import Bus
+from jetloop.streams.history import HistoryReader
+from jetloop.streams.holds import Holds
+from jetloop.streams.state import Conflict, StateStore
+
+log = structlog.get_logger("jetloop.fence")
+
+
+def new_incarnation() -> str:
+    """A name for one worker process's life."""
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class Runtime:
+    nc: Client
+    js: JetStreamContext
+    state: StateStore
+    blobs: BlobStore
+    history: HistoryReader
+    bus: Bus
+    app: App
+    worker_id: str
+    lease_seconds: float
+    faults: Faults = field(default_factory=Faults)
+    max_losses: int = 2
+    # Names this process's life in its claims: a worker id can be reused after a restart.
+    incarnation: str = field(default_factory=lambda: new_incarnation())
+    messages: MessageCache = field(default_factory=MessageCache)
+    # The state keys this process's deliveries have claimed and still work on.
+    holding: set[str] = field(default_factory=set)
+    # The messages this process holds, as a rescuer finds them if it dies (jetloop.services.worker).
+    holds: Holds | None = None
+
+    def new_attempt(self, no: int) -> Attempt:
+        return Attempt(
+            no=no, worker=self.worker_id, started_at=time.time(), incarnation=self.incarnation
+        )
+
+
+class Delivery:
+    """One message being handled, and the fence of the attempt it carries."""
+
+    def __init__(self, rt: Runtime, msg: Msg) -> None:
+        self.rt = rt
+        self.msg = msg
+        self.fence_key: str | None = None
+        self.fence_rev: int | None = None
+        self.fence_value: BaseModel | None = None  # what this attempt wrote last
+        self.fenced_at = 0.0  # monotonic time of the last fenced write that landed
+        self.lost = False
+        # Set by a call handler: the heartbeat then also notices a cancelled turn.
+        self.watch_turn: tuple[str, str] | None = None
+        self.cancelled = False
+        # Writes and the heartbeat's check never overlap, or a check could read the
+        # revision of a write whose answer has not reached us yet and think we lost.
+        self._lock = asyncio.Lock()
+        # The task in a ``cancelled_when_lost`` block, and whether a loss cancelled it.
+        self._paid: asyncio.Task[object] | None = None
+        self._cancelled_for_loss = False
+
+    @property
+    def num_delivered(self) -> int:
+        n: int = self.msg.metadata.num_delivered
+        return n
+
+    async def claim(self, key: str, value: BaseModel, revision: int | None) -> int:
+        """Record this attempt with a CAS from the revision read; lost → TakenOver."""
+        async with self._lock:
+            # Held from before the write is sent: a write whose answer a restarting server
+            # loses is tried again, and meanwhile that server may deliver this same message
+            # again (as delivery 1); that delivery must see the key held here, not a claim
+            # of this process that "ended without finishing" (jetloop.consumers.liveness).
+            fresh = key not in self.rt.holding
+            self.rt.holding.add(key)
+            try:
+                rev = await self.rt.state.write(key, value, revision)
+            except Conflict as exc:
+                if fresh:
+                    self.rt.holding.discard(key)
+                self._lose()
+                raise TakenOver(key) from exc
+            except BaseException:
+                if fresh and key != self.fence_key:
+                    self.rt.holding.discard(key)
+                raise
+            if self.fence_key is not None and self.fence_key != key:
+                self.rt.holding.discard(self.fence_key)
+            self.fence_key, self.fence_rev, self.fence_value = key, rev, value
+            self.fenced_at = time.monotonic()
+            return rev
+
+    async def commit(self, value: BaseModel) -> int:
+        """Write the fenced key, expecting the revision this attempt wrote last."""
+        assert self.fence_key is not None and self.fence_rev is not None, "commit before claim"
+        async with self._lock:
+            if self.lost:
+                raise TakenOver(self.fence_key)
+            try:
+                rev = await self.rt.state.write(self.fence_key, value, self.fence_rev)
+            except Conflict as exc:
+                log.info("fence.lost_on_commit", key=self.fence_key, rev=self.fence_rev)
+                self._lose()
+                raise TakenOver(self.fence_key) from exc
+            self.fence_rev, self.fence_value = rev, value
+            self.fenced_at = time.monotonic()
+            return rev
+
+    async def still_ours(self, fresh_for: float = 0.0) -> bool:
+        """Read the fence back, unless this attempt wrote it less than ``fresh_for`` seconds
+        ago. A takeover needs the lease to lapse, and the lease began at the delivery, just
+        before the claim; so a short while after the claim the read would only cost a round
+        trip. (A delivery that waited in the client past its lease is still fenced: every
+        later commit is a CAS, so it records nothing.)"""
+        async with self._lock:
+            if self.lost:
+                return False
+            if self.fence_key is None:
+                return True
+            if time.monotonic() - self.fenced_at < fresh_for:
+                return True
+            current = await self.rt.state.revision(self.fence_key)
+            if current != self.fence_rev:
+                log.info(
+                    "fence.lost_on_read", key=self.fence_key, rev=self.fence_rev, current=current
+                )
+                self._lose()
+            return not self.lost
+
+    def release(self) -> None:
+        """The delivery ended: this process no longer works on the key it claimed."""
+        if self.fence_key is not None:
+            self.rt.holding.discard(self.fence_key)
+
+    def _lose(self) -> None:
+        """The fence is lost: stop the paid work in flight, if another task found it."""
+        self.lost = True
+        if self.fence_key is not None:
+            self.rt.holding.discard(self.fence_key)
+        paid = self._paid
+        if paid is not None and paid is not asyncio.current_task():
+            if not self._cancelled_for_loss:
+                self._cancelled_for_loss = True
+                paid.cancel("the step was taken over")
+
+    @asynccontextmanager
+    async def cancelled_when_lost(self) -> AsyncIterator[None]:
+        """Run paid work (a model call and its stream) so that a heartbeat finding the fence
+        lost cancels it at once; the block then raises ``TakenOver``, so the step commits,
+        publishes and acks nothing. It only arms the cancel: check the fence right before
+        (``still_ours``), since a loss found before the block does not cancel it."""
+        task = asyncio.current_task()
+        assert task is not None, "cancelled_when_lost outside a task"
+        self._paid = task
+        try:
+            yield
+        except asyncio.CancelledError:
+            # Ours only if nobody else (a shutdown past its drain) cancelled the task too.
+            if self._cancelled_for_loss and task.uncancel() == 0:
+                raise TakenOver(self.fence_key or "?") from None
+            raise
+        finally:
+            self._paid = None
+        if self._cancelled_for_loss:
+            # The answer came in the same instant the loss was found: it is not ours to use.
+            raise TakenOver(self.fence_key or "?")
+
+    async def heartbeat(self) -> None:
+        """Write the claimed record again and extend the lease, unless another attempt has
+        taken the step over (then the write's CAS fails and nothing is sent)."""
+        if self.fence_value is not None and not self.lost:
+            await self._rewrite()
+        if not self.lost:
+            await self.msg.in_progress()
+        if self.watch_turn is not None and not self.cancelled:
+            turn = await self.rt.state.turn(*self.watch_turn)
+            if turn is not None and turn.value.status == "cancelled":
+                self.cancelled = True
+
+    async def _rewrite(self) -> None:
+        """Write what this attempt wrote last once more, as it is *when the lock is ours*: a
+        value read before waiting for the lock could be older than a commit that held it, and
+        writing it would undo that commit."""
+        async with self._lock:
+            if self.lost or self.fence_key is None or self.fence_value is None:
+                return
+            try:
+                rev = await self.rt.state.write(self.fence_key, self.fence_value, self.fence_rev)
+            except Conflict:
+                log.info("fence.lost_on_beat", key=self.fence_key, rev=self.fence_rev)
+                self._lose()
+                return
+            self.fence_rev = rev
+            self.fenced_at = time.monotonic()

@@ -1,0 +1,222 @@
+"""Events of a session's log (``JL_EVENTS``): what happened, for people and read models."""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from jetloop.schemas.codec import SCHEMA_VERSION
+from jetloop.schemas.records import BlobRef
+
+
+class EventType(StrEnum):
+    """The type of an event in a session's log (docs/protocol.md lists each one's data)."""
+
+    TURN_ACCEPTED = "turn.accepted"
+    TURN_STARTED = "turn.started"
+    MODEL_ANSWERED = "model.answered"
+    CALL_OUTCOME = "call.outcome"
+    TURN_COMPLETED = "turn.completed"
+    TURN_FAILED = "turn.failed"
+    TURN_CANCELLED = "turn.cancelled"
+    CRASH_RESUMED = "agent.run.crash_resumed"
+    CHECKPOINT_REJECTED = "agent.run.checkpoint_rejected"
+    TURN_LOST = "agent.run.lost"
+    APPROVAL_REQUESTED = "approval.requested"
+    APPROVAL_DECIDED = "approval.decided"
+    QUESTION_ASKED = "question.asked"
+    QUESTION_ANSWERED = "question.answered"
+    TIMER_SET = "timer.set"
+    TIMER_FIRED = "timer.fired"
+    TASK_STARTED = "task.started"
+    DELEGATION_STARTED = "delegation.started"
+    TASK_POLLED = "task.polled"
+    CONTEXT_COMPACTED = "context.compacted"
+    CALL_RECONCILED = "call.reconciled"
+
+
+class Event(BaseModel):
+    """One fact in a session's log (``jl.event.<session>.<type>``): ``key`` is unique per
+    fact, ``data`` depends on ``type``."""
+
+    v: int = SCHEMA_VERSION
+    key: str
+    type: EventType
+    session_id: str
+    turn_id: str | None = None
+    at: float = Field(default_factory=time.time)
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+# The ``data`` of each event type, as the engine writes it. A field shown ``| None`` may be
+# null (present, nil); a reader ignores fields it does not know (docs/protocol.md).
+
+
+class TurnAcceptedData(BaseModel):
+    """The request was accepted: ``Event.turn_id`` is its turn (the same id for a resend)."""
+
+    request_id: str
+    queued: bool  # another turn of the session runs: this one waits its turn
+
+
+class TurnStartedData(BaseModel):
+    request_id: str
+    agent: str
+
+
+class AnsweredCall(BaseModel):
+    call_id: str
+    tool: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    effect: str
+
+
+class ModelAnsweredData(BaseModel):
+    """A model step answered with calls (a final answer is ``turn.completed`` instead)."""
+
+    model_step: int
+    usage: dict[str, int] = Field(default_factory=dict)
+    text: str | None = None
+    calls: list[AnsweredCall] = Field(default_factory=list)
+
+
+class CallOutcomeData(BaseModel):
+    call_key: str
+    tool: str
+    effect: str
+    state: str  # a done CallState: succeeded, failed, outcome_unknown, denied, cancelled
+    attempts: int
+    error: str | None = None
+    settlement: str | None = None
+
+
+class TurnCompletedData(BaseModel):
+    request_id: str
+    text: str | None = None  # the answer, or null when it is in the blob store
+    text_ref: BlobRef | None = None
+    model_steps: int
+    usage: dict[str, int] = Field(default_factory=dict)
+
+
+class TurnFailedData(BaseModel):
+    request_id: str
+    error: str | None = None
+
+
+class TurnCancelledData(BaseModel):
+    request_id: str
+    by: str | None = None
+
+
+class CrashResumedData(BaseModel):
+    step: str  # the step key that was resumed
+    losses: int
+    lost_attempt: int
+    lost_worker: str
+    lost_incarnation: str
+    settled: dict[str, Any] = Field(default_factory=dict)  # call key -> how it was settled
+
+
+class CheckpointRejectedData(BaseModel):
+    key: str  # the jl_state key whose seal did not verify
+    reason: str
+    step: str
+
+
+class TurnLostData(BaseModel):
+    losses: int
+    step: str
+
+
+class ApprovalRequestedData(BaseModel):
+    approval_id: str
+    call_key: str
+    tool: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class ApprovalDecidedData(BaseModel):
+    approval_id: str
+    status: str  # approved | rejected
+    by: str | None = None
+    reason: str | None = None
+    call_key: str
+
+
+class QuestionAskedData(BaseModel):
+    question_id: str
+    question: str
+    call_key: str
+
+
+class QuestionAnsweredData(BaseModel):
+    question_id: str
+    answer: str | None = None
+    by: str | None = None
+    call_key: str
+
+
+class TimerSetData(BaseModel):
+    call_key: str
+    due: float  # Unix time, seconds
+    at: str  # the same instant, RFC 3339 UTC, whole seconds (rounded up)
+
+
+class TimerFiredData(BaseModel):
+    call_key: str
+    due: float
+    late_seconds: float
+
+
+class TaskStartedData(BaseModel):
+    call_key: str
+    tool: str
+    handle: Any = None  # what the task tool's start returned
+
+
+class DelegationStartedData(BaseModel):
+    call_key: str
+    agent: str
+    child_session: str
+
+
+class ContextCompactedData(BaseModel):
+    covers: int  # history entries, from the start, the summary replaces
+    compaction: int
+    attempts: int
+
+
+class CallReconciledData(BaseModel):
+    call_key: str
+    state: str  # succeeded | failed
+    by: str
+    result: Any = None
+    error: str | None = None
+
+
+EVENT_DATA: dict[EventType, type[BaseModel]] = {
+    EventType.TURN_ACCEPTED: TurnAcceptedData,
+    EventType.TURN_STARTED: TurnStartedData,
+    EventType.MODEL_ANSWERED: ModelAnsweredData,
+    EventType.CALL_OUTCOME: CallOutcomeData,
+    EventType.TURN_COMPLETED: TurnCompletedData,
+    EventType.TURN_FAILED: TurnFailedData,
+    EventType.TURN_CANCELLED: TurnCancelledData,
+    EventType.CRASH_RESUMED: CrashResumedData,
+    EventType.CHECKPOINT_REJECTED: CheckpointRejectedData,
+    EventType.TURN_LOST: TurnLostData,
+    EventType.APPROVAL_REQUESTED: ApprovalRequestedData,
+    EventType.APPROVAL_DECIDED: ApprovalDecidedData,
+    EventType.QUESTION_ASKED: QuestionAskedData,
+    EventType.QUESTION_ANSWERED: QuestionAnsweredData,
+    EventType.TIMER_SET: TimerSetData,
+    EventType.TIMER_FIRED: TimerFiredData,
+    EventType.TASK_STARTED: TaskStartedData,
+    EventType.DELEGATION_STARTED: DelegationStartedData,
+    EventType.CONTEXT_COMPACTED: ContextCompactedData,
+    EventType.CALL_RECONCILED: CallReconciledData,
+}
+# ``task.polled`` is reserved: this version does not write it.

@@ -1,0 +1,42 @@
+"""Entries of a session's conversation, appended to ``JL_EVENTS`` (never rewritten)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from jetloop.schemas.codec import SCHEMA_VERSION
+from jetloop.schemas.records import BlobRef, PlannedCall
+
+
+class HistoryRole(StrEnum):
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+    NOTE = "note"  # the engine tells the model something (a failed turn's calls, a reconcile)
+    SUMMARY = "summary"  # CompactContext: replaces the entries before it for the model
+
+
+class ToolStatus(StrEnum):
+    OK = "ok"
+    ERROR = "error"
+    OUTCOME_UNKNOWN = "outcome_unknown"
+    DENIED = "denied"
+    CANCELLED = "cancelled"
+
+
+class HistoryEntry(BaseModel):
+    v: int = SCHEMA_VERSION
+    key: str  # the event key; a reader keeps the first entry of each key
+    role: HistoryRole
+    turn_id: str
+    text: str | None = None
+    text_ref: BlobRef | None = None
+    calls: list[PlannedCall] = Field(default_factory=list)
+    call_id: str | None = None
+    tool: str | None = None
+    status: ToolStatus | None = None
+    result: Any = None
+    result_ref: BlobRef | None = None

@@ -1,0 +1,3 @@
+from jetloop.services.cli import main
+
+main()

@@ -1,0 +1,213 @@
+"""The ``jetloop`` command group, and what its commands share: settings, a client with a
+bounded wait for NATS, one-line errors, how an event is described.
+
+The commands live beside it by what they are for (``run``, ``sessions``, ``decide``,
+``inspect_command``); ``jetloop.services.cli`` imports them so that they register on ``main``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from jetloop.schemas import EventType
+from jetloop.services.logs import configure
+from jetloop.services.settings import Settings, SettingsError, load_settings
+
+if TYPE_CHECKING:
+    from jetloop.services.client import Client
+
+
+def _settings(**overrides: Any) -> Settings:
+    clean = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return load_settings(**clean)
+    except SettingsError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _run(coro: Coroutine[Any, Any, None], settings: Settings | None = None) -> None:
+    """Run a command's coroutine; given the settings of a long-lived process (a worker,
+    ``up``), on the loop they choose (``jetloop.services.runner``)."""
+    from jetloop.services.runner import run
+    from jetloop.streams.connection import ConnectionLost
+
+    try:
+        if settings is None:
+            asyncio.run(coro)
+        else:
+            run(coro, use_uvloop=settings.uvloop)
+    except KeyboardInterrupt:
+        pass
+    except ConnectionLost as exc:  # a worker's connection closed: exit 1, to be restarted
+        raise click.ClickException(str(exc)) from None
+
+
+@click.group()
+@click.version_option(package_name="jetloop")
+def main() -> None:
+    """jetloop: durable execution of AI-agent turns on NATS JetStream."""
+    # Commands that talk to NATS print only what matters; services reconfigure logging.
+    configure("console", "warning")
+
+
+async def _session_exists(jl: Client, session_id: str) -> bool:
+    """A session exists once it has a state record (``session.<id>``) or an event."""
+    from nats.js.errors import KeyNotFoundError, NotFoundError
+
+    from jetloop.schemas import validate_name
+    from jetloop.streams import topology as topo
+    from jetloop.streams.state import session_key
+
+    try:
+        validate_name("session id", session_id)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    kv = await jl.js.key_value(topo.STATE_BUCKET)
+    try:
+        await kv.get(session_key(session_id))
+        return True
+    except KeyNotFoundError:
+        pass
+    try:
+        await jl.js.get_msg(
+            topo.EVENTS_STREAM, seq=1, subject=topo.event_subject(session_id, ">"), next=True
+        )
+    except NotFoundError:
+        return False
+    return True
+
+
+# How long a client command waits for NATS before it says so in one line: the first
+# connect, and a reconnect after the server went away (at most --timeout where it has one).
+PATIENCE = 5.0
+
+Body = Callable[["Client"], Coroutine[Any, Any, None]]
+
+
+def _client_cmd(nats_url: str | None, body: Body, timeout: float | None = None) -> None:
+    """Run ``body(client)`` with a connected client. NATS that cannot be reached or is lost
+    (after ``PATIENCE`` seconds, or ``timeout`` if shorter), a NATS error and a refused
+    control request each end the command with one line and exit status 1."""
+    s = _settings(nats_url=nats_url)
+    _run(_with_client(s.nats_urls, body, timeout))
+
+
+async def _with_client(urls: list[str], body: Body, timeout: float | None) -> None:
+    from nats.errors import ConnectionClosedError, NoServersError
+    from nats.errors import Error as NatsError
+
+    from jetloop.consumers.control import ControlError
+    from jetloop.schemas.errors import JetloopError
+    from jetloop.services.cli.inspector import Missing
+    from jetloop.services.client import Client
+
+    # The URLs carry the NATS password (jetloop.services.settings): shown without it.
+    where = ", ".join(re.sub(r"//[^/@]*@", "//", u) for u in urls)
+    lost = asyncio.Event()
+
+    async def on_closed() -> None:
+        lost.set()
+
+    patience = min(PATIENCE, timeout) if timeout else PATIENCE
+    try:
+        jl = await Client.connect(urls, give_up_after=patience, on_closed=on_closed)
+    except (NoServersError, TimeoutError, OSError):
+        raise click.ClickException(
+            f"cannot reach NATS at {where} (is 'jetloop up' running?)"
+        ) from None
+    except NatsError as exc:
+        raise click.ClickException(f"NATS at {where} refused the connection: {exc}") from None
+    async with jl:
+        work = asyncio.create_task(body(jl))
+        gone = asyncio.create_task(lost.wait())
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            work.cancel()  # the connection is gone (or we were interrupted)
+            await asyncio.wait((work,))
+        try:
+            work.result()
+        except (asyncio.CancelledError, ConnectionClosedError):
+            raise click.ClickException(
+                f"lost the connection to NATS at {where} (is 'jetloop up' running?)"
+            ) from None
+        except ControlError as exc:
+            raise click.ClickException(str(exc)) from None
+        except (Missing, JetloopError, ValueError) as exc:
+            # No such session or turn, a record not trusted, no seal key to verify with, a
+            # name that cannot be one: the message says it.
+            raise click.ClickException(str(exc)) from None
+        except (NatsError, TimeoutError) as exc:
+            raise click.ClickException(f"NATS at {where}: {_nats_error(exc)}") from None
+
+
+def _nats_error(exc: BaseException) -> str:
+    """A NATS error in a few words, with what to do where that is known."""
+    from nats.errors import NoRespondersError
+    from nats.js.errors import NotFoundError, ServiceUnavailableError
+
+    if isinstance(exc, NotFoundError):
+        return (
+            f"{exc.description or 'not found'} (is the topology applied? "
+            "`jetloop up` or `jetloop topology` applies it)"
+        )
+    if isinstance(exc, NoRespondersError | ServiceUnavailableError):
+        return "JetStream did not answer (is JetStream enabled on that server?)"
+    if isinstance(exc, TimeoutError):
+        return "no answer in time (the server is busy or electing a leader: try again)"
+    return str(exc) or type(exc).__name__
+
+
+def _echo_model(model: Any) -> None:
+    click.echo(json.dumps(model.model_dump(mode="json", exclude_none=True), indent=2))
+
+
+def _describe(ev: Any) -> str:
+    d = ev.data
+    match ev.type:
+        case EventType.TURN_ACCEPTED:
+            return "· accepted" + (" (queued behind the running turn)" if d.get("queued") else "")
+        case EventType.TURN_STARTED:
+            return "· started"
+        case EventType.MODEL_ANSWERED:
+            calls = ", ".join(f"{c['tool']}({json.dumps(c['args'])})" for c in d.get("calls", []))
+            return f"· model step {d.get('model_step')}: {d.get('text') or ''} → {calls}"
+        case EventType.CALL_OUTCOME:
+            err = f": {d['error']}" if d.get("error") else ""
+            return f"· {d.get('tool')} {d.get('state')}{err}"
+        case EventType.TURN_COMPLETED:
+            return "· completed"
+        case EventType.TURN_FAILED:
+            return f"· failed: {d.get('error')}"
+        case EventType.CRASH_RESUMED:
+            return f"· resumed after a lost attempt ({d.get('step')})"
+        case EventType.APPROVAL_REQUESTED:
+            return (
+                f"· {d.get('tool')} waits for approval: "
+                f"jetloop approve {ev.session_id} {d.get('approval_id')}"
+            )
+        case EventType.APPROVAL_DECIDED:
+            return f"· approval {d.get('status')} by {d.get('by')}"
+        case EventType.QUESTION_ASKED:
+            return (
+                f"· question: {d.get('question')} — "
+                f"jetloop answer {ev.session_id} {d.get('question_id')} '…'"
+            )
+        case EventType.QUESTION_ANSWERED:
+            return f"· answered by {d.get('by')}: {d.get('answer')}"
+        case EventType.TIMER_SET:
+            return f"· timer set for {d.get('at')}"
+        case EventType.TIMER_FIRED:
+            return "· timer fired"
+        case EventType.TASK_STARTED:
+            return f"· task started: {d.get('handle')}"
+        case EventType.TURN_CANCELLED:
+            return f"· cancelled by {d.get('by')}"
+    return f"· {ev.type}"

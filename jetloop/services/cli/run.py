@@ -1,0 +1,263 @@
+"""Commands that run things: ``up``, ``worker``, ``topology``, and the tooling's ``trials`` and
+``bench``; ``gateway`` and ``projector`` come from their own packages."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import TYPE_CHECKING
+
+import click
+
+from jetloop.services.logs import configure
+
+if TYPE_CHECKING:
+    from jetloop.services.client import Client
+
+from jetloop.services.cli.main import _client_cmd, _run, _settings, main
+
+
+@main.command()
+@click.option("--nats", "nats_url", help="use these NATS server(s) instead of starting one")
+@click.option("--app", help="agents to serve, module:attr (default: the demo agent)")
+@click.option("--store-dir", type=click.Path(), help="store directory (default .jetloop)")
+@click.option(
+    "--nats-port", "--port", "embedded_port", type=int, help="port of the embedded server"
+)
+@click.option("--gateway-port", type=int, help="port of the gateway (HTTP API)")
+@click.option(
+    "--allow-anonymous-remote",
+    is_flag=True,
+    default=None,
+    help="without tokens, serve every scope to anyone who reaches JETLOOP_GATEWAY_HOST "
+    "even when it is not loopback",
+)
+@click.option(
+    "--workers",
+    "worker_processes",
+    type=click.IntRange(1, 256),
+    help="worker processes: this one and N-1 children (default JETLOOP_WORKER_PROCESSES, 1)",
+)
+def up(
+    nats_url: str | None,
+    app: str | None,
+    store_dir: str | None,
+    embedded_port: int | None,
+    gateway_port: int | None,
+    allow_anonymous_remote: bool | None,
+    worker_processes: int | None,
+) -> None:
+    """Start nats-server (embedded), the topology, a worker with the demo agent (or --workers
+    N), the gateway and the projector; restart any of them that fails."""
+    from jetloop.services.up import UpError, run_up
+
+    s = _settings(
+        nats_url=nats_url,
+        app=app,
+        store_dir=store_dir,
+        embedded_port=embedded_port,
+        gateway_port=gateway_port,
+        gateway_allow_anonymous_remote=allow_anonymous_remote,
+        worker_processes=worker_processes,
+    )
+    configure("console", s.log_level)
+    try:
+        _run(run_up(s, external=nats_url is not None), s)
+    except UpError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.option("--app", help="agents to serve, module:attr")
+@click.option("--nats", "nats_url", help="NATS server URL(s), comma-separated")
+@click.option(
+    "--pools",
+    default="session,model,tool",
+    show_default=True,
+    help="which step pools this worker serves",
+)
+@click.option("--id", "worker_id", help="worker name in claims and logs")
+@click.option(
+    "--processes",
+    type=click.IntRange(1, 256),
+    help="run this many worker processes, ids <id>-1 … <id>-N (default "
+    "JETLOOP_WORKER_PROCESSES, 1: this process is the worker)",
+)
+def worker(
+    app: str | None,
+    nats_url: str | None,
+    pools: str,
+    worker_id: str | None,
+    processes: int | None,
+) -> None:
+    """Run a worker (or --processes N of them) against existing NATS servers."""
+    from jetloop.agents import load_app
+    from jetloop.services.runner import settle_when_started
+    from jetloop.services.worker import Worker, default_worker_id
+
+    s = _settings(app=app, nats_url=nats_url, worker_id=worker_id, worker_processes=processes)
+    wid = s.worker_id or default_worker_id()
+    configure(s.log_format, s.log_level, worker=wid)
+    try:
+        loaded = load_app(s.app)
+    except (ValueError, ImportError) as exc:
+        raise click.ClickException(f"setting JETLOOP_APP / --app: {exc}") from None
+    pool_names = [p.strip() for p in pools.split(",") if p.strip()]
+    if s.worker_processes > 1:
+        from jetloop.services.processes import run_worker_processes
+        from jetloop.services.supervisor import GaveUp
+
+        try:
+            _run(run_worker_processes(s, wid, pool_names))
+        except GaveUp as exc:
+            raise click.ClickException(str(exc)) from None
+        return
+
+    async def go() -> None:
+        import signal
+
+        w = Worker(s, loaded, pools=pool_names, worker_id=wid)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, w.stop_soon)
+        settle = asyncio.create_task(settle_when_started(w.wait_started(), s.gc_threshold))
+        try:
+            await w.run()
+        finally:
+            settle.cancel()
+
+    _run(go(), s)
+
+
+@main.command()
+@click.option("--nats", "nats_url")
+@click.option("--replicas", type=int, help="set the replica count of every stream (R3: 3)")
+@click.option(
+    "--app",
+    help="also declare this app's agents (module:attr), so messages to them are accepted "
+    "and wait before its first worker runs",
+)
+def topology(nats_url: str | None, replicas: int | None, app: str | None) -> None:
+    """Apply the topology (streams, consumers, buckets) to existing servers."""
+    from jetloop.agents import load_app
+    from jetloop.streams import topology as topo
+
+    s = _settings(nats_url=nats_url, replicas=replicas)
+    try:
+        agents = sorted(load_app(app).agents) if app else []
+    except (ValueError, ImportError) as exc:
+        raise click.ClickException(f"--app: {exc}") from None
+
+    async def body(jl: Client) -> None:
+        await topo.apply(jl.js, s.topology(), set_replicas=replicas is not None)
+        if agents:
+            await (await jl.registry()).declare(agents, "jetloop topology")
+        click.echo(
+            "topology applied" + (f"; agents declared: {', '.join(agents)}" if agents else "")
+        )
+
+    _client_cmd(nats_url, body)
+
+
+@main.command()
+@click.option(
+    "--store-dir",
+    type=click.Path(file_okay=False),
+    help="where to keep them (default JETLOOP_STORE_DIR, .jetloop)",
+)
+def credentials(store_dir: str | None) -> None:
+    """Make the store's secrets once (the seal key, a NATS password per role) and write the
+    nats-server config that gives each role its permissions: for servers started elsewhere
+    (compose.yaml, a cluster). Prints where they are, never the secrets."""
+    from jetloop.services.natsauth import write_config
+    from jetloop.services.settings import make_seal_key
+
+    s = _settings(store_dir=store_dir)
+    try:
+        s.store_dir.mkdir(parents=True, exist_ok=True)
+        make_seal_key(s.store_dir)
+        conf = write_config(s.store_dir)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"setting JETLOOP_STORE_DIR / --store-dir: {exc}") from None
+    click.echo(f"seal key and NATS users in {s.store_dir} (0600, made once)")
+    click.echo(f"start every nats-server with: --config {conf}")
+    click.echo(
+        f"processes with JETLOOP_STORE_DIR={s.store_dir} seal with the key and connect as "
+        "worker; give programs elsewhere the client or operator password (docs/security.md)"
+    )
+
+
+@main.command()
+@click.option(
+    "--mode",
+    "modes",
+    multiple=True,
+    default=("worker_kill",),
+    type=click.Choice(["worker_kill", "server_restart", "takeover", "mixed", "control"]),
+)
+@click.option("--rounds", type=int, help="default JETLOOP_TRIALS (10)")
+@click.option("--seed", type=int, help="default JETLOOP_KILL_SEED (random)")
+@click.option("--json", "out_json", type=click.Path(dir_okay=False))
+@click.option("--keep", type=click.Path(file_okay=False), help="keep logs and stores here")
+def trials(
+    modes: tuple[str, ...],
+    rounds: int | None,
+    seed: int | None,
+    out_json: str | None,
+    keep: str | None,
+) -> None:
+    """Kill trials: random SIGKILLs of workers, servers or leaders, judged from state: lost
+    turns, duplicates, detection and completion times, false takeovers."""
+    from pathlib import Path
+
+    from jetloop.tooling.trials.run import main as run
+
+    sys.exit(run(modes, rounds, seed, out_json, Path(keep) if keep else None))
+
+
+@main.command()
+@click.argument(
+    "which",
+    nargs=-1,
+    type=click.Choice(["overhead", "throughput", "history", "waiting", "profile", "peer"]),
+)
+@click.option(
+    "--quick", is_flag=True, help="small samples: a smoke run (about 30 s on 2 idle cores)"
+)
+@click.option("--waiting-sessions", type=int)
+@click.option("--json", "out_json", type=click.Path(dir_okay=False))
+@click.option("--keep", type=click.Path(file_okay=False))
+def bench(
+    which: tuple[str, ...],
+    quick: bool,
+    waiting_sessions: int | None,
+    out_json: str | None,
+    keep: str | None,
+) -> None:
+    """Benchmarks, each as a ratio against a baseline measured in the same run: the raw
+    JetStream floor, or (``peer``) Restate and DBOS Transact, each when installed:
+    ``pip install -e '.[peer]'`` and ``npm ci --prefix jetloop/tooling/bench/restate``."""
+    from pathlib import Path
+
+    from jetloop.tooling.bench.run import main as run
+
+    sys.exit(
+        run(
+            which or ("overhead", "throughput", "history"),
+            quick,
+            out_json,
+            Path(keep) if keep else None,
+            waiting_sessions,
+        )
+    )
+
+
+def _add_service_commands() -> None:
+    from jetloop.services.gateway.app import gateway_command
+    from jetloop.services.readmodel.projector import projector_command
+
+    main.add_command(gateway_command)
+    main.add_command(projector_command)
+
+
+_add_service_commands()

@@ -1,0 +1,747 @@
+"""Driving sessions from Python: send a message, wait for its turn, follow the log, read
+what happened (a session's snapshot, its past turns, a turn's calls) and decide what waits
+for a person (approve, reject, answer, cancel, reconcile).
+
+    async with await Client.connect("nats://127.0.0.1:4222") as jl:
+        turn = await jl.send("demo", "s1", "look up T-1")
+        result = await jl.wait(turn)
+
+State read from ``jl_state`` is verified with the workers' seal key (``JETLOOP_SEAL_KEY``);
+without the key a read raises ``SealKeyMissing`` unless the caller chose to read unverified
+(``verify=False``, or ``JETLOOP_READ_UNVERIFIED=true`` for ``Client.connect``). Errors are
+the ``jetloop.JetloopError`` tree (``jetloop.schemas.errors``); NATS errors pass through once an
+outage lasts longer than ``retry_for``. The client logs (never prints) through the
+``jetloop.*`` loggers (``jetloop.streams.liblog``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from nats.aio.client import Client as Nats
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import api
+from nats.js.errors import NotFoundError, ServiceUnavailableError
+from pydantic import BaseModel
+
+from jetloop.agents.agent import Trigger
+from jetloop.consumers.control import Control, ControlError
+from jetloop.consumers.snapshot import MOST_CALLS, SessionSnapshot, snapshot, with_workers
+from jetloop.consumers.turns import TurnDetail, TurnPage, list_turns, turn_detail
+from jetloop.schemas import (
+    ApprovalRecord,
+    CallRecord,
+    Event,
+    EventType,
+    QuestionRecord,
+    SessionRecord,
+    TurnRecord,
+    TurnRequest,
+    TurnStatus,
+    call_key,
+    decode,
+    encode,
+    scoped_msg_id,
+    turn_id_for,
+    validate_name,
+)
+from jetloop.schemas.errors import SealKeyMissing, UnknownSession, UnknownTurn
+
+# Raised by the client, defined with the rest of the public tree: importable from here too.
+from jetloop.schemas.errors import TurnFailed as TurnFailed
+from jetloop.schemas.errors import UnknownAgent as UnknownAgent
+from jetloop.services.control import PREFIX as CONTROL_PREFIX
+from jetloop.streams import topology
+from jetloop.streams.blobs import BlobStore
+from jetloop.streams.bus import Bus
+from jetloop.streams.connection import connect, retrying
+from jetloop.streams.history import HistoryReader
+from jetloop.streams.registry import AgentStatus, Registry
+from jetloop.streams.seal import Sealer
+from jetloop.streams.state import StateStore
+
+T = TypeVar("T")
+R = TypeVar("R", bound=BaseModel)
+
+# How long one control request over NATS waits for a worker's reply before it is repeated.
+CONTROL_TIMEOUT = 5.0
+
+
+def control_reply(subject: str, data: bytes) -> Any:
+    """The result of a control reply (``jetloop.services.control``), or its error as the
+    ``ControlError`` the direct path raises."""
+    try:
+        reply = json.loads(data)
+        if reply.get("ok") is True:
+            return reply["result"]
+        err = reply["error"]
+        status, title, detail = int(err["status"]), str(err["title"]), str(err["detail"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise ControlError(
+            502, "not a control reply", f"{subject} answered {data[:200]!r}"
+        ) from None
+    raise ControlError(status, title, detail)
+
+
+async def publish_trigger(js: Any, agent: str, trigger: Trigger) -> None:
+    """The schedule message of a cron trigger; publishing it again replaces it."""
+    validate_name("agent", agent)
+    await js.publish(
+        topology.trigger_subject(agent, trigger.name),
+        encode(TurnRequest(text=trigger.text)),
+        headers={
+            "Nats-Schedule": trigger.schedule,
+            "Nats-Schedule-Target": topology.turn_subject(agent, trigger.session_id),
+            "Jl-Trigger": trigger.name,
+        },
+    )
+
+
+@dataclass(frozen=True)
+class TurnHandle:
+    """A sent request's turn. ``duplicate``: the request id was sent before (its turn
+    exists, or its first request is still queued); ``status``: that turn's status, when
+    it exists (None for a new request, or a duplicate not accepted yet)."""
+
+    agent: str
+    session_id: str
+    request_id: str
+    turn_id: str
+    duplicate: bool
+    status: TurnStatus | None = None
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """How a turn ended (``Client.wait``): its id, status, the answer's text (fetched from
+    the blob store when it was large) and the error of a failed turn."""
+
+    turn_id: str
+    status: TurnStatus
+    text: str | None
+    error: str | None
+
+
+# The event types that end a turn: exactly one of them is written for every turn.
+TURN_ENDS = (EventType.TURN_COMPLETED, EventType.TURN_FAILED, EventType.TURN_CANCELLED)
+
+# Bounds of one listing of turns or calls (``Client.turns``, ``Client.turn_calls``).
+MAX_LIMIT = 1000
+
+
+class Client:
+    """A connection to jetloop: sends messages, follows and reads sessions, decides.
+
+    ``Client.connect(urls)`` opens one (and closes it on ``close()`` / ``async with``);
+    ``Client(nc)`` wraps a nats-py connection the caller owns. ``sealer`` is the workers'
+    seal key (``Client.connect`` takes it from ``JETLOOP_SEAL_KEY``): with it, state is
+    verified when read and decisions are written sealed, as a worker writes them; without
+    it decisions are asked of the workers over NATS (``jl.control.*``), which is all the
+    ``client`` NATS role may do, and reading state raises ``SealKeyMissing`` unless
+    ``verify=False`` says to read records without checking them. ``retry_for`` is how long
+    a call rides out a server restart or a leader election before it gives up.
+    """
+
+    def __init__(
+        self,
+        nc: Nats,
+        own: bool = False,
+        retry_for: float = 30.0,
+        sealer: Sealer | None = None,
+        *,
+        verify: bool = True,
+    ) -> None:
+        self.nc = nc
+        self.sealer = sealer
+        self.verify = verify
+        self.js = nc.jetstream()
+        self._own = own
+        self.retry_for = retry_for
+        self._state_store: StateStore | None = None
+        self._unverified_store: StateStore | None = None
+        self._blob_store: BlobStore | None = None
+        self._registry: Registry | None = None
+        # Texts above this go through the blob store (the default blob threshold).
+        self.inline_text_limit = 64 * 1024
+
+    @classmethod
+    async def connect(
+        cls,
+        urls: str | Sequence[str],
+        sealer: Sealer | None = None,
+        *,
+        give_up_after: float | None = None,
+        on_closed: Callable[[], Awaitable[None]] | None = None,
+        verify: bool | None = None,
+    ) -> Client:
+        """Connect to the NATS servers ``urls`` (a list, or one comma-separated string).
+
+        ``sealer`` defaults to the one the settings give (``JETLOOP_SEAL_KEY``, or the key
+        of ``jetloop up`` in the store directory); ``verify`` defaults to True unless
+        ``JETLOOP_READ_UNVERIFIED`` is set (see ``Client``).
+
+        By default the client rides out outages as a worker does. ``give_up_after``
+        (seconds) is for a caller a person waits on, such as the CLI: the first connect
+        raises (``nats.errors.NoServersError`` or ``TimeoutError``) after about that long,
+        a lost connection is given up as soon (it closes, and ``on_closed`` runs), requests
+        are retried only that long, and outages are not logged as warnings.
+        """
+        if isinstance(urls, str):
+            urls = [u.strip() for u in urls.split(",") if u.strip()]
+        if sealer is None or verify is None:
+            from jetloop.services.settings import load_settings
+
+            settings = load_settings()
+            sealer = sealer or settings.sealer()
+            verify = not settings.read_unverified if verify is None else verify
+        nc = await connect(
+            urls, name="jetloop-client", give_up_after=give_up_after, closed_cb=on_closed
+        )
+        retry_for = 30.0 if give_up_after is None else give_up_after
+        return cls(nc, own=True, sealer=sealer, retry_for=retry_for, verify=verify)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connection if this client opened it (idempotent)."""
+        if self._own and not self.nc.is_closed:
+            await self.nc.close()
+
+    async def _state(self) -> StateStore:
+        """The state bucket with this client's sealer (decisions write through it)."""
+        # Bound once: binding asks the server for the bucket, which fails mid-election.
+        if self._state_store is None:
+            self._state_store = await retrying(
+                lambda: StateStore.open(self.nc, self.sealer), self.retry_for, "bind"
+            )
+        return self._state_store
+
+    async def _reader(self, what: str) -> StateStore:
+        """The state bucket to read ``what`` from: verified, or unverified by choice."""
+        if not self.verify:
+            if self._unverified_store is None:
+                self._unverified_store = await retrying(
+                    lambda: StateStore.open(self.nc, None), self.retry_for, "bind"
+                )
+            return self._unverified_store
+        if self.sealer is None:
+            raise SealKeyMissing(what)
+        return await self._state()
+
+    async def registry(self) -> Registry:
+        """The agents ever served and the live workers (``jl_agents``, ``jl_workers``)."""
+        if self._registry is None:
+            self._registry = await retrying(
+                lambda: Registry.open(self.js), self.retry_for, "bind registry"
+            )
+        return self._registry
+
+    async def agent_status(self, agent: str) -> AgentStatus:
+        """``unknown`` (never served), ``offline`` (no live worker now) or ``live``."""
+        reg = await self.registry()
+        return await retrying(lambda: reg.status(agent), self.retry_for, "agent status")
+
+    async def send(
+        self, agent: str, session_id: str, text: str, request_id: str | None = None
+    ) -> TurnHandle:
+        """Publish a user message; the request id makes a resend harmless.
+
+        A repeat is told from state: the turn id is derived from the request id, so a turn
+        record that exists means the request was accepted before; it is not published
+        again, and the handle says ``duplicate`` with the turn's status. Otherwise the
+        request is published with its ``Nats-Msg-Id``, and the PubAck's ``duplicate`` says
+        whether an earlier send of it is still queued. The stream's dedupe window is only
+        an optimisation (a work queue forgets the id of an accepted request at a restart):
+        the session handler creates the turn only if absent, so nothing runs twice.
+
+        Raises ``UnknownAgent`` when no worker has ever served ``agent`` (a request for an
+        agent whose workers are only down is accepted: it waits for them).
+        """
+        validate_name("agent", agent)
+        validate_name("session id", session_id)
+        reg = await self.registry()
+        if not await retrying(lambda: reg.known(agent), self.retry_for, "agent lookup"):
+            raise UnknownAgent(agent)
+        rid = request_id or uuid.uuid4().hex
+        tid = turn_id_for(session_id, rid)
+        if request_id is not None:
+            state = await self._state()
+            # Existence and status only, so a client with another seal key can send too.
+            earlier = await retrying(
+                lambda: state.turn(session_id, tid, verify=False), self.retry_for, "read"
+            )
+            if earlier is not None:
+                return TurnHandle(agent, session_id, rid, tid, True, earlier.value.status)
+        body = TurnRequest(text=text)
+        data = text.encode()
+        if len(data) > self.inline_text_limit:
+            # Too large to travel inline: the text goes to jl_blobs, the request names it.
+            blobs = await self._blobs()
+            ref = await retrying(
+                lambda: blobs.put(f"request.{session_id}.{rid}", data), self.retry_for, "blob"
+            )
+            body = TurnRequest(text="", text_ref=ref)
+        ack = await retrying(
+            lambda: self.js.publish(
+                topology.turn_subject(agent, session_id),
+                encode(body),
+                headers={
+                    # The stream dedupes ids across all subjects: scope the id by session.
+                    "Nats-Msg-Id": scoped_msg_id(session_id, rid),
+                    "Jl-Request-Id": rid,
+                    "Jl-Kind": "turn.request",
+                    "Jl-Session": session_id,
+                },
+            ),
+            self.retry_for,
+            "send",
+        )
+        return TurnHandle(agent, session_id, rid, tid, bool(ack.duplicate))
+
+    async def add_trigger(self, agent: str, trigger: Trigger) -> None:
+        """Start (or replace) a cron trigger: a message schedule on jl.cron.<agent>.<name>."""
+        await publish_trigger(self.js, agent, trigger)
+
+    async def remove_trigger(self, agent: str, name: str) -> None:
+        """Stop a trigger: purging its subject cancels the schedule."""
+        validate_name("trigger name", name)
+        await self.js.purge_stream(
+            topology.TURNS_STREAM, subject=topology.trigger_subject(agent, name)
+        )
+
+    async def schedule_turn(
+        self, agent: str, session_id: str, text: str, at: datetime, trigger_id: str
+    ) -> TurnHandle:
+        """A one-off trigger: the message is sent at ``at`` with the caller's id as its
+        request id, so scheduling it twice runs it once."""
+        validate_name("agent", agent)
+        validate_name("session id", session_id)
+        validate_name("trigger id", trigger_id)
+        when = at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        await self.js.publish(
+            topology.trigger_subject(agent, f"once-{trigger_id}"),
+            encode(TurnRequest(text=text)),
+            headers={
+                "Nats-Schedule": f"@at {when}",
+                "Nats-Schedule-Target": topology.turn_subject(agent, session_id),
+                "Jl-Request-Id": trigger_id,
+                "Nats-Msg-Id": f"schedule.{agent}.{trigger_id}",
+            },
+        )
+        return TurnHandle(agent, session_id, trigger_id, turn_id_for(session_id, trigger_id), False)
+
+    async def turn(self, session_id: str, turn_id: str) -> TurnRecord | None:
+        """The turn's record (``turn.<sid>.<tid>``), or None when there is none. Raises
+        ``RecordNotTrusted`` when its seal does not verify."""
+        state = await self._reader(f"turn {session_id}/{turn_id}")
+        v = await retrying(lambda: state.turn(session_id, turn_id), self.retry_for, "read")
+        return v.value if v else None
+
+    async def turns(self, session_id: str, limit: int = 50, offset: int = 0) -> TurnPage:
+        """The session's turns, newest first: ``limit`` of them (at most 1000) after skipping
+        ``offset``, each with its request id, status, last model step, calls made and error;
+        ``total`` counts them all. Records whose seal does not verify are listed and named
+        in ``untrusted``. Raises ``UnknownSession`` when the session has no state."""
+        validate_name("session id", session_id)
+        limit, offset = _bounded(limit, offset)
+        state = await self._reader(f"the turns of session {session_id}")
+        page = await retrying(
+            lambda: list_turns(state, session_id, limit, offset), self.retry_for, "read"
+        )
+        if page is None:
+            raise UnknownSession(session_id)
+        return page
+
+    async def turn_calls(
+        self, session_id: str, turn_id: str, limit: int = MOST_CALLS
+    ) -> TurnDetail:
+        """A turn's record and its calls (every model step's, in order: model step, then
+        index), each with its tool, effect, state, attempts, idempotency key, result or
+        error; at most ``limit`` calls (``calls_more`` counts the rest). Raises
+        ``UnknownTurn`` when the session has no such turn."""
+        validate_name("session id", session_id)
+        validate_name("turn id", turn_id)
+        limit, _ = _bounded(limit, 0)
+        state, blobs = await self._reader(f"turn {session_id}/{turn_id}"), await self._blobs()
+        detail = await retrying(
+            lambda: turn_detail(state, blobs, session_id, turn_id, limit), self.retry_for, "read"
+        )
+        if detail is None:
+            raise UnknownTurn(session_id, turn_id)
+        return detail
+
+    async def answer_text(self, turn: TurnRecord) -> str | None:
+        """A turn's answer, fetched from the blob store when it was large."""
+        if turn.answer_ref is not None:
+            return (await (await self._blobs()).get(turn.answer_ref)).decode()
+        return turn.answer_text
+
+    async def snapshot(
+        self, session_id: str, history_offset: int = 0, history_limit: int = 50
+    ) -> SessionSnapshot | None:
+        """Everything about a session in one read: its status (``idle``, ``running``,
+        ``waiting``, ``waiting_for_worker``), the current (or last) turn and its calls, pending
+        approvals and questions, timers, tasks, queued messages, and a page of its history
+        (``history_offset``, ``history_limit``). None when the session does not exist.
+        Records whose seal does not verify are shown and named in ``untrusted``."""
+        state = await self._reader(f"the snapshot of session {session_id}")
+        blobs = await self._blobs()
+
+        registry = await self.registry()
+
+        async def read() -> SessionSnapshot | None:
+            history = await HistoryReader.for_stream(self.nc)
+            snap = await snapshot(state, history, blobs, session_id, history_offset, history_limit)
+            return await with_workers(snap, self.js, registry, session_id)
+
+        return await retrying(
+            read,
+            self.retry_for,
+            "snapshot",
+        )
+
+    async def _blobs(self) -> BlobStore:
+        if self._blob_store is None:
+            store = await retrying(
+                lambda: self.js.object_store(topology.BLOB_BUCKET), self.retry_for, "bind"
+            )
+            self._blob_store = BlobStore(store, 0)
+        return self._blob_store
+
+    async def _control(self) -> Control:
+        return Control(await self._state(), Bus(self.js, retry_for=self.retry_for))
+
+    async def _decide(
+        self,
+        op: str,
+        body: dict[str, Any],
+        record: type[R],
+        direct: Callable[[Control], Awaitable[R]],
+    ) -> R:
+        """One control operation (all are idempotent: one the servers could not answer is
+        repeated). With the seal key the client writes the records itself, as a worker
+        does; without it, it asks the workers over NATS (``jl.control.<op>``, served by
+        ``jetloop.services.control``): that needs only the ``client`` role, and the workers seal."""
+        if self.sealer is not None:
+            control = await self._control()
+            return await retrying(lambda: direct(control), self.retry_for, "control")
+        return record.model_validate(await self._request(op, body))
+
+    async def _request(self, op: str, body: dict[str, Any]) -> Any:
+        """A control request over NATS; a refusal is the ``ControlError`` the direct path
+        raises, and nobody answering is one, too (503)."""
+        try:
+            data = json.dumps(body).encode()
+        except (TypeError, ValueError) as exc:
+            raise ControlError(422, "invalid request", f"not JSON: {exc}") from None
+        subject = f"{CONTROL_PREFIX}.{op}"
+        timeout = min(CONTROL_TIMEOUT, self.retry_for)
+        unavailable: list[ControlError] = []
+
+        async def ask() -> Any:
+            msg = await self.nc.request(subject, data, timeout=timeout)
+            try:
+                return control_reply(subject, msg.data)
+            except ControlError as exc:
+                if exc.status != 503:
+                    raise
+                # The worker could not reach the servers just then: repeat it, as a timeout.
+                unavailable[:] = [exc]
+                raise ServiceUnavailableError(description=exc.detail) from None
+
+        try:
+            return await retrying(ask, self.retry_for, "control request")
+        except ServiceUnavailableError:
+            if unavailable:
+                raise unavailable[0] from None
+            raise
+        except (NoRespondersError, NatsTimeoutError, TimeoutError):
+            raise ControlError(
+                503,
+                "no worker serves the control API",
+                f"start one (jetloop up, or jetloop worker with the session pool); "
+                f"nobody answered {subject}",
+            ) from None
+
+    async def approve(
+        self, session_id: str, approval_id: str, by: str = "python", reason: str | None = None
+    ) -> ApprovalRecord:
+        """Approve a held call; the first decision wins and a repeat returns it."""
+        return await self._decide(
+            "approve",
+            {"session_id": session_id, "approval_id": approval_id, "by": by, "reason": reason},
+            ApprovalRecord,
+            lambda c: c.decide(session_id, approval_id, True, by, reason),
+        )
+
+    async def reject(
+        self, session_id: str, approval_id: str, by: str = "python", reason: str | None = None
+    ) -> ApprovalRecord:
+        """Reject a held call: the model sees it denied, with the reason."""
+        return await self._decide(
+            "reject",
+            {"session_id": session_id, "approval_id": approval_id, "by": by, "reason": reason},
+            ApprovalRecord,
+            lambda c: c.decide(session_id, approval_id, False, by, reason),
+        )
+
+    async def answer(
+        self, session_id: str, question_id: str, answer: str, by: str = "python"
+    ) -> QuestionRecord:
+        return await self._decide(
+            "answer",
+            {"session_id": session_id, "question_id": question_id, "answer": answer, "by": by},
+            QuestionRecord,
+            lambda c: c.answer(session_id, question_id, answer, by),
+        )
+
+    async def cancel(
+        self, session_id: str, turn_id: str | None = None, by: str = "python"
+    ) -> TurnRecord:
+        """Cancel the session's running turn (or the given one)."""
+        return await self._decide(
+            "cancel",
+            {"session_id": session_id, "turn_id": turn_id, "by": by},
+            TurnRecord,
+            lambda c: c.cancel(session_id, turn_id, by),
+        )
+
+    async def reconcile(
+        self,
+        call_key: str,
+        succeeded: bool,
+        by: str = "python",
+        result: Any = None,
+        error: str | None = None,
+    ) -> CallRecord:
+        """Settle an ``outcome_unknown`` call as succeeded (with a result) or failed."""
+        return await self._decide(
+            "reconcile",
+            {
+                "call_key": call_key,
+                "succeeded": succeeded,
+                "by": by,
+                "result": result,
+                "error": error,
+            },
+            CallRecord,
+            lambda c: c.reconcile(call_key, succeeded, by, result, error),
+        )
+
+    async def set_approval(
+        self, session_id: str, tool: str, required: bool | None, agent: str | None = None
+    ) -> SessionRecord:
+        """Require (True) or waive (False) approval of a tool in one session; None resets."""
+        return await self._decide(
+            "approval_policy",
+            {"session_id": session_id, "tool": tool, "required": required, "agent": agent},
+            SessionRecord,
+            lambda c: c.set_approval(session_id, tool, required, agent),
+        )
+
+    async def call(
+        self, session_id: str, turn_id: str, model_step: int, index: int
+    ) -> CallRecord | None:
+        """One call's record (``call.<sid>.<tid>.<step>.<index>``), or None. Raises
+        ``RecordNotTrusted`` when its seal does not verify."""
+        state = await self._reader(f"call {call_key(session_id, turn_id, model_step, index)}")
+        key = call_key(session_id, turn_id, model_step, index)
+        v = await retrying(lambda: state.call(key), self.retry_for, "read")
+        return v.value if v else None
+
+    async def call_result(self, rec: CallRecord) -> Any:
+        """A call's recorded result, read from the blob store when it was large."""
+        if rec.outcome is None:
+            return None
+        if rec.outcome.result_ref is not None:
+            return json.loads(await (await self._blobs()).get(rec.outcome.result_ref))
+        return rec.outcome.result
+
+    async def wait(self, handle: TurnHandle, timeout: float = 60.0) -> TurnResult:
+        """Wait until the turn ends and return how; raise ``TurnFailed`` if it failed or was
+        cancelled, ``TimeoutError`` after ``timeout`` seconds."""
+
+        async def ended() -> TurnRecord:
+            ends = [t.value for t in TURN_ENDS]
+            async for _ in self.events(
+                handle.session_id, types=ends, until_turn_ends=handle.turn_id
+            ):
+                pass
+            t = await self.turn(handle.session_id, handle.turn_id)
+            assert t is not None
+            return t
+
+        turn = await asyncio.wait_for(ended(), timeout)
+        if turn.status in (TurnStatus.FAILED, TurnStatus.CANCELLED):
+            raise TurnFailed(turn)
+        return TurnResult(turn.turn_id, turn.status, await self.answer_text(turn), turn.error)
+
+    async def events(
+        self,
+        session_id: str,
+        types: Sequence[str] = (">",),
+        from_start: bool = True,
+        *,
+        until_turn_ends: str | None = None,
+        follow: bool = True,
+    ) -> AsyncIterator[Event]:
+        """A session's events (its log, history entries excluded), oldest first.
+
+        ``types`` are event type patterns (``"turn.>"``, ``"call.outcome"``; NATS subject
+        wildcards); ``from_start=False`` skips what is stored and yields only new events.
+        By default it follows the log for ever; it ends after the event that ends the turn
+        ``until_turn_ends`` (``turn.completed``, ``turn.failed`` or ``turn.cancelled``, which
+        is yielded when ``types`` covers it), or, with ``follow=False``, once it has caught
+        up with the events stored when it started (at once when there are none).
+
+        Survives server restarts and leader elections: it resumes from the last stream
+        sequence it delivered on a new consumer, so nothing is skipped or repeated.
+        """
+        validate_name("session id", session_id)
+        wanted = [topology.event_subject(session_id, t) for t in types]
+        subjects = list(wanted)
+        if until_turn_ends is not None:
+            for end in TURN_ENDS:
+                subject = topology.event_subject(session_id, end.value)
+                if not any(_covers(w, subject) for w in wanted):
+                    subjects.append(subject)
+        next_seq: int | None = None
+        # With follow=False: the last stream sequence to read.
+        tail = None if follow else await self._tail()
+        while True:
+            if next_seq is not None:
+                policy, start = api.DeliverPolicy.BY_START_SEQUENCE, next_seq
+            else:
+                policy = api.DeliverPolicy.ALL if from_start else api.DeliverPolicy.NEW
+                start = None
+            cfg = api.ConsumerConfig(
+                deliver_policy=policy,
+                opt_start_seq=start,
+                ack_policy=api.AckPolicy.NONE,
+                inactive_threshold=30.0,
+                mem_storage=True,
+                num_replicas=1,
+                filter_subjects=subjects if len(subjects) > 1 else None,
+                filter_subject=subjects[0] if len(subjects) == 1 else None,
+            )
+            try:
+                sub = await self.js.pull_subscribe(
+                    subjects[0], stream=topology.EVENTS_STREAM, config=cfg
+                )
+            except (TimeoutError, NatsError):
+                await asyncio.sleep(0.2)  # no leader yet (an election, a restart)
+                continue
+            try:
+                if tail is not None and await self._nothing_pending(sub):
+                    return
+                idle = 0
+                while True:
+                    try:
+                        msgs = await sub.fetch(64, timeout=1.0)
+                    except TimeoutError:
+                        if tail is not None and await self._nothing_pending(sub):
+                            return
+                        idle += 1
+                        if idle % 5 == 0 and not await self._consumer_alive(sub):
+                            break
+                        continue
+                    except NatsError:
+                        break
+                    idle = 0
+                    for m in msgs:
+                        seq = m.metadata.sequence.stream
+                        next_seq = seq + 1
+                        if ".history." not in m.subject:
+                            ev = decode(Event, m.data)
+                            if any(_covers(w, m.subject) for w in wanted):
+                                yield ev
+                            if ev.turn_id == until_turn_ends and ev.type in TURN_ENDS:
+                                return
+                        if tail is not None and (seq >= tail or m.metadata.num_pending == 0):
+                            return
+            finally:
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # the consumer ages out by itself
+                    pass
+
+    async def _tail(self) -> int:
+        """The stream sequence of the last event stored now: ``events(follow=False)`` stops
+        there (or sooner, when nothing it wants is left)."""
+        info = await retrying(
+            lambda: self.js.stream_info(topology.EVENTS_STREAM), self.retry_for, "events tail"
+        )
+        return int(info.state.last_seq)
+
+    @staticmethod
+    async def _nothing_pending(sub: Any) -> bool:
+        """Whether the consumer has delivered everything stored for it (False when that
+        cannot be told now: the caller reads on)."""
+        try:
+            info = await sub.consumer_info()
+        except (TimeoutError, NatsError):
+            return False
+        return int(info.num_pending or 0) == 0 and int(info.num_ack_pending or 0) == 0
+
+    @staticmethod
+    async def _consumer_alive(sub: Any) -> bool:
+        try:
+            await sub.consumer_info()
+        except NotFoundError:
+            return False
+        except (TimeoutError, NatsError):
+            return False
+        return True
+
+    async def dead_letters(self, limit: int = 100) -> list[tuple[str, str, bytes]]:
+        """(subject, reason, body) of stored dead letters, oldest first."""
+        out: list[tuple[str, str, bytes]] = []
+        seq = 1
+        while len(out) < limit:
+            try:
+                m = await self.js.get_msg(
+                    topology.DEAD_STREAM, seq=seq, subject="jl.dead.>", next=True
+                )
+            except NotFoundError:
+                break
+            hdrs = m.headers or {}
+            out.append(
+                (
+                    hdrs.get("Jl-Dead-Subject", m.subject or ""),
+                    hdrs.get("Jl-Dead-Reason", ""),
+                    m.data or b"",
+                )
+            )
+            seq = (m.seq or seq) + 1
+        return out
+
+
+def _covers(pattern: str, subject: str) -> bool:
+    """Whether the NATS subject ``pattern`` (``*`` one token, ``>`` the rest) matches."""
+    p, t = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(t) > i
+        if i >= len(t) or (token != "*" and token != t[i]):
+            return False
+    return len(p) == len(t)
+
+
+def _bounded(limit: int, offset: int) -> tuple[int, int]:
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"limit must be 1-{MAX_LIMIT}, not {limit}")
+    if offset < 0:
+        raise ValueError(f"offset must be 0 or more, not {offset}")
+    return limit, offset

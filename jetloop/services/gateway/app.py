@@ -1,0 +1,606 @@
+"""The HTTP gateway: jetloop's API over aiohttp, for programs that do not speak NATS.
+
+Routes (the OpenAPI 3.1 document is ``jetloop.services.gateway.openapi``, served at
+``/v1/openapi.json``; a test holds it to this table):
+
+    POST /v1/agents/{agent}/sessions/{session}/messages   write    send; Idempotency-Key
+    GET  /v1/sessions                                     read     list/search (read model)
+    GET  /v1/sessions/{session}                           read     snapshot, history paging
+    GET  /v1/sessions/{session}/turns                     read     past turns, newest first
+    GET  /v1/sessions/{session}/turns/{turn_id}           read     a turn, its calls, outcomes
+    GET  /v1/sessions/{session}/events                    read     SSE, Last-Event-ID
+    POST /v1/sessions/{session}/approvals/{approval_id}   approve  approve or reject
+    POST /v1/sessions/{session}/questions/{question_id}   write    answer
+    POST /v1/sessions/{session}/cancel                    write    cancel the running turn
+    POST /v1/calls/{call_key}/reconcile                   approve  settle outcome_unknown
+    POST /v1/hooks/{trigger}                              (signed) webhooks start turns
+    GET  /v1/openapi.json, /healthz, /readyz, /metrics    (open)
+
+Everything that changes something goes through ``jetloop.services.client.Client`` — the same
+idempotent operations as the CLI and the NATS control API; the gateway holds no state of
+its own. An ``Idempotency-Key`` (or a webhook's id) becomes the request id (the turn
+request's ``Nats-Msg-Id`` is ``<session>.<request id>``), so a resend starts no second turn.
+
+Every error is ``application/problem+json`` (RFC 9457) with a title, status and detail:
+aiohttp's own 404/405/413, authentication (401 with ``WWW-Authenticate``, 403), invalid
+bodies (422 with the field errors), ``ControlError`` (its status), NATS outages (503).
+
+Lifecycle (STYLE rule 5, aiohttp's ``cleanup_ctx``): NATS, then the read model, are opened
+in order at start-up and closed in reverse; ``on_shutdown`` ends the event streams first.
+``Gateway`` has ``run()`` / idempotent ``stop()`` / ``async with`` like the worker.
+
+This module holds the handlers, the route table and the app; beside it:
+``gateway_http`` (errors, auth, metrics, parsing), ``gateway_sse`` (event streams),
+``gateway_hooks`` (webhook signatures), ``gateway_openapi`` (shapes and document),
+``gateway_config`` (what it is configured with).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import signal
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from pydantic import ValidationError
+
+from jetloop.consumers.control import dump
+from jetloop.schemas.errors import TurnFailed
+from jetloop.services.client import Client
+from jetloop.services.gateway import hooks, sse
+from jetloop.services.gateway.config import GatewayConfig, Scope, exposure_error, is_loopback
+from jetloop.services.gateway.guard import ConnectionGuard
+from jetloop.services.gateway.http import (
+    CONFIG,
+    METRICS,
+    SCOPES,
+    TOKENS,
+    Handler,
+    Metrics,
+    Problem,
+    auth,
+    body_deadline,
+    by_whom,
+    digest,
+    measure,
+    ok,
+    path_name,
+    problems,
+    read_body,
+    read_query,
+)
+from jetloop.services.gateway.openapi import (
+    REQUEST_ID,
+    AnswerIn,
+    CancelIn,
+    DecisionIn,
+    HookOut,
+    ListQuery,
+    MessageIn,
+    MessageQuery,
+    ReconcileIn,
+    SessionList,
+    SessionRow,
+    SnapshotQuery,
+    TurnOut,
+    TurnQuery,
+    TurnsQuery,
+    openapi_document,
+)
+from jetloop.services.lifecycle import Service
+from jetloop.services.logs import configure
+from jetloop.services.readmodel.model import ReadModel, ReadModelMissing
+from jetloop.services.settings import SettingsError, describe_errors, load_settings
+from jetloop.streams import topology
+from jetloop.streams.connection import ConnectionLost, connect
+
+log = structlog.get_logger("jetloop.gateway")
+
+CALL_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){3}$")
+REQUEST_ID_RE = re.compile(REQUEST_ID)
+SEQ_RE = re.compile(r"^[0-9]{1,19}$")
+
+
+# --- state -----------------------------------------------------------------------------
+
+
+class ReadModelReader:
+    """The read model, opened on first use: the projector may not have written it yet."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._model: ReadModel | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> ReadModel:
+        if self.path is None:
+            raise Problem(503, "read model not configured", "set the read model's database")
+        async with self._lock:
+            if self._model is None:
+                try:
+                    self._model = await ReadModel.open(self.path, readonly=True)
+                except ReadModelMissing:
+                    raise Problem(
+                        503, "read model not available yet", "no projector has written it"
+                    ) from None
+            return self._model
+
+    async def close(self) -> None:
+        if self._model is not None:
+            await self._model.close()
+            self._model = None
+
+
+NATS_URLS: web.AppKey[tuple[str, ...]] = web.AppKey("nats_urls")
+CLIENT = web.AppKey("client", Client)
+READMODEL = web.AppKey("readmodel", ReadModelReader)
+STOPPING = web.AppKey("stopping", asyncio.Event)
+# Set when the NATS connection closes while the gateway is not stopping: it will not reopen.
+NATS_CLOSED = web.AppKey("nats_closed", asyncio.Event)
+
+
+# --- handlers --------------------------------------------------------------------------
+
+
+async def send_message(request: web.Request) -> web.Response:
+    agent, session = path_name(request, "agent"), path_name(request, "session")
+    query = read_query(request, MessageQuery)
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not REQUEST_ID_RE.match(key):
+        raise Problem(422, "invalid Idempotency-Key", "1-200 printable ASCII characters, no spaces")
+    body = await read_body(request, MessageIn)
+    client = request.app[CLIENT]
+    h = await client.send(agent, session, body.text, request_id=key)
+    out = TurnOut(
+        agent=agent,
+        session_id=session,
+        turn_id=h.turn_id,
+        request_id=h.request_id,
+        duplicate=h.duplicate,
+        status=h.status.value if h.status else "accepted",
+    )
+    where = {"Location": f"/v1/sessions/{session}"}
+    if not query.wait:
+        return ok(out, 202, **where)
+    timeout = min(query.timeout, request.app[CONFIG].wait_max_seconds)
+    try:
+        res = await client.wait(h, timeout)
+    except TimeoutError:
+        return ok(out.model_copy(update={"status": "pending"}), 202, **where)
+    except TurnFailed as exc:
+        failed = {"status": exc.turn.status.value, "error": exc.turn.error}
+        return ok(out.model_copy(update=failed))
+    return ok(out.model_copy(update={"status": res.status.value, "text": res.text}))
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    query = read_query(request, ListQuery)
+    model = await request.app[READMODEL].get()
+    page = await model.list_sessions(query.q, query.status, query.agent, query.limit, query.offset)
+    return ok(
+        SessionList(
+            total=page.total,
+            limit=query.limit,
+            offset=query.offset,
+            sessions=[SessionRow.model_validate(r) for r in page.sessions],
+        )
+    )
+
+
+async def get_session(request: web.Request) -> web.Response:
+    session = path_name(request, "session")
+    query = read_query(request, SnapshotQuery)
+    snap = await request.app[CLIENT].snapshot(session, query.history_offset, query.history_limit)
+    if snap is None:
+        raise Problem(404, "no such session", session)
+    return ok(snap)
+
+
+async def list_turns(request: web.Request) -> web.Response:
+    session = path_name(request, "session")
+    query = read_query(request, TurnsQuery)
+    return ok(await request.app[CLIENT].turns(session, query.limit, query.offset))
+
+
+async def get_turn(request: web.Request) -> web.Response:
+    session, turn_id = path_name(request, "session"), path_name(request, "turn_id")
+    query = read_query(request, TurnQuery)
+    return ok(await request.app[CLIENT].turn_calls(session, turn_id, query.calls_limit))
+
+
+async def stream_events(request: web.Request) -> web.StreamResponse:
+    session = path_name(request, "session")
+    raw = request.headers.get("Last-Event-ID") or request.query.get("after") or "0"
+    if not SEQ_RE.match(raw):
+        raise Problem(400, "invalid Last-Event-ID", "a JL_EVENTS stream sequence (digits)")
+    app = request.app
+    app[METRICS].streams.inc()
+    try:
+        return await sse.stream(
+            request,
+            app[CLIENT].js,
+            session,
+            int(raw),
+            app[STOPPING],
+            app[CONFIG].sse_keepalive_seconds,
+        )
+    finally:
+        app[METRICS].streams.dec()
+
+
+async def decide_approval(request: web.Request) -> web.Response:
+    session, approval_id = path_name(request, "session"), path_name(request, "approval_id")
+    body = await read_body(request, DecisionIn)
+    client = request.app[CLIENT]
+    by = by_whom(request)
+    if body.approve:
+        rec = await client.approve(session, approval_id, by=by, reason=body.reason)
+    else:
+        rec = await client.reject(session, approval_id, by=by, reason=body.reason)
+    return ok(dump(rec))
+
+
+async def answer_question(request: web.Request) -> web.Response:
+    session, question_id = path_name(request, "session"), path_name(request, "question_id")
+    body = await read_body(request, AnswerIn)
+    rec = await request.app[CLIENT].answer(session, question_id, body.answer, by=by_whom(request))
+    return ok(dump(rec))
+
+
+async def cancel_turn(request: web.Request) -> web.Response:
+    session = path_name(request, "session")
+    body = await read_body(request, CancelIn, optional=True)
+    rec = await request.app[CLIENT].cancel(session, body.turn_id, by=by_whom(request))
+    return ok(dump(rec))
+
+
+async def reconcile_call(request: web.Request) -> web.Response:
+    key = path_name(request, "call_key", CALL_KEY_RE)
+    body = await read_body(request, ReconcileIn)
+    rec = await request.app[CLIENT].reconcile(
+        key, body.succeeded, by=by_whom(request), result=body.result, error=body.error
+    )
+    return ok(dump(rec))
+
+
+async def receive_webhook(request: web.Request) -> web.Response:
+    app = request.app
+    name = request.match_info["trigger"]
+    trigger = app[CONFIG].hooks.get(name)
+    if trigger is None:
+        app[METRICS].hooks.labels("unknown", "no_trigger").inc()
+        raise Problem(404, "no such trigger", name)
+    body = await request.read()
+    try:
+        delivery = hooks.verify(
+            trigger, request.headers, body, time.time(), app[CONFIG].hook_tolerance_seconds
+        )
+        payload = hooks.payload_of(body)
+        session = hooks.session_for(trigger, name, delivery, payload)
+        text = hooks.text_for(trigger, name, delivery, payload)
+    except hooks.HookRefused as exc:
+        app[METRICS].hooks.labels(name, "refused").inc()
+        log.info("webhook.refused", trigger=name, status=exc.status, reason=exc.title)
+        raise Problem(exc.status, exc.title, exc.detail or None) from None
+    h = await app[CLIENT].send(
+        trigger.agent, session, text, request_id=hooks.request_id_for(name, delivery)
+    )
+    app[METRICS].hooks.labels(name, "duplicate" if h.duplicate else "accepted").inc()
+    log.info(
+        "webhook.accepted",
+        trigger=name,
+        session=session,
+        turn=h.turn_id,
+        duplicate=h.duplicate,
+        delivery=delivery.id,
+        sender_delivery=delivery.sender_id or None,
+    )
+    out = HookOut(
+        agent=trigger.agent,
+        session_id=session,
+        turn_id=h.turn_id,
+        request_id=h.request_id,
+        duplicate=h.duplicate,
+        status=h.status.value if h.status else "accepted",
+        trigger=name,
+        webhook_id=delivery.id,
+    )
+    return ok(out, 202, Location=f"/v1/sessions/{session}")
+
+
+@functools.cache
+def _document() -> dict[str, Any]:
+    return openapi_document()
+
+
+async def get_openapi(request: web.Request) -> web.Response:
+    return web.json_response(_document())
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    client = request.app[CLIENT]
+    if not client.nc.is_connected:
+        raise Problem(503, "not ready", "NATS is not connected")
+    missing = await asyncio.wait_for(topology.present(client.js), 5.0)
+    if missing:
+        raise Problem(503, "not ready", f"topology missing: {', '.join(missing)}", missing=missing)
+    return web.json_response({"status": "ready", "missing": []})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    # The gateway's own metrics, and the engine's (the default registry) when a worker runs
+    # in this process, as under `jetloop up`.
+    body = generate_latest(request.app[METRICS].registry) + generate_latest(REGISTRY)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    name: str  # = the operationId in the OpenAPI document
+    scope: Scope | None  # None: open (or, for webhooks, signed)
+    handler: Handler
+
+
+ROUTES: tuple[Route, ...] = (
+    Route(
+        "POST",
+        "/v1/agents/{agent}/sessions/{session}/messages",
+        "sendMessage",
+        "write",
+        send_message,
+    ),
+    Route("GET", "/v1/sessions", "listSessions", "read", list_sessions),
+    Route("GET", "/v1/sessions/{session}", "getSession", "read", get_session),
+    Route("GET", "/v1/sessions/{session}/turns", "listTurns", "read", list_turns),
+    Route("GET", "/v1/sessions/{session}/turns/{turn_id}", "getTurn", "read", get_turn),
+    Route("GET", "/v1/sessions/{session}/events", "streamEvents", "read", stream_events),
+    Route(
+        "POST",
+        "/v1/sessions/{session}/approvals/{approval_id}",
+        "decideApproval",
+        "approve",
+        decide_approval,
+    ),
+    Route(
+        "POST",
+        "/v1/sessions/{session}/questions/{question_id}",
+        "answerQuestion",
+        "write",
+        answer_question,
+    ),
+    Route("POST", "/v1/sessions/{session}/cancel", "cancelTurn", "write", cancel_turn),
+    Route("POST", "/v1/calls/{call_key}/reconcile", "reconcileCall", "approve", reconcile_call),
+    Route("POST", "/v1/hooks/{trigger}", "receiveWebhook", None, receive_webhook),
+    Route("GET", "/v1/openapi.json", "getOpenAPI", None, get_openapi),
+    Route("GET", "/healthz", "health", None, health),
+    Route("GET", "/readyz", "ready", None, ready),
+    Route("GET", "/metrics", "metrics", None, metrics),
+)
+
+
+# --- the app ---------------------------------------------------------------------------
+
+
+async def _nats(app: web.Application) -> AsyncIterator[None]:
+    urls = app[NATS_URLS]
+    closed = app[NATS_CLOSED]
+
+    async def on_closed() -> None:
+        if not app[STOPPING].is_set():
+            log.error("gateway.connection_closed")
+            closed.set()
+
+    nc = await connect(list(urls), name="jetloop-gateway", closed_cb=on_closed)
+    config = app[CONFIG]
+    if config.sealer is None:
+        # Without the key the client sends decisions, answers and cancels to the workers'
+        # control API (jl.control.*); the state it reads (snapshots, turns) is served
+        # unchecked only when JETLOOP_READ_UNVERIFIED says so, else such a read is a 503.
+        log.warning(
+            "gateway.unsealed",
+            hint="set JETLOOP_SEAL_KEY to the workers' key",
+            state="read unverified" if config.read_unverified else "reads refused",
+        )
+    app[CLIENT] = Client(
+        nc,
+        retry_for=config.nats_retry_seconds,
+        sealer=config.sealer,
+        verify=not config.read_unverified,
+    )
+    try:
+        yield
+    finally:
+        if nc.is_connected:
+            await nc.drain()
+        elif not nc.is_closed:
+            await nc.close()
+
+
+async def _read_model(app: web.Application) -> AsyncIterator[None]:
+    reader = ReadModelReader(app[CONFIG].readmodel_db)
+    app[READMODEL] = reader
+    try:
+        yield
+    finally:
+        await reader.close()
+
+
+async def _stop_streams(app: web.Application) -> None:
+    app[STOPPING].set()
+
+
+def make_app(config: GatewayConfig, nats_urls: Sequence[str] | str) -> web.Application:
+    """The gateway's aiohttp application; NATS is connected when it starts."""
+    if isinstance(nats_urls, str):
+        nats_urls = [u.strip() for u in nats_urls.split(",") if u.strip()]
+    app = web.Application(
+        client_max_size=config.max_body_bytes, middlewares=[measure, problems, auth, body_deadline]
+    )
+    app[CONFIG] = config
+    app[NATS_URLS] = tuple(nats_urls)
+    app[TOKENS] = {digest(token): grant for token, grant in config.tokens.items()}
+    app[SCOPES] = {r.name: r.scope for r in ROUTES}
+    app[METRICS] = Metrics()
+    app[STOPPING] = asyncio.Event()
+    app[NATS_CLOSED] = asyncio.Event()
+    for r in ROUTES:
+        app.router.add_route(r.method, r.path, r.handler, name=r.name)
+    app.cleanup_ctx.append(_nats)
+    app.cleanup_ctx.append(_read_model)
+    app.on_shutdown.append(_stop_streams)
+    if not config.tokens and not config.anonymous_scopes:
+        log.warning("gateway.no_tokens", hint="no token is configured: only open routes work")
+    return app
+
+
+class GatewayRefused(Exception):
+    """The gateway will not serve this address with this configuration (one line)."""
+
+
+class Gateway(Service):
+    """The gateway as a service: ``run()`` serves until ``stop()``."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        nats_urls: Sequence[str] | str,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        shutdown_timeout: float = 10.0,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.nats_urls = nats_urls
+        self.host = host
+        self.port = port
+        self.shutdown_timeout = shutdown_timeout
+        self.url: str | None = None
+
+    async def run(self) -> None:
+        config = self.config
+        refused = exposure_error(config, self.host)
+        if refused is not None:
+            raise GatewayRefused(refused)
+        if config.anonymous_scopes and not is_loopback(self.host):
+            log.warning(
+                "gateway.anonymous_remote",
+                host=self.host,
+                scopes=sorted(config.anonymous_scopes),
+                hint="anyone who reaches this address has these scopes without a token",
+            )
+        app = make_app(config, self.nats_urls)
+        runner = web.AppRunner(
+            app,
+            access_log=None,  # the `measure` middleware logs requests through structlog
+            shutdown_timeout=self.shutdown_timeout,
+            # Between requests, and for the headers of every request after a connection's
+            # first (jetloop.services.gateway.guard bounds the first).
+            keepalive_timeout=config.header_timeout_seconds,
+            # A body the handler did not read is drained at most this long, then closed.
+            lingering_time=config.body_timeout_seconds,
+        )
+        await runner.setup()
+        listener: asyncio.Server | None = None
+        try:
+            assert runner.server is not None
+            guard = ConnectionGuard(
+                runner.server, config.header_timeout_seconds, config.max_connections
+            )
+            listener = await asyncio.get_running_loop().create_server(
+                guard, self.host, self.port, reuse_address=True
+            )
+            host, port = listener.sockets[0].getsockname()[:2]
+            self.url = f"http://{host}:{port}"
+            log.info("gateway.started", url=self.url)
+            self._started.set()
+            stopping = asyncio.create_task(self._stopping.wait())
+            closed = asyncio.create_task(app[NATS_CLOSED].wait())
+            try:
+                await asyncio.wait((stopping, closed), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+                closed.cancel()
+        finally:
+            if listener is not None:
+                listener.close()  # no new connections; the runner ends the open ones
+            await runner.cleanup()
+            if listener is not None:
+                await listener.wait_closed()
+            log.info("gateway.stopped")
+        if app[NATS_CLOSED].is_set():
+            # A closed connection is never reopened: end, so a supervisor starts a new one.
+            raise ConnectionLost("gateway")
+
+
+async def run_gateway(
+    config: GatewayConfig, nats_urls: Sequence[str] | str, host: str = "127.0.0.1", port: int = 8080
+) -> None:
+    """Serve until SIGINT or SIGTERM."""
+    gateway = Gateway(config, nats_urls, host, port)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, gateway.stop_soon)
+    try:
+        await gateway.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+@click.command("gateway")
+@click.option("--nats", "nats_url", help="NATS server URL(s), comma-separated")
+@click.option("--host", default=None, help="address to listen on (default 127.0.0.1)")
+@click.option("--port", type=int, default=None, help="port to listen on (default 8080)")
+@click.option(
+    "--allow-anonymous-remote",
+    is_flag=True,
+    default=None,
+    help="serve JETLOOP_GATEWAY_ANONYMOUS_SCOPES on an address that is not loopback",
+)
+def gateway_command(
+    nats_url: str | None, host: str | None, port: int | None, allow_anonymous_remote: bool | None
+) -> None:
+    """Serve the HTTP API (/v1), webhooks, SSE, health and metrics."""
+    overrides: dict[str, object] = {}
+    if nats_url:
+        overrides["nats_url"] = nats_url
+    if allow_anonymous_remote:
+        overrides["gateway_allow_anonymous_remote"] = True
+    try:
+        settings = load_settings(**overrides)
+        config = GatewayConfig.from_settings(settings)
+    except SettingsError as exc:
+        raise click.ClickException(str(exc)) from None
+    except ValidationError as exc:
+        raise click.ClickException(describe_errors(exc, "JETLOOP_GATEWAY_")) from None
+    configure(settings.log_format, settings.log_level)
+    host = host or getattr(settings, "gateway_host", "127.0.0.1")
+    port = port if port is not None else getattr(settings, "gateway_port", 8080)
+    refused = exposure_error(config, str(host))
+    if refused is not None:
+        raise click.ClickException(refused)
+    try:
+        asyncio.run(run_gateway(config, settings.nats_urls, str(host), int(port)))
+    except KeyboardInterrupt:
+        pass
+    except ConnectionLost as exc:  # exit 1, to be restarted
+        raise click.ClickException(str(exc)) from None
+
+
+if __name__ == "__main__":
+    gateway_command()

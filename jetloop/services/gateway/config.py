@@ -1,0 +1,153 @@
+"""What the HTTP gateway is configured with: tokens and their scopes, webhook triggers, limits.
+
+Plain pydantic models, so the gateway can be built from ``Settings`` (``JETLOOP_GATEWAY_*``
+variables, JSON for the structured ones) or directly in tests. Secrets never show in a
+``repr`` or a log line.
+
+    JETLOOP_GATEWAY_TOKENS='{"s3cret": {"name": "alice", "scopes": ["read", "write"]},
+                            "ro-token": ["read"]}'
+    JETLOOP_GATEWAY_HOOKS='{"github": {"agent": "demo", "session": "gh-{payload.repository.name}",
+                           "secret": "…", "scheme": "github"}}'
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from jetloop.streams.seal import Sealer
+
+Scope = Literal["read", "write", "approve"]
+SCOPES: tuple[Scope, ...] = ("read", "write", "approve")
+
+
+class TokenGrant(BaseModel):
+    """What one bearer token may do, and the name recorded as ``by`` for its decisions."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field("api", min_length=1, max_length=100)
+    scopes: frozenset[Scope] = frozenset()
+
+
+class HookTrigger(BaseModel):
+    """An inbound webhook that starts a turn.
+
+    ``session`` and ``text`` are templates: ``{trigger}``, ``{id}`` (the webhook id),
+    ``{event}`` (GitHub's event name, else ``webhook``) and ``{payload.a.b}`` (a field of
+    the JSON body). Without ``text`` the message is a JSON document with all of them.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    agent: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    session: str = Field(min_length=1, max_length=200)
+    secret: SecretStr
+    scheme: Literal["standard", "github"] = "standard"
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _secret_fits_scheme(self) -> HookTrigger:
+        """A Standard Webhooks secret is ``whsec_<base64>``: wrong ones fail at start."""
+        if self.scheme == "standard":
+            raw = self.secret.get_secret_value().removeprefix("whsec_")
+            try:
+                key = base64.b64decode(raw, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError("a standard webhook secret is whsec_<base64>") from None
+            if not key:
+                raise ValueError("the webhook secret is empty")
+        elif not self.secret.get_secret_value():
+            raise ValueError("the webhook secret is empty")
+        return self
+
+
+class GatewayConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    # Keyed by the token itself; hidden from repr so a logged config leaks nothing.
+    tokens: dict[str, TokenGrant] = Field(default_factory=dict, repr=False)
+    # Scopes of a request without a token (e.g. all three for `jetloop up` on loopback).
+    anonymous_scopes: frozenset[Scope] = frozenset()
+    hooks: dict[str, HookTrigger] = Field(default_factory=dict, repr=False)
+    max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    readmodel_db: Path | None = None
+    wait_max_seconds: float = Field(60.0, gt=0)
+    sse_keepalive_seconds: float = Field(15.0, gt=0)
+    nats_retry_seconds: float = Field(5.0, gt=0)
+    hook_tolerance_seconds: float = Field(300.0, gt=0)
+    # Anonymous scopes on an address other than loopback: refused unless this says so.
+    allow_anonymous_remote: bool = False
+    # Slow and many clients (jetloop.services.gateway.guard).
+    header_timeout_seconds: float = Field(10.0, gt=0)
+    body_timeout_seconds: float = Field(30.0, gt=0)
+    max_connections: int = Field(1000, ge=1)
+    # Seals the turn and call records the gateway writes (cancel, reconcile) like a
+    # worker's: an unsealed one would fail its turn as not trusted.
+    sealer: Sealer | None = Field(None, repr=False, exclude=True)
+    # Without a sealer: serve state read unchecked (JETLOOP_READ_UNVERIFIED), or refuse
+    # every read of it (503, naming JETLOOP_SEAL_KEY).
+    read_unverified: bool = False
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _short_grants(cls, v: Any) -> Any:
+        """``{"token": ["read"]}`` is short for ``{"token": {"scopes": ["read"]}}``."""
+        if isinstance(v, dict):
+            return {
+                k: {"scopes": g} if isinstance(g, list | tuple | set) else g for k, g in v.items()
+            }
+        return v
+
+    @classmethod
+    def from_settings(cls, settings: object) -> GatewayConfig:
+        """Read ``gateway_<field>`` attributes (and ``readmodel_db``, and the sealer) of a
+        settings object; fields it does not have keep their defaults."""
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            attr = name if name == "readmodel_db" else f"gateway_{name}"
+            if getattr(settings, attr, None) is not None:
+                values[name] = getattr(settings, attr)
+        if getattr(settings, "read_unverified", None) is not None:
+            values["read_unverified"] = settings.read_unverified  # type: ignore[attr-defined]
+        sealer = getattr(settings, "sealer", None)
+        if callable(sealer):
+            values["sealer"] = sealer()
+        store = getattr(settings, "store_dir", None)
+        if "readmodel_db" not in values and store is not None:
+            values["readmodel_db"] = Path(store) / "readmodel.sqlite"
+        return cls.model_validate(values)
+
+
+ALLOW_ANONYMOUS_REMOTE = "JETLOOP_GATEWAY_ALLOW_ANONYMOUS_REMOTE=true / --allow-anonymous-remote"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach ``host``: ``localhost`` or a loopback address.
+    Any other name, and ``""`` / ``0.0.0.0`` / ``::`` (every interface), is not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_error(config: GatewayConfig, host: str) -> str | None:
+    """Why the gateway must not serve ``host`` with this configuration, or None.
+
+    Requests without a token get ``anonymous_scopes``; on a loopback address only people at
+    this machine can send them. Anywhere else, anyone who reaches the port would have those
+    scopes: that takes ``allow_anonymous_remote``, said in so many words."""
+    if not config.anonymous_scopes or is_loopback(host) or config.allow_anonymous_remote:
+        return None
+    return (
+        f"the gateway would give anyone who reaches {host or 'every address'} the scopes "
+        f"{sorted(config.anonymous_scopes)} without a token: set JETLOOP_GATEWAY_TOKENS, or "
+        f"JETLOOP_GATEWAY_HOST=127.0.0.1, or {ALLOW_ANONYMOUS_REMOTE} if that is what you mean"
+    )

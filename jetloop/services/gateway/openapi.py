@@ -1,0 +1,500 @@
+"""The HTTP API's shapes (pydantic models) and its OpenAPI 3.1 document.
+
+The request models validate what the gateway reads; their JSON Schemas are the request
+bodies and query parameters of the document, so the two cannot drift apart. The paths are
+written out here by hand and a test compares them (paths, methods, scopes) with the
+gateway's router.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import models_json_schema
+from pydantic_core import PydanticCustomError
+
+from jetloop.consumers.snapshot import SessionSnapshot
+from jetloop.consumers.turns import TurnDetail, TurnPage
+from jetloop.schemas import ApprovalRecord, CallRecord, QuestionRecord, TurnRecord
+
+NAME = r"^[A-Za-z0-9_-]{1,64}$"
+CALL_KEY = r"^[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){3}$"
+REQUEST_ID = r"^[\x21-\x7e]{1,200}$"  # printable ASCII, no spaces: a header value
+
+
+class Body(BaseModel):
+    # JSON bodies are strict: `"approve": "yes"` is a mistake, not a yes.
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class Decision(Body):
+    """A body whose author is recorded: the author is the token's name, never a field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_by(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "by" in data:
+            raise PydanticCustomError(
+                "by_not_accepted",
+                "`by` is not accepted: who decides is the name of the request's token",
+            )
+        return data
+
+
+class MessageIn(Body):
+    text: str = Field(min_length=1, description="the user's message")
+
+
+class DecisionIn(Decision):
+    approve: bool
+    reason: str | None = Field(None, max_length=4000)
+
+
+class AnswerIn(Decision):
+    answer: str = Field(max_length=100_000)
+
+
+class ReconcileIn(Decision):
+    succeeded: bool
+    result: Any = None
+    error: str | None = Field(None, max_length=4000)
+
+
+class CancelIn(Decision):
+    turn_id: str | None = Field(None, pattern=NAME, description="default: the running turn")
+
+
+class Query(BaseModel):
+    # Query strings are text: lax parsing turns "true" and "10" into what they say.
+    model_config = ConfigDict(extra="ignore")
+
+
+class MessageQuery(Query):
+    wait: bool = Field(False, description="wait for the turn to end and return its answer")
+    timeout: float = Field(
+        30.0, gt=0, le=3600, description="seconds to wait (capped by the gateway's maximum)"
+    )
+
+
+class SnapshotQuery(Query):
+    history_offset: int = Field(0, ge=0, le=1_000_000_000)
+    history_limit: int = Field(50, ge=1, le=500)
+
+
+class TurnsQuery(Query):
+    limit: int = Field(50, ge=1, le=1000, description="turns in the page, newest first")
+    offset: int = Field(0, ge=0, le=1_000_000_000)
+
+
+class TurnQuery(Query):
+    calls_limit: int = Field(1000, ge=1, le=1000, description="calls at most (in order)")
+
+
+class ListQuery(Query):
+    q: str | None = Field(None, max_length=200, description="search ids, agents and texts")
+    status: Literal["idle", "running", "waiting"] | None = None
+    agent: str | None = Field(None, max_length=64)
+    limit: int = Field(50, ge=1, le=200)
+    offset: int = Field(0, ge=0, le=1_000_000_000)
+
+
+class TurnOut(BaseModel):
+    agent: str
+    session_id: str
+    turn_id: str
+    request_id: str
+    duplicate: bool
+    status: Literal["accepted", "pending", "queued", "running", "completed", "failed", "cancelled"]
+    text: str | None = None
+    error: str | None = None
+
+
+class HookOut(TurnOut):
+    trigger: str
+    webhook_id: str
+
+
+class SessionRow(BaseModel):
+    session_id: str
+    agent: str | None = None
+    status: str | None = None
+    created_at: float | None = None
+    updated_at: float | None = None
+    last_turn_id: str | None = None
+    turns_total: int = 0
+    turns_completed: int = 0
+    turns_failed: int = 0
+    turns_cancelled: int = 0
+    pending_approvals: int = 0
+    open_questions: int = 0
+    last_text: str | None = None
+    last_answer: str | None = None
+    last_seq: int = 0
+
+
+class SessionList(BaseModel):
+    total: int
+    limit: int
+    offset: int
+    sessions: list[SessionRow]
+
+
+class Health(BaseModel):
+    status: str
+    missing: list[str] = Field(default_factory=list)
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str | None = None
+    errors: list[dict[str, Any]] | None = None
+
+
+SCHEMA_MODELS: list[type[BaseModel]] = [
+    TurnOut,
+    HookOut,
+    SessionList,
+    SessionSnapshot,
+    TurnPage,
+    TurnDetail,
+    ApprovalRecord,
+    QuestionRecord,
+    CallRecord,
+    TurnRecord,
+    Health,
+    Problem,
+]
+
+
+def _inline(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema()
+    schema.pop("title", None)
+    return schema
+
+
+def _query(model: type[BaseModel]) -> list[dict[str, Any]]:
+    out = []
+    for name, prop in _inline(model)["properties"].items():
+        prop = dict(prop)
+        # An optional parameter is one that is left out, not one that is null.
+        if "anyOf" in prop:
+            kinds = [k for k in prop.pop("anyOf") if k.get("type") != "null"]
+            prop.update(kinds[0] if len(kinds) == 1 else {"anyOf": kinds})
+        desc = prop.pop("description", None)
+        prop.pop("title", None)
+        if prop.get("default", 0) is None:
+            prop.pop("default")
+        p: dict[str, Any] = {"name": name, "in": "query", "required": False, "schema": prop}
+        if desc:
+            p["description"] = desc
+        out.append(p)
+    return out
+
+
+def _path(name: str, pattern: str = NAME) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": pattern},
+    }
+
+
+def _header(name: str, description: str, pattern: str | None = None) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    if pattern:
+        schema["pattern"] = pattern
+    return {
+        "name": name,
+        "in": "header",
+        "required": False,
+        "description": description,
+        "schema": schema,
+    }
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+PROBLEMS = {
+    "400": "bad request",
+    "401": "no token, or an unknown one",
+    "403": "the token lacks the scope",
+    "404": "not found",
+    "409": "conflict with the current state",
+    "413": "request body too large",
+    "422": "invalid request",
+    "503": "NATS or the read model is not available, or state cannot be verified",
+}
+
+
+def _op(
+    op_id: str,
+    summary: str,
+    scope: str | None,
+    ok: dict[str, dict[str, Any]],
+    *,
+    params: list[dict[str, Any]] | None = None,
+    body: type[BaseModel] | None = None,
+    body_required: bool = True,
+    problems: tuple[str, ...] = ("400", "404", "422"),
+) -> dict[str, Any]:
+    responses: dict[str, Any] = dict(ok)
+    errs = list(problems) + (["401", "403"] if scope else [])
+    if body is not None:
+        errs.append("413")
+    for code in sorted(set(errs)):
+        responses[code] = {
+            "description": PROBLEMS[code],
+            "content": {"application/problem+json": {"schema": _ref("Problem")}},
+        }
+    op: dict[str, Any] = {
+        "operationId": op_id,
+        "summary": summary,
+        "security": [{"bearerAuth": [scope]}] if scope else [],
+        "responses": responses,
+    }
+    if params:
+        op["parameters"] = params
+    if body is not None:
+        op["requestBody"] = {
+            "required": body_required,
+            "content": {"application/json": {"schema": _inline(body)}},
+        }
+    return op
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the gateway (served at ``GET /v1/openapi.json``)."""
+    _, defs = models_json_schema(
+        [(m, "serialization") for m in SCHEMA_MODELS],
+        ref_template="#/components/schemas/{model}",
+    )
+    session = _path("session")
+    idem = _header(
+        "Idempotency-Key",
+        "the request id (the turn request is sent with Nats-Msg-Id <session>.<request id>): "
+        "a resend with the same key starts no second turn",
+        REQUEST_ID,
+    )
+    last_id = _header(
+        "Last-Event-ID", "resume after this stream sequence (sent by EventSource)", r"^[0-9]+$"
+    )
+    hook_headers = [
+        _header(h, "Standard Webhooks")
+        for h in ("webhook-id", "webhook-timestamp", "webhook-signature")
+    ] + [
+        _header(h, "GitHub") for h in ("X-Hub-Signature-256", "X-GitHub-Delivery", "X-GitHub-Event")
+    ]
+    turn = _ref("TurnOut")
+    paths: dict[str, Any] = {
+        "/v1/agents/{agent}/sessions/{session}/messages": {
+            "post": _op(
+                "sendMessage",
+                "Send a user message: starts (or queues) a turn",
+                "write",
+                {
+                    "202": _json(turn, "accepted (or still running after the wait)"),
+                    "200": _json(turn, "the turn ended (with ?wait=true)"),
+                },
+                params=[_path("agent"), session, idem, *_query(MessageQuery)],
+                body=MessageIn,
+            )
+        },
+        "/v1/sessions": {
+            "get": _op(
+                "listSessions",
+                "List and search sessions (from the read model)",
+                "read",
+                {"200": _json(_ref("SessionList"), "a page of sessions")},
+                params=_query(ListQuery),
+                problems=("422", "503"),
+            )
+        },
+        "/v1/sessions/{session}": {
+            "get": _op(
+                "getSession",
+                "The session's snapshot: status, history page, turn, calls, waits, queue",
+                "read",
+                {"200": _json(_ref("SessionSnapshot"), "the snapshot")},
+                params=[session, *_query(SnapshotQuery)],
+            )
+        },
+        "/v1/sessions/{session}/turns": {
+            "get": _op(
+                "listTurns",
+                "The session's turns, newest first: request id, status, model step, calls, error",
+                "read",
+                {"200": _json(_ref("TurnPage"), "a page of turns")},
+                params=[session, *_query(TurnsQuery)],
+                problems=("400", "404", "422", "503"),
+            )
+        },
+        "/v1/sessions/{session}/turns/{turn_id}": {
+            "get": _op(
+                "getTurn",
+                "One turn: its record and its calls (every model step's) with their outcomes",
+                "read",
+                {"200": _json(_ref("TurnDetail"), "the turn and its calls")},
+                params=[session, _path("turn_id"), *_query(TurnQuery)],
+                problems=("400", "404", "422", "503"),
+            )
+        },
+        "/v1/sessions/{session}/events": {
+            "get": _op(
+                "streamEvents",
+                "Server-Sent Events of the session's log; resumable by Last-Event-ID",
+                "read",
+                {
+                    "200": {
+                        "description": "an event stream: id is the JL_EVENTS sequence",
+                        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    }
+                },
+                params=[
+                    session,
+                    last_id,
+                    {
+                        "name": "after",
+                        "in": "query",
+                        "required": False,
+                        "description": "resume after this sequence (when no Last-Event-ID)",
+                        "schema": {"type": "integer", "minimum": 0},
+                    },
+                ],
+            )
+        },
+        "/v1/sessions/{session}/approvals/{approval_id}": {
+            "post": _op(
+                "decideApproval",
+                "Approve or reject a held call; the first decision wins",
+                "approve",
+                {"200": _json(_ref("ApprovalRecord"), "the recorded decision")},
+                params=[session, _path("approval_id")],
+                body=DecisionIn,
+                problems=("400", "404", "409", "422"),
+            )
+        },
+        "/v1/sessions/{session}/questions/{question_id}": {
+            "post": _op(
+                "answerQuestion",
+                "Answer the model's question; the first answer wins",
+                "write",
+                {"200": _json(_ref("QuestionRecord"), "the recorded answer")},
+                params=[session, _path("question_id")],
+                body=AnswerIn,
+                problems=("400", "404", "409", "422"),
+            )
+        },
+        "/v1/sessions/{session}/cancel": {
+            "post": _op(
+                "cancelTurn",
+                "Cancel the running turn (or the given one)",
+                "write",
+                {"200": _json(_ref("TurnRecord"), "the cancelled turn")},
+                params=[session],
+                body=CancelIn,
+                body_required=False,
+                problems=("400", "404", "409", "422"),
+            )
+        },
+        "/v1/calls/{call_key}/reconcile": {
+            "post": _op(
+                "reconcileCall",
+                "Settle an outcome_unknown call as succeeded or failed",
+                "approve",
+                {"200": _json(_ref("CallRecord"), "the settled call")},
+                params=[_path("call_key", CALL_KEY)],
+                body=ReconcileIn,
+                problems=("400", "404", "409", "422"),
+            )
+        },
+        "/v1/hooks/{trigger}": {
+            "post": {
+                **_op(
+                    "receiveWebhook",
+                    "An inbound webhook (Standard Webhooks or GitHub signature) starts a turn",
+                    None,
+                    {"202": _json(_ref("HookOut"), "accepted (a replayed id is a duplicate)")},
+                    params=[_path("trigger"), *hook_headers],
+                    problems=("400", "401", "404", "413", "422"),
+                ),
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {}}, "*/*": {"schema": {}}},
+                },
+            }
+        },
+        "/v1/openapi.json": {
+            "get": _op(
+                "getOpenAPI",
+                "This document",
+                None,
+                {"200": _json({"type": "object"}, "the OpenAPI 3.1 document")},
+                problems=(),
+            )
+        },
+        "/healthz": {
+            "get": _op(
+                "health",
+                "The process is up",
+                None,
+                {"200": _json(_ref("Health"), "up")},
+                problems=(),
+            )
+        },
+        "/readyz": {
+            "get": _op(
+                "ready",
+                "NATS is connected and the topology is present",
+                None,
+                {"200": _json(_ref("Health"), "ready")},
+                problems=("503",),
+            )
+        },
+        "/metrics": {
+            "get": _op(
+                "metrics",
+                "Prometheus metrics",
+                None,
+                {
+                    "200": {
+                        "description": "text exposition format",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+                problems=(),
+            )
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "jetloop gateway",
+            "version": "1",
+            "description": "Durable AI-agent turns on NATS JetStream, over HTTP. Every error "
+            "is application/problem+json (RFC 9457).",
+        },
+        "servers": [{"url": "/"}],
+        "paths": paths,
+        "components": {
+            "schemas": defs.get("$defs", {}),
+            "securitySchemes": {
+                "bearerAuth": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "tokens are configured with scopes: read, write, approve",
+                }
+            },
+        },
+    }

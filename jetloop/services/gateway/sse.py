@@ -1,0 +1,143 @@
+"""Server-Sent Events of one session's log, resumable by stream sequence.
+
+Each event goes out as ``id: <JL_EVENTS stream sequence>``, ``event: <type>``, ``data:
+<Event JSON>``. A client that reconnects with ``Last-Event-ID: n`` gets everything after
+sequence n of the session — no gap, no repeat — because the read starts an ephemeral
+pull consumer at n + 1 (deliver by start sequence, filter ``jl.event.<session>.>``).
+History entries share those subjects and are passed over (their sequences still count).
+A consumer lost to a server restart or an election is made again from the next sequence,
+the way ``Client.events`` does. Idle streams get a keep-alive comment, which is also how a
+gone client is noticed (the write fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+import structlog
+from aiohttp import web
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+
+from jetloop.schemas import DecodeError, Event, decode
+from jetloop.streams import topology
+
+log = structlog.get_logger("jetloop.gateway")
+
+IDLE_POLL = 1.0  # how often a quiet stream looks at the stop flag and the keep-alive clock
+
+
+async def follow(
+    js: JetStreamContext,
+    session_id: str,
+    after: int,
+    stopping: asyncio.Event,
+    idle: float = IDLE_POLL,
+) -> AsyncGenerator[tuple[int, Event] | None, None]:
+    """(sequence, event) of the session after ``after``; ``None`` whenever it is quiet."""
+    next_seq = after + 1
+    subject = topology.session_events_filter(session_id)
+    while not stopping.is_set():
+        cfg = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=next_seq,
+            ack_policy=api.AckPolicy.NONE,
+            inactive_threshold=30.0,
+            mem_storage=True,
+            num_replicas=1,
+            filter_subject=subject,
+        )
+        try:
+            sub = await js.pull_subscribe(subject, stream=topology.EVENTS_STREAM, config=cfg)
+        except (TimeoutError, NatsError) as exc:  # no leader yet (an election, a restart)
+            log.info("sse.subscribe_failed", session=session_id, error=str(exc))
+            yield None
+            await asyncio.sleep(0.2)
+            continue
+        try:
+            quiet = 0
+            while not stopping.is_set():
+                try:
+                    msgs = await sub.fetch(64, timeout=idle)
+                except TimeoutError:
+                    quiet += 1
+                    if quiet % 5 == 0 and not await _alive(sub):
+                        break
+                    yield None
+                    continue
+                except NatsError:
+                    break
+                quiet = 0
+                for m in msgs:
+                    seq = m.metadata.sequence.stream
+                    if seq < next_seq:
+                        continue  # a redelivery across a consumer reset: already sent
+                    next_seq = seq + 1
+                    if m.subject.startswith(f"jl.event.{session_id}.history."):
+                        continue
+                    try:
+                        ev = decode(Event, m.data)
+                    except DecodeError as exc:
+                        log.warning("sse.unreadable", seq=seq, error=str(exc))
+                        continue
+                    yield seq, ev
+        finally:
+            try:
+                await sub.unsubscribe()
+            except (TimeoutError, NatsError):
+                pass  # the ephemeral consumer ages out by itself
+
+
+async def _alive(sub: JetStreamContext.PullSubscription) -> bool:
+    try:
+        await sub.consumer_info()
+    except (NotFoundError, TimeoutError, NatsError):
+        return False
+    return True
+
+
+def frame(seq: int, ev: Event) -> bytes:
+    # JSON has no raw newlines, so one data line carries the whole event.
+    return f"id: {seq}\nevent: {ev.type.value}\ndata: {ev.model_dump_json()}\n\n".encode()
+
+
+async def stream(
+    request: web.Request,
+    js: JetStreamContext,
+    session_id: str,
+    after: int,
+    stopping: asyncio.Event,
+    keepalive: float,
+) -> web.StreamResponse:
+    """Write the session's events to the client until it goes or the gateway stops."""
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            # Proxies such as nginx would otherwise hold events back in a buffer.
+            "X-Accel-Buffering": "no",
+        }
+    )
+    await resp.prepare(request)
+    last_write = time.monotonic()
+    try:
+        await resp.write(b"retry: 2000\n: connected\n\n")
+        async with aclosing(
+            follow(js, session_id, after, stopping, min(IDLE_POLL, keepalive))
+        ) as events:
+            async for item in events:
+                now = time.monotonic()
+                if item is None:
+                    if now - last_write >= keepalive:
+                        await resp.write(b": keep-alive\n\n")
+                        last_write = now
+                    continue
+                await resp.write(frame(*item))
+                last_write = now
+    except ConnectionResetError:
+        pass  # the client went away; its next connection resumes by Last-Event-ID
+    return resp

@@ -1,0 +1,297 @@
+"""The projector: follows ``JL_EVENTS`` into the SQLite read model
+(``jetloop.services.readmodel.model``).
+
+One durable pull consumer of its own (``jl_projector`` by default, filter ``jl.event.>``,
+ack-all). Each fetched batch is applied in one SQLite transaction that also stores the
+batch's last stream sequence; only then is the batch acked (commit, then ack: rule 4 of
+ARCHITECTURE.md, with SQLite as the state). A redelivered message at or below the stored
+sequence is skipped, so every event is applied exactly once.
+
+SQLite's position, not the consumer, is the truth: at every start the consumer is created
+again to deliver from the stored position + 1. Otherwise a batch fetched but never
+committed by a killed run would wait out its ack-wait while newer messages went first, and
+the skip rule would then pass over it for good.
+
+A batch SQLite refuses (locked past the busy timeout, disk full, a broken file) rolls back
+and ``run()`` raises: its owner starts a new projector on a fresh connection, which resumes
+from what SQLite holds (``jetloop up``'s supervisor, or ``run_projector`` alone).
+
+``rebuild`` drops the tables and replays the stream from the start; ``burst`` returns
+once the model has caught up with the stream (tests, one-off rebuilds).
+
+Lifecycle (STYLE rule 5): ``run()`` until ``stop()``; ``async with``; a batch in hand is
+finished (committed or rolled back) before the connection closes.
+
+Run it alone: ``python -m jetloop.services.readmodel.projector --nats nats://127.0.0.1:4222 --db
+.jetloop/readmodel.sqlite [--rebuild] [--burst]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+import structlog
+from nats.aio.client import Client as Nats
+from nats.errors import Error as NatsError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+
+from jetloop.consumers.faults import Faults
+from jetloop.services.lifecycle import Service
+from jetloop.services.logs import configure
+from jetloop.services.readmodel.model import Incoming, ReadModel
+from jetloop.services.settings import SettingsError, load_settings
+from jetloop.services.supervisor import Component, GaveUp, Part, Supervisor
+from jetloop.streams import topology
+from jetloop.streams.connection import connect
+
+log = structlog.get_logger("jetloop.projector")
+
+DEFAULT_DURABLE = "jl_projector"
+DEFAULT_DB = Path(".jetloop/readmodel.sqlite")
+
+
+class Projector(Service):
+    def __init__(
+        self,
+        nats_urls: Sequence[str],
+        db_path: Path,
+        *,
+        durable: str = DEFAULT_DURABLE,
+        rebuild: bool = False,
+        burst: bool = False,
+        batch: int = 256,
+        ack_wait: float = 30.0,
+        faults: Faults | None = None,
+    ) -> None:
+        super().__init__()
+        self.nats_urls = list(nats_urls)
+        self.db_path = Path(db_path)
+        self.durable = durable
+        self.rebuild = rebuild
+        self.burst = burst
+        self.batch = batch
+        self.ack_wait = ack_wait
+        self.faults = faults or Faults.from_env()
+        self.position = 0
+
+    async def run(self) -> None:
+        nc = await connect(self.nats_urls, name=f"jetloop-projector-{self.durable}")
+        try:
+            model = await ReadModel.open(self.db_path)
+            try:
+                await self._run(nc, model)
+            finally:
+                await model.close()
+        finally:
+            await nc.drain() if nc.is_connected else await nc.close()
+            log.info("projector.stopped", position=self.position)
+
+    async def _run(self, nc: Nats, model: ReadModel) -> None:
+        js = nc.jetstream()
+        fresh = await model.prepare(rebuild=self.rebuild)
+        self.position = await model.position()
+        log.info("projector.started", db=str(self.db_path), position=self.position, fresh=fresh)
+        delay = 0.2
+        while not self._stopping.is_set():
+            # From what SQLite holds: after a failed batch that is less than was fetched.
+            self.position = await model.position()
+            try:
+                sub = await self._subscribe(js, self.position)
+            except (TimeoutError, NatsError) as exc:  # no leader yet, or the server is away
+                log.warning("projector.subscribe_failed", error=str(exc), retry_in=delay)
+                await self._pause(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.2
+            self._started.set()
+            try:
+                if await self._consume(js, sub, model):
+                    return
+            except sqlite3.Error as exc:
+                # The batch rolled back. A new projector (a new connection) starts again
+                # from what SQLite holds: the owner restarts it, with a pause.
+                log.error("projector.apply_failed", error=str(exc), position=self.position)
+                raise
+            finally:
+                try:
+                    await sub.unsubscribe()
+                except (TimeoutError, NatsError):
+                    pass  # the durable stays; it is made again on the next start
+
+    async def _pause(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    async def _subscribe(
+        self, js: JetStreamContext, position: int
+    ) -> JetStreamContext.PullSubscription:
+        """The durable consumer, made again to deliver from ``position + 1``."""
+        try:
+            await js.delete_consumer(topology.EVENTS_STREAM, self.durable)
+        except NotFoundError:
+            pass
+        info = await js.stream_info(topology.EVENTS_STREAM)
+        if position and info.state.first_seq > position + 1:
+            log.warning(
+                "projector.events_aged_out",
+                position=position,
+                first_seq=info.state.first_seq,
+                hint="the stream dropped events before they were projected",
+            )
+        await js.add_consumer(
+            topology.EVENTS_STREAM,
+            api.ConsumerConfig(
+                durable_name=self.durable,
+                name=self.durable,
+                description="jetloop read model projector",
+                filter_subject="jl.event.>",
+                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=position + 1,
+                # Batches are applied in order, so acking the last settles the batch.
+                ack_policy=api.AckPolicy.ALL,
+                ack_wait=self.ack_wait,
+                max_deliver=-1,
+                max_ack_pending=self.batch * 4,
+            ),
+        )
+        return await js.pull_subscribe_bind(durable=self.durable, stream=topology.EVENTS_STREAM)
+
+    async def _consume(
+        self, js: JetStreamContext, sub: JetStreamContext.PullSubscription, model: ReadModel
+    ) -> bool:
+        """Apply batches until stopped; True when done (stopped, or caught up in burst)."""
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                msgs = await sub.fetch(self.batch, timeout=1.0)
+            except (NatsTimeoutError, TimeoutError):
+                if self.burst and await self._caught_up(js):
+                    return True
+                continue
+            except NatsError as exc:
+                failures += 1
+                log.warning("projector.fetch_failed", error=str(exc))
+                if failures >= 5:
+                    return False  # subscribe again
+                await self._pause(0.5)
+                continue
+            failures = 0
+            if not msgs:
+                # nats-py 2.16 may answer a fetch with no messages (a 408/404 status) instead
+                # of raising its timeout: the same as a timeout.
+                if self.burst and await self._caught_up(js):
+                    return True
+                continue
+            batch = [Incoming(m.metadata.sequence.stream, m.subject, m.data) for m in msgs]
+            await self.faults.point("projector.before_commit")
+            done = await model.apply(batch)
+            self.position = done.position
+            await self.faults.point("projector.before_ack")
+            try:
+                await msgs[-1].ack()
+            except NatsError as exc:
+                # Committed already: a redelivery is skipped by its sequence.
+                log.warning("projector.ack_failed", error=str(exc))
+            log.debug(
+                "projector.applied",
+                applied=done.applied,
+                skipped=done.skipped,
+                unreadable=done.unreadable,
+                position=done.position,
+            )
+            if self.burst and len(msgs) < self.batch and await self._caught_up(js):
+                return True
+        return True
+
+    async def _caught_up(self, js: JetStreamContext) -> bool:
+        try:
+            info = await js.stream_info(topology.EVENTS_STREAM)
+        except (TimeoutError, NatsError):
+            return False
+        return self.position >= info.state.last_seq
+
+
+async def run_projector(
+    nats_urls: Sequence[str],
+    db_path: Path,
+    *,
+    durable: str = DEFAULT_DURABLE,
+    rebuild: bool = False,
+    burst: bool = False,
+    batch: int = 256,
+) -> None:
+    """Run a projector until SIGINT/SIGTERM (or, in burst mode, until caught up).
+
+    Not in burst mode it is supervised: a failed projector is restarted with a pause
+    (``jetloop.services.supervisor``), the rebuild done once by the first.
+    """
+    built = 0
+
+    def make() -> Projector:
+        nonlocal built
+        built += 1
+        return Projector(
+            nats_urls,
+            db_path,
+            durable=durable,
+            rebuild=rebuild and built == 1,
+            burst=burst,
+            batch=batch,
+        )
+
+    service: Part = make() if burst else Supervisor([[Component("projector", make)]])
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, service.stop_soon)
+    try:
+        await service.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+@click.command("projector")
+@click.option("--nats", "nats_url", help="NATS server URL(s), comma-separated")
+@click.option("--db", "db_path", type=click.Path(path_type=Path), help="the read model's file")
+@click.option("--durable", default=DEFAULT_DURABLE, show_default=True, help="consumer name")
+@click.option("--rebuild", is_flag=True, help="drop the tables and replay from the start")
+@click.option("--burst", is_flag=True, help="stop once caught up with the stream")
+@click.option("--batch", default=256, show_default=True, help="messages per transaction")
+def projector_command(
+    nats_url: str | None,
+    db_path: Path | None,
+    durable: str,
+    rebuild: bool,
+    burst: bool,
+    batch: int,
+) -> None:
+    """Project JL_EVENTS into the SQLite read model."""
+    try:
+        settings = load_settings(**({"nats_url": nats_url} if nats_url else {}))
+    except SettingsError as exc:
+        raise click.ClickException(str(exc)) from None
+    configure(settings.log_format, settings.log_level)
+    path = db_path or Path(getattr(settings, "readmodel_db", settings.store_dir / DEFAULT_DB.name))
+    try:
+        asyncio.run(
+            run_projector(
+                settings.nats_urls, path, durable=durable, rebuild=rebuild, burst=burst, batch=batch
+            )
+        )
+    except GaveUp as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    projector_command()

@@ -1,0 +1,191 @@
+"""Hand a dead worker's steps on at once, instead of when their leases lapse.
+
+The server sees a worker's connection close the moment its process dies (the kernel closes
+the socket) and says so on ``$SYS.ACCOUNT.<account>.DISCONNECT``, which the system account's
+``watch`` user may hear (``jetloop.services.natsauth``). Every worker given that user's password
+listens; when a connection named ``jetloop-worker-<id>#<incarnation>`` closes:
+
+1. it asks ``jl.alive.<incarnation>``, again and again for up to
+   ``jetloop.consumers.liveness.GONE_PATIENCE`` (0.75 s): an answer means the process lives (it
+   reconnected after a network blip, or another server of the cluster has it) — nothing to
+   do. After the client's own close ("Client Closed": what a killed process's socket gives)
+   "no responders" settles it at once; after another close (a read error — also what a
+   process killed with unread data gives — or a stale connection) the process may be
+   reconnecting, and silence is asked again until the patience runs out;
+2. it reads the messages that process held (``jetloop.streams.holds``) and, for each one
+   still in its stream (a work queue deletes what was acked), publishes a copy on the same
+   subject with the header ``Jl-Holder-Lost: <incarnation>`` and the message id
+   ``rescue.<stream>.<sequence>`` — so the copies of several rescuers land once;
+3. the delivery of the copy finds the dead attempt's claim, asks ``jl.alive`` itself, and
+   takes over at once (``jetloop.consumers.liveness``); the original message comes back when its
+   lease lapses and finds the step done (state decides, as for any redelivery).
+
+Nothing here decides an outcome: a copy is one more delivery of a step, and every rule of
+the fence holds for it. A worker that is stopped by SIGSTOP keeps its connection (the
+server's pings notice only after minutes), so its lease catches it, as before.
+
+At start a worker also sweeps: any ``held.<incarnation>`` list in ``jl_workers`` whose
+process does not answer is handed on the same way (a worker restarted by ``jetloop up``
+rescues what its predecessor held, even without the system account).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+
+from jetloop.consumers.liveness import H_HOLDER_LOST, gone
+from jetloop.consumers.session import UnscopedRequestId, request_id_of
+from jetloop.services.natsauth import DISCONNECT_ADVISORIES
+from jetloop.streams.connection import connect
+from jetloop.streams.holds import read_holds
+from jetloop.streams.topology import TURNS_STREAM, WORKERS_BUCKET, held_key
+
+log = structlog.get_logger("jetloop.rescue")
+
+CONNECTION_PREFIX = "jetloop-worker-"
+CLIENT_CLOSED = "Client Closed"
+# The watch connection gives up after this long (and is made again later): an outage, or a
+# server without the system account's user, costs only the fast path.
+WATCH_CONNECT_SECONDS = 10.0
+
+
+def connection_name(worker_id: str, incarnation: str) -> str:
+    """What a worker calls its connection: the server's advisories name it so."""
+    return f"{CONNECTION_PREFIX}{worker_id}#{incarnation}"
+
+
+def incarnation_of(name: str) -> str | None:
+    if not name.startswith(CONNECTION_PREFIX) or "#" not in name:
+        return None
+    return name.rpartition("#")[2] or None
+
+
+class Rescuer:
+    """One worker's part: hear connections close, and hand on what their processes held."""
+
+    def __init__(self, nc: Client, incarnation: str, stopping: asyncio.Event) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.incarnation = incarnation
+        self.stopping = stopping
+        self._busy: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def sweep(self) -> int:
+        """Hand on what every process that no longer answers said it held; returns how
+        many messages were handed on."""
+        kv = await self.js.key_value(WORKERS_BUCKET)
+        try:
+            keys = await kv.keys()
+        except NoKeysError:
+            return 0
+        handed = 0
+        for key in keys:
+            if not key.startswith("held."):
+                continue
+            inc = key.removeprefix("held.")
+            if inc != self.incarnation and await gone(self.nc, inc, closed_cleanly=True):
+                n = await self.rescue(inc)
+                log.info("rescue.swept", incarnation=inc, messages=n)
+                handed += n
+        return handed
+
+    async def watch(self, urls: list[str]) -> None:
+        """Listen to the system account's disconnect advisories until stopped."""
+        closed: list[bool] = []
+
+        async def on_closed() -> None:
+            closed.append(True)
+
+        watch = await connect(
+            urls,
+            name=f"jetloop-rescue#{self.incarnation}",
+            give_up_after=WATCH_CONNECT_SECONDS,
+            closed_cb=on_closed,
+        )
+        try:
+            await watch.subscribe(DISCONNECT_ADVISORIES, cb=self._on_advisory)
+            log.info("rescue.watching")
+            while not self.stopping.is_set() and not closed:
+                await asyncio.wait([asyncio.ensure_future(self.stopping.wait())], timeout=1.0)
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+            if not watch.is_closed:
+                await watch.close()
+
+    async def _on_advisory(self, msg: Msg) -> None:
+        try:
+            event = json.loads(msg.data)
+            client = event.get("client") or {}
+            inc = incarnation_of(str(client.get("name") or ""))
+            reason = str(event.get("reason") or "")
+        except (ValueError, AttributeError):
+            return
+        if inc is None or inc == self.incarnation or inc in self._busy:
+            return
+        self._spawn(self._after(inc, reason))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        done: Callable[[asyncio.Task[None]], None] = self._tasks.discard
+        task.add_done_callback(done)
+
+    async def _after(self, inc: str, reason: str) -> None:
+        self._busy.add(inc)
+        try:
+            if not await gone(self.nc, inc, closed_cleanly=reason == CLIENT_CLOSED):
+                log.info("rescue.still_alive", incarnation=inc, reason=reason)
+                return
+            handed = await self.rescue(inc)
+            log.info("rescue.handed_on", incarnation=inc, reason=reason, messages=handed)
+        except Exception as exc:  # an outage: the leases still bring the steps back
+            log.warning("rescue.failed", incarnation=inc, error=str(exc))
+        finally:
+            self._busy.discard(inc)
+
+    async def rescue(self, inc: str) -> int:
+        """Publish a copy of every message ``inc`` held that is still in its stream."""
+        kv = await self.js.key_value(WORKERS_BUCKET)
+        handed = 0
+        for stream, seq in await read_holds(self.js, inc):
+            try:
+                raw = await self.js.get_msg(stream, seq)
+            except NotFoundError:
+                continue  # acked: done
+            if raw.subject is None:
+                continue
+            hdrs = {k: v for k, v in (raw.headers or {}).items() if not k.startswith("Nats-")}
+            if stream == TURNS_STREAM:
+                # The turn's identity is its request id: keep it, whatever the message id.
+                sid = raw.subject.rsplit(".", 1)[-1]
+                try:
+                    rid = request_id_of(raw.headers or {}, sid, raw.time) if raw.time else None
+                except UnscopedRequestId:
+                    rid = None  # refused when it comes back
+                if rid is None:
+                    continue  # no id to keep: the lease brings it back
+                hdrs["Jl-Request-Id"] = rid
+            hdrs["Nats-Msg-Id"] = f"rescue.{stream}.{seq}"
+            hdrs[H_HOLDER_LOST] = inc
+            try:
+                await self.js.publish(raw.subject, raw.data or b"", headers=hdrs)
+            except NatsError as exc:
+                log.warning("rescue.publish_failed", stream=stream, seq=seq, error=str(exc))
+                continue
+            handed += 1
+        try:
+            await kv.delete(held_key(inc))
+        except (KeyNotFoundError, NatsError):
+            pass  # the bucket's TTL removes it
+        return handed

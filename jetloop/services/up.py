@@ -1,0 +1,208 @@
+"""``jetloop up``: the embedded default in one process tree.
+
+Starts nats-server from the wheel on the store directory (unless ``--nats`` names servers),
+applies the topology, and runs a worker for every pool with the given app, the gateway and
+the projector (``--workers N``: N worker processes, this one and N-1 children, see
+``jetloop.services.processes``). Ctrl-C stops the gateway, the workers (drain) and the projector,
+and then the server. Running it again resumes what was in flight: the state and the queues
+are in the store directory.
+
+The parts run under a supervisor (``jetloop.services.supervisor``): one that fails is logged
+(``component.failed``) and restarted, the others keep serving; the server, our child, is
+restarted on the same store if it dies, and dies with us (even by ``kill -9``). ``up``
+exits, with one line naming the setting or the component (:class:`UpError`), only for what
+a restart cannot mend: another ``up`` on the store (``<store>/up.lock``), a port in use, an
+app that does not load, a component failing over and over right at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+import structlog
+from pydantic import SecretStr
+
+from jetloop.agents import load_app
+from jetloop.services.embedded import EmbeddedServer, PortInUse, SupervisedServer, port_in_use
+from jetloop.services.gateway.app import Gateway
+from jetloop.services.gateway.config import GatewayConfig, exposure_error
+from jetloop.services.natsauth import make_users, write_config
+from jetloop.services.processes import child_components
+from jetloop.services.readmodel.projector import Projector
+from jetloop.services.runner import settle_heap
+from jetloop.services.settings import LOCAL_USER, WATCH_USER, Settings, make_seal_key
+from jetloop.services.supervisor import Component, GaveUp, Supervisor, describe
+from jetloop.services.worker import Worker, default_worker_id
+
+log = structlog.get_logger("jetloop.up")
+
+
+def seal_key(store_dir: Path) -> str:
+    """The embedded default's checkpoint key: made once, kept in the store directory, where
+    every other process finds it (``jetloop.services.settings``)."""
+    return make_seal_key(store_dir)
+
+
+class UpError(Exception):
+    """Why ``up`` cannot run: one line naming the setting or the component."""
+
+
+NATS_PORT_SETTING = "JETLOOP_EMBEDDED_PORT / --nats-port"
+GATEWAY_PORT_SETTING = "JETLOOP_GATEWAY_PORT / --gateway-port"
+
+
+def lock_store(store_dir: Path) -> IO[str]:
+    """Hold ``<store>/up.lock`` for as long as the returned file is open (the process lives)."""
+    store_dir.mkdir(parents=True, exist_ok=True)
+    f = open(store_dir / "up.lock", "a+")  # held open: the lock lives as long as the file
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"
+        f.close()
+        raise UpError(f"another `jetloop up` is using store {store_dir} (pid {pid})") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def nats_port_taken(port: int) -> str:
+    return f"port {port} of the embedded nats-server is in use: set {NATS_PORT_SETTING}"
+
+
+def gateway_port_taken(host: str, port: int) -> str:
+    return f"gateway port {port} on {host} is in use: set {GATEWAY_PORT_SETTING}"
+
+
+def server_fatal(exc: BaseException) -> str | None:
+    if isinstance(exc, PortInUse):
+        return nats_port_taken(exc.port)
+    if isinstance(exc, FileNotFoundError):  # no nats-server binary: the message says what to do
+        return str(exc)
+    return None
+
+
+def gateway_fatal(host: str, port: int) -> Callable[[BaseException], str | None]:
+    def fatal(exc: BaseException) -> str | None:
+        if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+            return gateway_port_taken(host, port)
+        if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EADDRNOTAVAIL):
+            return (
+                f"the gateway cannot listen on {host}:{port} ({exc.strerror}): "
+                f"set JETLOOP_GATEWAY_HOST / {GATEWAY_PORT_SETTING}"
+            )
+        return None
+
+    return fatal
+
+
+async def run_up(settings: Settings, external: bool) -> None:
+    """Run until SIGINT/SIGTERM; :class:`UpError` when it cannot (nothing left running)."""
+    lock = lock_store(settings.store_dir)
+    try:
+        await _run_up(settings, external)
+    except GaveUp as exc:
+        raise UpError(str(exc)) from None
+    finally:
+        lock.close()
+
+
+async def _run_up(settings: Settings, external: bool) -> None:
+    # What a restart cannot mend is told now, before anything starts.
+    try:
+        app = load_app(settings.app)
+    except Exception as exc:  # the user's module: anything may come out of its import
+        raise UpError(f"setting JETLOOP_APP / --app {settings.app!r}: {describe(exc)}") from None
+    host, port = settings.gateway_host, settings.gateway_port
+    if not external and port_in_use(settings.embedded_port):
+        raise UpError(nats_port_taken(settings.embedded_port))
+    if port_in_use(port, host):
+        raise UpError(gateway_port_taken(host, port))
+
+    stages: list[list[Component]] = []
+    if not external:
+        # NATS authorization: users with the permissions of their roles (jetloop.services.natsauth);
+        # every part of `up` connects as the worker.
+        users = make_users(settings.store_dir)
+        password = users[LOCAL_USER]
+        server = EmbeddedServer(
+            settings.store_dir,
+            port=settings.embedded_port,  # 0: a free port, kept across restarts
+            log_file=settings.store_dir / "nats-server.log",
+            config_file=write_config(settings.store_dir),
+            auth=(LOCAL_USER, password),
+        )
+        settings = settings.model_copy(
+            update={
+                "nats_url": server.url,
+                "nats_user": LOCAL_USER,
+                "nats_password": SecretStr(password),
+                "nats_watch_password": SecretStr(users[WATCH_USER]),
+            }
+        )
+        stages.append([Component("nats-server", lambda: SupervisedServer(server), server_fatal)])
+    os.environ.setdefault("JETLOOP_VENDOR_DB", str(settings.store_dir / "vendor.sqlite"))
+    if settings.seal_key is None:
+        settings = settings.model_copy(update={"seal_key": SecretStr(seal_key(settings.store_dir))})
+        os.environ["JETLOOP_SEAL_KEY"] = settings.seal_key.get_secret_value()  # type: ignore[union-attr]
+    gw_config = GatewayConfig.from_settings(settings)
+    if settings.gateway_anonymous_scopes is None and not gw_config.tokens:
+        # Without tokens a person at this machine may do all (the default host is loopback);
+        # on any other address that is refused below, unless the user allowed it in words.
+        gw_config = gw_config.model_copy(
+            update={"anonymous_scopes": frozenset({"read", "write", "approve"})}
+        )
+    refused = exposure_error(gw_config, host)
+    if refused is not None:
+        raise UpError(refused)
+    readmodel_db = gw_config.readmodel_db
+    assert readmodel_db is not None
+    worker_settings, urls = settings, settings.nats_urls
+    # One worker in this process; with --workers N, N-1 more in child processes
+    # (jetloop.services.processes) named after it: <id>-2 … <id>-N.
+    worker_id = settings.worker_id or default_worker_id()
+    children = child_components(
+        settings, worker_id, range(2, settings.worker_processes + 1), log_format="console"
+    )
+    # The workers first: they apply the topology the projector reads. Stopped in reverse:
+    # the gateway (no new turns) and the projector, then the workers (drain), then the server.
+    stages.append(
+        [Component("worker", lambda: Worker(worker_settings, app, worker_id=worker_id)), *children]
+    )
+    stages.append(
+        [
+            Component(
+                "gateway", lambda: Gateway(gw_config, urls, host, port), gateway_fatal(host, port)
+            ),
+            Component("projector", lambda: Projector(urls, readmodel_db)),
+        ]
+    )
+
+    def announce() -> None:
+        settle_heap(settings.gc_threshold)
+        gateway = sup.instance("gateway")
+        log.info(
+            "jetloop.up",
+            nats=settings.nats_url,
+            gateway=getattr(gateway, "url", None),
+            hint="try: jetloop chat --agent demo",
+        )
+
+    sup = Supervisor(stages, on_started=announce)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, sup.stop_soon)
+    try:
+        await sup.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,419 @@
+"""The worker process: pulls steps of the pools it serves and runs their handlers.
+
+Lifecycle (STYLE rule 5): ``run()`` until ``stop()``; stop intake → drain in-flight steps
+for ``drain_seconds`` → cancel the rest (their messages are handed back with a nak) →
+close. It fetches only as many messages as it has free slots, so nothing it holds waits
+unstarted past its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from prometheus_client import start_http_server
+
+from jetloop.agents import App
+from jetloop.consumers import Faults, Runtime, dispatch, route_step, route_turn
+from jetloop.consumers.control import Control
+from jetloop.consumers.dispatch import Handler
+from jetloop.consumers.liveness import HOLDING
+from jetloop.consumers.metrics import watch_lag
+from jetloop.consumers.runtime import new_incarnation
+from jetloop.services.client import publish_trigger
+from jetloop.services.control import ControlService
+from jetloop.services.lifecycle import Service
+from jetloop.services.rescue import Rescuer, connection_name
+from jetloop.services.runner import loop_name
+from jetloop.services.settings import Settings
+from jetloop.streams import topology
+from jetloop.streams.blobs import BlobStore
+from jetloop.streams.bus import Bus
+from jetloop.streams.connection import ConnectionLost, NotAuthorized, connect
+from jetloop.streams.history import HistoryReader
+from jetloop.streams.holds import Holds
+from jetloop.streams.registry import Registry
+from jetloop.streams.state import StateStore
+from jetloop.streams.topology import alive_subject
+
+log = structlog.get_logger("jetloop.worker")
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Worker(Service):
+    """A worker process's engine: serves the agents of an app (``run()`` until ``stop()``,
+    or ``async with``). Start it with ``jetloop worker --app module:attr`` or in-process."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        app: App,
+        pools: Sequence[str] = topology.POOLS,
+        worker_id: str | None = None,
+        apply_topology: bool = True,
+        faults: Faults | None = None,
+    ) -> None:
+        super().__init__()
+        unknown = set(pools) - set(topology.POOLS)
+        if unknown:
+            raise ValueError(f"unknown pools {sorted(unknown)}; pools are {topology.POOLS}")
+        self.settings = settings
+        self.app = app
+        self.pools = tuple(pools)
+        self.worker_id = worker_id or settings.worker_id or default_worker_id()
+        self.apply_topology = apply_topology
+        self.faults = faults or Faults.from_env()
+        self._nc: Client | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._since = time.time()
+        # Done at each reconnect (and replaced): a fetch waiting on a server that went away
+        # waits for nothing, so the pull loops ask again at once instead of at its timeout.
+        self._reconnected: asyncio.Future[None] | None = None
+        self._rt: Runtime | None = None
+
+    def _on_reconnected(self) -> None:
+        if self._reconnected is not None and not self._reconnected.done():
+            self._reconnected.set_result(None)
+        self._reconnected = None
+
+    def _concurrency(self, pool: str) -> int:
+        s = self.settings
+        return {
+            topology.SESSION_POOL: s.session_concurrency,
+            topology.MODEL_POOL: s.model_concurrency,
+            topology.TOOL_POOL: s.tool_concurrency,
+        }[pool]
+
+    async def run(self) -> None:
+        s = self.settings
+        if s.sealer() is None:
+            log.warning(
+                "worker.unsealed",
+                hint="records are written unsealed: set JETLOOP_SEAL_KEY, or run where "
+                f"{s.store_dir / 'seal.key'} is (the key `jetloop up` keeps)",
+            )
+        lost: list[ConnectionLost] = []
+
+        async def on_closed() -> None:
+            # A closed connection is never reopened: stop, and raise from run() (below) so a
+            # supervisor, or the process's exit status, starts a fresh worker.
+            if not self._stopping.is_set():
+                log.error("worker.connection_closed", worker=self.worker_id)
+                lost.append(ConnectionLost(f"worker {self.worker_id}"))
+                self.stop_soon()
+
+        incarnation = new_incarnation()
+        nc = await connect(
+            s.nats_urls,
+            name=connection_name(self.worker_id, incarnation),
+            closed_cb=on_closed,
+            reconnected_cb=self._on_reconnected,
+        )
+        self._nc = nc
+        js = nc.jetstream()
+        try:
+            # Answered while this process lives: another worker asks before it takes over a
+            # step this one claimed (jetloop.consumers.liveness).
+            await nc.subscribe(alive_subject(incarnation), cb=self._answer_alive)
+            registry = await self._prepare(js)
+            holds = Holds(nc, incarnation, self.worker_id)
+            rescuer = Rescuer(nc, incarnation, self._stopping)
+            state = await StateStore.open(nc, s.sealer())
+            # A heartbeat's write lost with a restarting server is sent again well within
+            # the lease, so the claim's sign of life does not lapse (jetloop.consumers.liveness).
+            state.write_timeout = state.read_timeout = min(5.0, s.lease_seconds / 4)
+            rt = Runtime(
+                nc=nc,
+                js=js,
+                state=state,
+                blobs=BlobStore(await js.object_store(topology.BLOB_BUCKET), s.blob_threshold),
+                history=await HistoryReader.for_stream(nc, timeout=state.read_timeout),
+                bus=Bus(js),
+                app=self.app,
+                worker_id=self.worker_id,
+                lease_seconds=s.lease_seconds,
+                faults=self.faults,
+                max_losses=s.max_losses,
+                incarnation=incarnation,
+                holds=holds,
+            )
+            self._rt = rt
+            for agent in self.app.agents.values():
+                for trigger in agent.triggers:
+                    await publish_trigger(js, agent.name, trigger)
+                    log.info(
+                        "trigger.applied",
+                        agent=agent.name,
+                        trigger=trigger.name,
+                        schedule=trigger.schedule,
+                    )
+            control: ControlService | None = None
+            if topology.SESSION_POOL in self.pools:
+                control = ControlService(
+                    nc, rt.state, Control(rt.state, rt.bus), rt.history, rt.blobs
+                )
+                await control.start()
+            try:
+                handed = await rescuer.sweep()
+                if handed:
+                    log.info("worker.rescued", messages=handed)
+            except Exception as exc:  # an outage: the leases bring those steps back
+                log.warning("worker.sweep_failed", error=str(exc))
+            loops = []
+            # One budget per pool, shared by the agents this worker serves.
+            turn_slots = Slots(s.session_concurrency)
+            pool_slots = {pool: Slots(self._concurrency(pool)) for pool in self.pools}
+            for name in sorted(self.app.agents):
+                if topology.SESSION_POOL in self.pools:
+                    loops.append(
+                        self._pull(
+                            rt,
+                            js,
+                            topology.TURNS_STREAM,
+                            topology.turn_consumer(name),
+                            route_turn,
+                            turn_slots,
+                            holds,
+                        )
+                    )
+                for pool in self.pools:
+                    loops.append(
+                        self._pull(
+                            rt,
+                            js,
+                            topology.STEPS_STREAM,
+                            topology.step_consumer(pool, name),
+                            route_step,
+                            pool_slots[pool],
+                            holds,
+                        )
+                    )
+            log.info(
+                "worker.started",
+                worker=self.worker_id,
+                incarnation=incarnation,
+                pools=list(self.pools),
+                agents=sorted(self.app.agents),
+                loop=loop_name(),
+            )
+            self._started.set()
+            if s.metrics_port is not None:
+                start_http_server(s.metrics_port, addr="127.0.0.1")
+            async with asyncio.TaskGroup() as tg:
+                for loop in loops:
+                    tg.create_task(loop)
+                tg.create_task(watch_lag(js, self._stopping, self._consumers()))
+                tg.create_task(self._advertise(registry, holds))
+                watch_urls = s.nats_watch_urls
+                if watch_urls is not None:
+                    tg.create_task(self._watch(rescuer, watch_urls))
+            if not lost:
+                await registry.withdraw(self.worker_id)
+            if control is not None:
+                await control.stop()
+            await self._drain()
+        finally:
+            if nc.is_connected:
+                await nc.drain()
+            elif not nc.is_closed:
+                await nc.close()
+            log.info("worker.stopped", worker=self.worker_id)
+        if lost:
+            raise lost[0]
+
+    def _consumers(self) -> list[tuple[str, str]]:
+        return [
+            sc
+            for agent in sorted(self.app.agents)
+            for sc in topology.agent_consumers(agent, self.pools)
+        ]
+
+    async def _advertise(self, registry: Registry, holds: Holds) -> None:
+        """Presence for clients and people (``jetloop.streams.registry``), and the list of what this
+        process holds, kept fresh for a rescuer (``jetloop.streams.holds``), until stopped."""
+        while not self._stopping.is_set():
+            await _first(asyncio.sleep(topology.PRESENCE_TTL / 3), self._stopping.wait())
+            try:
+                await registry.advertise(self.worker_id, self.app.agents, self.pools, self._since)
+                if len(holds):
+                    await holds.publish()
+            except Exception as exc:  # an outage: the next beat tries again
+                log.warning("worker.advertise_failed", error=str(exc))
+
+    async def _watch(self, rescuer: Rescuer, urls: list[str]) -> None:
+        """Hear other workers' connections close (``jetloop.services.rescue``); a watch connection
+        that cannot be made (no system account, a wrong password) costs only the fast path."""
+        delay = 1.0
+        while not self._stopping.is_set():
+            try:
+                await rescuer.watch(urls)
+            except NotAuthorized:
+                log.warning(
+                    "worker.watch_failed",
+                    error="the server refused the watch user",
+                    hint="set JETLOOP_NATS_WATCH_USER / JETLOOP_NATS_WATCH_PASSWORD to a user "
+                    "of the server's system account (docs/design.md); until then a dead "
+                    "worker's steps wait for their leases",
+                    retry_in=delay,
+                )
+            except Exception as exc:
+                log.warning("worker.watch_failed", error=str(exc), retry_in=delay)
+            await _first(asyncio.sleep(delay), self._stopping.wait())
+            delay = min(delay * 2, 60.0)
+
+    async def _answer_alive(self, msg: Msg) -> None:
+        """Alive; asked about a state key, whether a delivery here still works on it."""
+        if not msg.reply:
+            return
+        if msg.data:
+            holding = self._rt is not None and msg.data.decode(errors="replace") in self._rt.holding
+            await msg.respond(HOLDING if holding else b"done")
+        else:
+            await msg.respond(self.worker_id.encode())
+
+    async def _prepare(self, js: JetStreamContext) -> Registry:
+        """The topology (unless told not to), this worker's per-agent consumers and its first
+        presence. Servers may still be forming a cluster or electing a leader (no peers, no
+        answer yet): keep trying."""
+        cfg = self.settings.topology()
+        delay = 0.2
+        while True:
+            try:
+                if self.apply_topology:
+                    await topology.apply(js, cfg)
+                for name in sorted(self.app.agents):
+                    # Only this worker's agents: another app's turns never reach it.
+                    await topology.apply_agent(js, cfg, name, self.pools)
+                registry = await Registry.open(js)
+                # Before "started": a client that saw this worker start finds its agents.
+                await registry.advertise(self.worker_id, self.app.agents, self.pools, self._since)
+                return registry
+            except Exception as exc:
+                if self._stopping.is_set():
+                    raise
+                log.warning("worker.topology_not_ready", error=str(exc), retry_in=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _pull(
+        self,
+        rt: Runtime,
+        js: JetStreamContext,
+        stream: str,
+        consumer: str,
+        handler: Handler,
+        slots: Slots,
+        holds: Holds,
+    ) -> None:
+        sub = await js.pull_subscribe_bind(durable=consumer, stream=stream)
+        mine = slots.running
+        while not self._stopping.is_set():
+            free = slots.limit - len(mine)
+            if free <= 0:
+                slots.freed.clear()
+                await _first(slots.freed.wait(), self._stopping.wait())
+                continue
+            try:
+                msgs = await self._fetch(sub, free)
+            except (NatsTimeoutError, TimeoutError):
+                continue
+            except Exception as exc:  # an outage: reconnect happens underneath
+                log.warning("worker.fetch_failed", consumer=consumer, error=str(exc))
+                await _first(asyncio.sleep(0.5), self._stopping.wait())
+                continue
+            if msgs and not self._stopping.is_set():
+                for m in msgs:
+                    holds.add(m)
+                await _quietly(holds.publish(), "worker.holds_failed")
+            for m in msgs:
+                if self._stopping.is_set():
+                    # Not started: hand it back now, it costs no attempt.
+                    await _nak_quietly(m)
+                    continue
+                task = asyncio.create_task(dispatch(rt, m, handler))
+                mine.add(task)
+                self._inflight.add(task)
+
+                def done(
+                    t: asyncio.Task[None],
+                    mine: set[asyncio.Task[None]] = mine,
+                    m: Msg = m,
+                ) -> None:
+                    mine.discard(t)
+                    self._inflight.discard(t)
+                    holds.drop(m)
+                    slots.freed.set()
+
+                task.add_done_callback(done)
+        await sub.unsubscribe()
+
+    async def _fetch(self, sub: JetStreamContext.PullSubscription, n: int) -> list[Msg]:
+        """Up to ``n`` messages within a second; given up at once (a timeout) when the
+        connection is made again, since the server that had the request may be gone."""
+        if self._reconnected is None:
+            self._reconnected = asyncio.get_running_loop().create_future()
+        reconnected = self._reconnected
+        fetch: asyncio.Future[list[Msg]] = asyncio.ensure_future(sub.fetch(n, timeout=1.0))
+        waits: set[asyncio.Future[Any]] = {fetch, reconnected}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not fetch.done():
+            fetch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await fetch
+            raise TimeoutError("reconnected: fetch again")
+        return fetch.result()
+
+    async def _drain(self) -> None:
+        if not self._inflight:
+            return
+        log.info("worker.draining", steps=len(self._inflight), grace=self.settings.drain_seconds)
+        _, pending = await asyncio.wait(set(self._inflight), timeout=self.settings.drain_seconds)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+
+class Slots:
+    """How many steps of one pool a worker runs at once, across the agents it serves."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.running: set[asyncio.Task[None]] = set()
+        self.freed = asyncio.Event()
+
+
+async def _first(*aws: object) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]  # type: ignore[call-overload]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _quietly(op: Awaitable[None], event: str) -> None:
+    try:
+        await op
+    except Exception as exc:
+        log.warning(event, error=str(exc))
+
+
+async def _nak_quietly(m: object) -> None:
+    try:
+        await m.nak()  # type: ignore[attr-defined]
+    except Exception as exc:
+        log.warning("worker.nak_failed", error=str(exc))

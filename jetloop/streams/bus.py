@@ -1,0 +1,132 @@
+"""Publishing with identity: every message carries its ``Nats-Msg-Id`` and readable headers.
+
+One place builds headers and publishes steps, events and history entries, so there is one
+way to publish a step (STYLE: no second copy of a mechanism). Pipelined publishes go out
+together and are awaited with a timeout (``publish_async`` has none of its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+
+from jetloop.schemas import (
+    SCHEMA_VERSION,
+    Event,
+    HistoryEntry,
+    StepKind,
+    StepMessage,
+    encode,
+)
+from jetloop.streams.connection import retrying
+from jetloop.streams.topology import (
+    MODEL_POOL,
+    SESSION_POOL,
+    TOOL_POOL,
+    event_subject,
+    history_subject,
+    step_subject,
+)
+
+POOL_OF_KIND = {
+    StepKind.RUN_MODEL: MODEL_POOL,
+    StepKind.COMPACT_CONTEXT: MODEL_POOL,
+    StepKind.CALL_TOOL: TOOL_POOL,
+    StepKind.CALL_SINGLE_ATTEMPT_TOOL: TOOL_POOL,
+    StepKind.AWAIT_TOOL_APPROVAL: TOOL_POOL,
+    StepKind.AWAIT_QUESTION_ANSWER: TOOL_POOL,
+    StepKind.AWAIT_TIMER: TOOL_POOL,
+    StepKind.POLL_TOOL_TASK: TOOL_POOL,
+    StepKind.AWAIT_DELEGATION: TOOL_POOL,
+    StepKind.JOIN: SESSION_POOL,
+    StepKind.TURN_DONE: SESSION_POOL,
+    StepKind.CLOSE_TURN: SESSION_POOL,
+}
+
+H_KIND = "Jl-Kind"
+H_AGENT = "Jl-Agent"
+H_SESSION = "Jl-Session"
+H_TURN = "Jl-Turn"
+H_STEP = "Jl-Step"
+H_SCHEMA = "Jl-Schema"
+H_MSG_ID = "Nats-Msg-Id"
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    subject: str
+    body: bytes
+    headers: dict[str, str]
+
+
+def headers(kind: str, session_id: str, turn_id: str | None, key: str) -> dict[str, str]:
+    h = {
+        H_MSG_ID: key,
+        H_KIND: kind,
+        H_SESSION: session_id,
+        H_STEP: key,
+        H_SCHEMA: str(SCHEMA_VERSION),
+    }
+    if turn_id:
+        h[H_TURN] = turn_id
+    return h
+
+
+def step_out(step: StepMessage) -> Outgoing:
+    key = step.step_key()
+    return Outgoing(
+        subject=step_subject(POOL_OF_KIND[step.kind], step.agent, step.kind.value, step.session_id),
+        body=encode(step),
+        headers={
+            **headers(step.kind.value, step.session_id, step.turn_id, key),
+            H_AGENT: step.agent,
+        },
+    )
+
+
+def event_out(event: Event) -> Outgoing:
+    return Outgoing(
+        subject=event_subject(event.session_id, event.type.value),
+        body=encode(event),
+        headers=headers(event.type.value, event.session_id, event.turn_id, event.key),
+    )
+
+
+def history_out(session_id: str, entry: HistoryEntry) -> Outgoing:
+    return Outgoing(
+        subject=history_subject(session_id, entry.role.value),
+        body=encode(entry),
+        headers=headers(f"history.{entry.role.value}", session_id, entry.turn_id, entry.key),
+    )
+
+
+class Bus:
+    """The publisher of steps, events and history: idempotent by ``Nats-Msg-Id``."""
+
+    def __init__(self, js: JetStreamContext, timeout: float = 5.0, retry_for: float = 10.0) -> None:
+        self.js = js
+        self.timeout = timeout
+        self.retry_for = retry_for
+
+    async def publish(self, out: Sequence[Outgoing]) -> None:
+        """Publish in order; all are confirmed (PubAck) before this returns.
+
+        Every message carries its ``Nats-Msg-Id``, so a publish whose answer was lost in a
+        restart or an election is simply sent again: the stream drops the duplicate.
+        """
+        if not out:
+            return
+        await retrying(lambda: self._publish(out), self.retry_for, "publish")
+
+    async def _publish(self, out: Sequence[Outgoing]) -> None:
+        if len(out) == 1:
+            o = out[0]
+            await self.js.publish(o.subject, o.body, headers=dict(o.headers), timeout=self.timeout)
+            return
+        futures = [
+            await self.js.publish_async(o.subject, o.body, headers=dict(o.headers)) for o in out
+        ]
+        await asyncio.wait_for(asyncio.gather(*futures), timeout=self.timeout)

@@ -1,0 +1,215 @@
+"""Connecting to NATS the way NATS-NOTES says a durable worker must."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+from nats.errors import MaxPayloadError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+
+from jetloop.streams.liblog import LibraryLogger
+
+log = LibraryLogger("jetloop.nats")
+
+
+async def connect(
+    urls: Sequence[str],
+    name: str,
+    *,
+    give_up_after: float | None = None,
+    closed_cb: Callable[[], Awaitable[None]] | None = None,
+    reconnected_cb: Callable[[], None] | None = None,
+) -> Client:
+    """Every server URL, unlimited reconnects, short waits, pings well under 120 s.
+
+    ``give_up_after`` (seconds) is for a client a person waits on (the CLI), not a worker:
+    the first connect and a reconnect after an outage each give up after about that long
+    (the connection then closes and ``closed_cb`` runs), and outages are logged at debug
+    level, since that caller reports them itself. nats-py retries a failed first connect for
+    ever unless the attempts per server are bounded, hence the bound and the timeout.
+    """
+    bounded = give_up_after is not None
+    # What an outage looks like in the log: a worker warns, a bounded client only notes it.
+    note = log.debug if bounded else log.warning
+
+    refusals: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        if "authorization violation" in str(exc).lower():
+            refusals.append(str(exc))
+        note("nats.error", error=str(exc))
+
+    closing: list[Client] = []
+
+    async def on_disconnect() -> None:
+        if closing and (closing[0].is_closed or closing[0].is_draining):
+            return  # our own close, not an outage
+        note("nats.disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats.reconnected")
+        if reconnected_cb is not None:
+            reconnected_cb()
+
+    wait, attempts, connect_timeout = 0.5, -1, 5.0
+    if give_up_after is not None:
+        wait = min(0.5, give_up_after / 4)
+        attempts = max(1, math.ceil(give_up_after / wait))
+        connect_timeout = min(5.0, give_up_after)
+    # Credentials given in a URL are also given as options: nats-py reconnects to servers
+    # the cluster announces (without credentials in their URLs), and there it would connect
+    # as nobody — for the system account's watch user, to the global account, where no
+    # advisory ever arrives (seen after a node's takeover in a kill trial).
+    user, password = credentials_in(urls)
+    nc = SizedClient()
+    try:
+        await asyncio.wait_for(
+            nc.connect(
+                servers=list(urls),
+                name=name,
+                user=user,
+                password=password,
+                max_reconnect_attempts=attempts,
+                # nats-py annotates these as int; they are seconds, used as floats
+                reconnect_time_wait=wait,  # type: ignore[arg-type]
+                ping_interval=5,
+                max_outstanding_pings=3,
+                connect_timeout=connect_timeout,  # type: ignore[arg-type]
+                allow_reconnect=True,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                closed_cb=closed_cb,
+            ),
+            give_up_after,
+        )
+    except BaseException as exc:
+        if bounded:
+            await nc.close()  # stop its reconnect attempts
+        if refusals and isinstance(exc, Exception):
+            raise NotAuthorized() from None
+        raise
+    closing.append(nc)
+    return nc
+
+
+def credentials_in(urls: Sequence[str]) -> tuple[str | None, str | None]:
+    """The user and password of the first URL that has them (None, None without)."""
+    for u in urls:
+        parts = urllib.parse.urlsplit(u.strip())
+        if parts.username:
+            return urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
+    return None, None
+
+
+class NotAuthorized(NatsError):
+    """The server refused the connection's user and password (or that it had none)."""
+
+    def __str__(self) -> str:
+        return (
+            "wrong or missing credentials (set JETLOOP_NATS_USER and JETLOOP_NATS_PASSWORD, "
+            "or run in the directory of `jetloop up`, which keeps them in its store)"
+        )
+
+
+class PayloadTooLarge(MaxPayloadError):
+    """A message whose headers plus body pass the server's ``max_payload``: refused here,
+    before it is sent, because the server answers one by closing the connection."""
+
+    def __init__(self, subject: str, size: int, limit: int) -> None:
+        super().__init__()
+        self.subject = subject
+        self.size = size
+        self.limit = limit
+
+    def __str__(self) -> str:
+        return (
+            f"message to {self.subject} is {self.size} bytes with its headers, over the "
+            f"server's max_payload of {self.limit} bytes"
+        )
+
+
+class ConnectionLost(ConnectionError):
+    """The NATS connection of a long-lived service closed while it was not stopping: nats-py
+    will not reconnect a closed connection, so the service ends and is started again."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__(f"{service}: the NATS connection closed; exiting to be restarted")
+        self.service = service
+
+
+_HDR_LINE = len(b"NATS/1.0\r\n")
+
+
+def message_size(payload: bytes, headers: dict[str, str] | None) -> int:
+    """What the server counts against ``max_payload``: the header block nats-py writes
+    (``NATS/1.0``, one ``key: value`` line each, a blank line) plus the body."""
+    if not headers:
+        return len(payload)
+    block = _HDR_LINE + 2
+    for k, v in headers.items():
+        key = k.strip()
+        if key:
+            block += len(key.encode()) + 2 + len(v.strip().encode()) + 2
+    return block + len(payload)
+
+
+class SizedClient(Client):
+    """A nats-py client that checks headers plus body against ``max_payload``.
+
+    nats-py compares only the body; the server counts the headers too and closes the
+    connection on a message that passes the limit (NATS-NOTES). Every publish goes through
+    ``publish`` (requests, JetStream publishes, KV and object-store writes), so this is the
+    one place a message too big is refused, as a ``PayloadTooLarge`` on that call.
+    """
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        reply: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        size = message_size(payload, headers)
+        if size > self.max_payload:
+            raise PayloadTooLarge(subject, size, self.max_payload)
+        await super().publish(subject, payload, reply=reply, headers=headers)
+
+
+T = TypeVar("T")
+
+# What a server restart or a leader election looks like from a client: nobody answers yet.
+TRANSIENT: tuple[type[BaseException], ...] = (
+    NoRespondersError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+    NatsTimeoutError,
+    TimeoutError,
+)
+
+
+RETRY_DELAY_CAP = 0.5
+
+
+async def retrying(op: Callable[[], Awaitable[T]], seconds: float, what: str = "request") -> T:
+    """Run an idempotent operation again while the servers are between leaders."""
+    deadline = time.monotonic() + seconds
+    delay = 0.1
+    while True:
+        try:
+            return await op()
+        except TRANSIENT as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.info("nats.retry", what=what, error=type(exc).__name__, retry_in=delay)
+            await asyncio.sleep(delay)
+            # Capped low: once the servers have a leader again, the next try comes soon.
+            delay = min(delay * 2, RETRY_DELAY_CAP)

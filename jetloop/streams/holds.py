@@ -1,0 +1,78 @@
+"""What one worker process holds, kept where another worker finds it if the process dies.
+
+A worker that fetches step or turn messages lists them — stream and sequence, nothing else —
+under ``held.<incarnation>`` in ``jl_workers``. The list is published without waiting for an
+answer (a core publish into the bucket's stream: no round trip on the step's path) each time
+the worker fetches, each time it lets a message go — *before* the ack, nak or term, so the
+list never names a message this process already settled (``JL_STEPS`` keeps acked messages:
+a rescuer could not tell them apart) — and again with each presence refresh, so the bucket's
+TTL keeps it only while the process lives. A process that dies between the update and the
+settle leaves that one message to its lease. Whoever reads the list still checks that each
+message is in its stream (``JL_TURNS`` is a work queue and deletes what was acked).
+
+Who reads it: ``jetloop.services.rescue``, when the server says the process's connection closed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from jetloop.streams.topology import WORKERS_BUCKET, held_key
+
+
+@dataclass
+class Holds:
+    """The messages this process holds now: (stream, sequence) → held."""
+
+    nc: Client
+    incarnation: str
+    worker_id: str
+    _held: dict[tuple[str, int], None] = field(default_factory=dict)
+
+    def add(self, msg: Msg) -> None:
+        self._held[(msg.metadata.stream, msg.metadata.sequence.stream)] = None
+
+    def drop(self, msg: Msg) -> None:
+        self._held.pop((msg.metadata.stream, msg.metadata.sequence.stream), None)
+
+    async def let_go(self, msg: Msg) -> None:
+        """The message is about to be settled: say so first (never raises)."""
+        self.drop(msg)
+        try:
+            await self.publish()
+        except Exception:  # a lost update: a rescuer copies a settled step, state decides
+            pass
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    async def publish(self) -> None:
+        """Send the list as it is now (not confirmed: a list lost with its process only
+        means that process's steps wait for their leases, as they would without it)."""
+        body = {"worker": self.worker_id, "held": [[s, q] for s, q in self._held]}
+        subject = f"$KV.{WORKERS_BUCKET}.{held_key(self.incarnation)}"
+        await self.nc.publish(subject, json.dumps(body).encode())
+
+
+async def read_holds(js: JetStreamContext, incarnation: str) -> list[tuple[str, int]]:
+    """The messages ``incarnation`` last said it held (empty when it said nothing). Read
+    from the stream's leader, not by a direct get: on R3 a follower may not have the list
+    its process sent a moment before it died."""
+    subject = f"$KV.{WORKERS_BUCKET}.{held_key(incarnation)}"
+    try:
+        raw = await js.get_msg(f"KV_{WORKERS_BUCKET}", subject=subject, direct=False)
+    except NotFoundError:
+        return []
+    if not raw.data or (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+        return []
+    try:
+        body = json.loads(raw.data)
+        return [(str(s), int(q)) for s, q in body.get("held", [])]
+    except (ValueError, TypeError, AttributeError):
+        return []  # not a list this code wrote: nothing to hand on

@@ -1,0 +1,125 @@
+"""Which agents are served, and by which live workers (``jl_agents``, ``jl_workers``).
+
+Turns and steps are routed by agent (``jl.turn.<agent>.…``, ``jl.step.<pool>.<agent>.…``),
+so a request for an agent that no worker serves would wait in its stream without a word.
+The registry lets a client tell the three cases apart at once:
+
+- ``unknown``: no worker has ever served the agent (a typo, or nothing deployed yet) —
+  the client refuses to send;
+- ``offline``: some worker served it once, none does now — the request is accepted and
+  waits for a worker (the snapshot says so);
+- ``live``: a worker that serves it refreshed its presence within ``PRESENCE_TTL``.
+
+A worker writes ``agent.<name>`` once (create-if-absent) and refreshes ``worker.<id>``
+(its agents and pools) every third of the TTL; the bucket's TTL removes a dead worker's
+presence by itself, and a worker that stops cleanly deletes its own. Presence is only a
+hint for people and clients: the engine never decides who runs a step from it (the lease
+and the state's CAS still do).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.kv import KeyValue
+
+from jetloop.streams.topology import AGENTS_BUCKET, WORKERS_BUCKET
+
+AgentStatus = Literal["unknown", "offline", "live"]
+
+
+@dataclass(frozen=True)
+class WorkerPresence:
+    worker_id: str
+    agents: tuple[str, ...]
+    pools: tuple[str, ...]
+    since: float
+
+
+class Registry:
+    def __init__(self, agents: KeyValue, workers: KeyValue) -> None:
+        self._agents = agents
+        self._workers = workers
+        self._known: set[str] = set()
+
+    @classmethod
+    async def open(cls, js: JetStreamContext) -> Registry:
+        return cls(await js.key_value(AGENTS_BUCKET), await js.key_value(WORKERS_BUCKET))
+
+    async def declare(self, agents: Iterable[str], by: str) -> None:
+        """Record ``agents`` as served (once each): done by every worker at start, and by a
+        deploy that declares an app before its workers run (``jetloop topology --app``)."""
+        for agent in agents:
+            if agent in self._known:
+                continue
+            try:
+                await self._agents.create(
+                    f"agent.{agent}", json.dumps({"declared_by": by, "at": time.time()}).encode()
+                )
+            except KeyWrongLastSequenceError:
+                pass  # declared before
+            self._known.add(agent)
+
+    async def advertise(
+        self, worker_id: str, agents: Iterable[str], pools: Iterable[str], since: float
+    ) -> None:
+        """Say this worker is alive and serves ``agents``; record each agent once."""
+        agents = tuple(sorted(agents))
+        await self.declare(agents, f"worker {worker_id}")
+        body = {"agents": list(agents), "pools": sorted(pools), "since": since}
+        await self._workers.put(f"worker.{worker_id}", json.dumps(body).encode())
+
+    async def withdraw(self, worker_id: str) -> None:
+        """A clean stop: the presence goes now instead of when its TTL runs out."""
+        try:
+            await self._workers.delete(f"worker.{worker_id}")
+        except NatsError:
+            pass  # the TTL removes it
+
+    async def workers(self) -> list[WorkerPresence]:
+        try:
+            keys = await self._workers.keys()
+        except NoKeysError:
+            return []
+        out = []
+        for key in keys:
+            try:
+                entry = await self._workers.get(key)
+            except KeyNotFoundError:
+                continue  # gone between the listing and the read
+            if not entry.value:
+                continue
+            body = json.loads(entry.value)
+            out.append(
+                WorkerPresence(
+                    worker_id=key.removeprefix("worker."),
+                    agents=tuple(body.get("agents", ())),
+                    pools=tuple(body.get("pools", ())),
+                    since=float(body.get("since", 0.0)),
+                )
+            )
+        return out
+
+    async def known(self, agent: str) -> bool:
+        """Has any worker ever served ``agent``? (Remembered once true: it stays true.)"""
+        if agent not in self._known:
+            try:
+                await self._agents.get(f"agent.{agent}")
+            except KeyNotFoundError:
+                return False
+            self._known.add(agent)
+        return True
+
+    async def status(self, agent: str) -> AgentStatus:
+        if not await self.known(agent):
+            return "unknown"
+        if any(agent in w.agents for w in await self.workers()):
+            return "live"
+        return "offline"

@@ -1,0 +1,419 @@
+"""Typed access to the ``jl_state`` bucket: every write is a CAS on a revision (rule 2, 9).
+
+``create`` fails when the key exists, ``update`` when the revision moved on. Both raise
+``Conflict`` so callers decide in one place whether that is a takeover or a race to retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Generic, TypeVar
+
+import msgpack
+from nats.aio.client import Client
+from nats.errors import ConnectionClosedError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+from pydantic import BaseModel
+
+from jetloop.schemas import (
+    ApprovalRecord,
+    CallRecord,
+    CompactionRecord,
+    QuestionRecord,
+    SessionRecord,
+    TurnRecord,
+    call_key,
+    decode,
+    encode,
+)
+from jetloop.schemas.codec import DecodeError, decode_map
+from jetloop.streams.connection import TRANSIENT, retrying
+from jetloop.streams.direct import direct_batch
+from jetloop.streams.seal import SEAL_FIELD, SealBroken, Sealer
+from jetloop.streams.topology import STATE_BUCKET
+
+R = TypeVar("R", bound=BaseModel)
+
+# How many verified records a store remembers (``StateStore._decode``): a turn reads the same
+# few records ~5 times each (every call step and join reads its turn, session and calls).
+VERIFIED_MEMO = 4096
+
+
+class Conflict(Exception):
+    """A CAS lost: the key exists (create) or its revision moved on (update)."""
+
+    def __init__(self, key: str, expected: int | None) -> None:
+        super().__init__(f"state key {key} changed (expected revision {expected})")
+        self.key = key
+        self.expected = expected
+
+
+@dataclass(frozen=True)
+class Versioned(Generic[R]):
+    value: R
+    revision: int
+    # When the server stored this revision (unix seconds, the server's clock): how fresh a
+    # claim's last heartbeat is (``consumers.holders``).
+    stored_at: float = 0.0
+
+
+def session_key(session_id: str) -> str:
+    return f"session.{session_id}"
+
+
+def turn_key(session_id: str, turn_id: str) -> str:
+    return f"turn.{session_id}.{turn_id}"
+
+
+def call_state_key(call_key: str) -> str:
+    return f"call.{call_key}"
+
+
+def approval_key(session_id: str, approval_id: str) -> str:
+    return f"approval.{session_id}.{approval_id}"
+
+
+def question_key(session_id: str, question_id: str) -> str:
+    return f"question.{session_id}.{question_id}"
+
+
+def compaction_key(session_id: str, turn_id: str, model_step: int) -> str:
+    return f"compact.{session_id}.{turn_id}.{model_step}"
+
+
+RETRYABLE: tuple[type[BaseException], ...] = (*TRANSIENT, ConnectionClosedError)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A key's current value as the server stored it."""
+
+    data: bytes
+    revision: int
+    stored_at: float  # unix seconds, the server's clock: no publisher can set it
+
+
+def stored_time(headers: dict[str, str] | None) -> float:
+    """The ``Nats-Time-Stamp`` of a direct get (RFC 3339, nanoseconds) as unix seconds."""
+    text = (headers or {}).get("Nats-Time-Stamp", "")
+    if not text:
+        return 0.0
+    head, _, frac = text.rstrip("Z").partition(".")
+    seconds = datetime.fromisoformat(head + "+00:00").timestamp()
+    return seconds + (float(f"0.{frac}") if frac.isdigit() else 0.0)
+
+
+class StateStore:
+    """The state bucket, with one typed accessor per record kind.
+
+    Every record is sealed on write and verified on read when a ``Sealer`` is given
+    (``jetloop.streams.seal``: the seal binds the key and the time the server stored it);
+    ``SealBroken`` says a record is not to be trusted. Given ``direct``
+    (a connection, for a bucket with one replica and direct gets allowed), the reads of
+    several keys a step needs together are one batched direct get instead of one get each.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        kv: KeyValue,
+        sealer: Sealer | None = None,
+        retry_for: float = 15.0,
+        direct: Client | None = None,
+        bucket: str = STATE_BUCKET,
+        allow_direct: bool = False,
+    ) -> None:
+        self.js = js
+        self.kv = kv
+        self.allow_direct = allow_direct
+        self.sealer = sealer
+        self.retry_for = retry_for
+        self.direct = direct
+        # How long one try of a write waits for its answer before it reads the key back and
+        # tries again. An answer lost with a restarting server is otherwise waited for 5 s
+        # (nats-py's default), and a worker whose heartbeat write waits that long looks dead
+        # to the others: a worker sets this to a quarter of its lease.
+        self.write_timeout = 5.0
+        # The same for a read: a read sent while the bucket elects a leader may get no answer
+        # at all, and the step that waits for it stands still (5 s by default) after the
+        # election; given up sooner, the step is tried again once the leader is there.
+        self.read_timeout = 5.0
+        self._stream = f"KV_{bucket}"
+        self._prefix = f"$KV.{bucket}."
+        # Records whose seal verified, by what the verdict depends on and nothing else: the
+        # key, the stored bytes and the time the server stored them (``_decode``).
+        self._verified: OrderedDict[tuple[str, bytes, float], None] = OrderedDict()
+
+    @classmethod
+    async def open(cls, nc: Client, sealer: Sealer | None = None) -> StateStore:
+        """The state bucket, read with batched direct gets where it allows them."""
+        js = nc.jetstream()
+        kv = await js.key_value(STATE_BUCKET)
+        info = await js.stream_info(f"KV_{STATE_BUCKET}")
+        direct = bool(info.config.allow_direct)
+        return cls(js, kv, sealer, direct=nc if direct else None, allow_direct=direct)
+
+    def _encode(self, key: str, value: BaseModel) -> bytes:
+        if self.sealer is None:
+            return encode(value)
+        data = value.model_dump(mode="json", exclude_none=True)
+        data.pop(SEAL_FIELD, None)
+        data[SEAL_FIELD] = self.sealer.seal(key, data)
+        packed: bytes = msgpack.packb(data, use_bin_type=True)
+        return packed
+
+    def _decode(self, model: type[R], key: str, raw: Stored, verify: bool) -> R:
+        if self.sealer is None or not verify:
+            return decode(model, raw.data)
+        try:
+            data = msgpack.unpackb(raw.data, raw=False)
+        except Exception as exc:
+            raise SealBroken(key, f"it is not msgpack ({exc})") from exc
+        if not isinstance(data, dict):
+            raise SealBroken(key, "it is not a record")
+        # A seal's verdict is a function of the key, the bytes and the stored time under this
+        # store's keys: the same three verified once need no second HMAC. Only verified
+        # records are remembered, and every read still decodes and validates its own copy
+        # (a record is never shared between readers).
+        seen = (key, raw.data, raw.stored_at)
+        if seen not in self._verified:
+            why = self.sealer.verify(key, data, raw.stored_at)
+            if why is not None:
+                raise SealBroken(key, why)
+            if len(self._verified) >= VERIFIED_MEMO:
+                self._verified.popitem(last=False)  # the oldest
+            self._verified[seen] = None
+        try:
+            return decode_map(model, data)
+        except DecodeError as exc:
+            raise SealBroken(key, str(exc)) from exc
+
+    async def _get(self, model: type[R], key: str, verify: bool = True) -> Versioned[R] | None:
+        return self._typed(model, key, await self._raw(key), verify)
+
+    async def _raw(self, key: str) -> Stored | None:
+        try:
+            msg = await asyncio.wait_for(
+                self.js.get_msg(self._stream, subject=self._prefix + key, direct=self.allow_direct),
+                self.read_timeout,
+            )
+        except NotFoundError:
+            return None
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or msg.data is None:
+            return None
+        at = msg.time.timestamp() if msg.time is not None else stored_time(msg.headers)
+        return Stored(msg.data, msg.seq or 0, at)
+
+    async def _raw_many(self, keys: Sequence[str]) -> dict[str, Stored]:
+        """The current value and revision of every key that has one, in one request."""
+        if self.direct is None or len(keys) < 2:
+            got = await asyncio.gather(*(self._raw(k) for k in keys))
+            return {k: r for k, r in zip(keys, got, strict=True) if r is not None}
+        return await self._direct_last(self.direct, keys, len(keys))
+
+    async def _direct_last(
+        self, nc: Client, patterns: Sequence[str], most: int
+    ) -> dict[str, Stored]:
+        """One batched direct get of the last value of every key matching ``patterns``."""
+        req = {"multi_last": [self._prefix + k for k in patterns], "batch": most}
+        found, _ = await direct_batch(nc, self._stream, req, self.read_timeout)
+        out: dict[str, Stored] = {}
+        for m in found:
+            if m.headers.get("KV-Operation") in ("DEL", "PURGE"):
+                continue
+            out[m.subject.removeprefix(self._prefix)] = Stored(
+                m.data, m.seq, stored_time(m.headers)
+            )
+        return out
+
+    def _typed(
+        self, model: type[R], key: str, raw: Stored | None, verify: bool = True
+    ) -> Versioned[R] | None:
+        if raw is None:
+            return None
+        return Versioned(self._decode(model, key, raw, verify), raw.revision, raw.stored_at)
+
+    async def step_view(
+        self, session_id: str, turn_id: str, call_key: str
+    ) -> tuple[
+        Versioned[TurnRecord] | None, Versioned[CallRecord] | None, Versioned[SessionRecord] | None
+    ]:
+        """What a call step reads before it decides: its turn, its call and its session."""
+        tk, ck = turn_key(session_id, turn_id), call_state_key(call_key)
+        sk = session_key(session_id)
+        raw = await self._raw_many([tk, ck, sk])
+        return (
+            self._typed(TurnRecord, tk, raw.get(tk)),
+            self._typed(CallRecord, ck, raw.get(ck)),
+            self._typed(SessionRecord, sk, raw.get(sk)),
+        )
+
+    async def turn_view(
+        self, session_id: str, turn_id: str
+    ) -> tuple[Versioned[TurnRecord] | None, Versioned[SessionRecord] | None]:
+        """A turn and its session (a model step's conversation needs both), in one request."""
+        tk, sk = turn_key(session_id, turn_id), session_key(session_id)
+        raw = await self._raw_many([tk, sk])
+        return self._typed(TurnRecord, tk, raw.get(tk)), self._typed(SessionRecord, sk, raw.get(sk))
+
+    async def join_view(
+        self, session_id: str, turn_id: str, model_step: int, most_calls: int = 1000
+    ) -> tuple[Versioned[TurnRecord] | None, list[Versioned[CallRecord] | None]]:
+        """A turn and the records of its step's calls (one per planned call, None where
+        there is none yet), in one request where direct gets are allowed."""
+        tk = turn_key(session_id, turn_id)
+        if self.direct is None:
+            turn = await self.turn(session_id, turn_id)
+            if turn is None:
+                return None, []
+            keys = [
+                call_key(session_id, turn_id, model_step, i) for i in range(len(turn.value.calls))
+            ]
+            return turn, await self.calls(keys)
+        step = call_state_key(f"{session_id}.{turn_id}.{model_step}")
+        raw = await self._direct_last(self.direct, [tk, f"{step}.*"], most_calls + 1)
+        turn = self._typed(TurnRecord, tk, raw.get(tk))
+        if turn is None:
+            return None, []
+        keys = [f"{step}.{i}" for i in range(len(turn.value.calls))]
+        return turn, [self._typed(CallRecord, k, raw.get(k)) for k in keys]
+
+    async def calls(self, call_keys: Sequence[str]) -> list[Versioned[CallRecord] | None]:
+        """The records of several calls (a step's calls, for its join), in one request."""
+        keys = [call_state_key(k) for k in call_keys]
+        raw = await self._raw_many(keys)
+        return [self._typed(CallRecord, k, raw.get(k)) for k in keys]
+
+    async def _create_raw(self, key: str, data: bytes) -> int:
+        try:
+            rev: int = await asyncio.wait_for(self.kv.create(key, data), self.write_timeout)
+        except KeyWrongLastSequenceError as exc:
+            raise Conflict(key, None) from exc
+        return rev
+
+    async def _update_raw(self, key: str, data: bytes, revision: int) -> int:
+        try:
+            rev: int = await asyncio.wait_for(
+                self.kv.update(key, data, last=revision), self.write_timeout
+            )
+        except KeyWrongLastSequenceError as exc:
+            raise Conflict(key, revision) from exc
+        return rev
+
+    async def write(self, key: str, value: BaseModel, revision: int | None) -> int:
+        """Create when ``revision`` is None, else CAS-update from ``revision``.
+
+        While the servers are between leaders (a restart, an election) the write is tried
+        again for up to ``retry_for`` seconds, so a short outage does not fail the attempt
+        (which a redelivery would then count as lost). A write whose answer was lost is read
+        back: if the key holds exactly what we wrote, it landed — a retried CAS would answer
+        "wrong last sequence" and look like a takeover (NATS-NOTES). Each try is sealed anew
+        (the seal holds the time it is written), so the read-back knows every version sent.
+        """
+        sent: list[bytes] = []
+        tried = False
+
+        async def landed() -> int | None:
+            entry = await asyncio.wait_for(self.kv.get(key), self.read_timeout)
+            return entry.revision if entry.value in sent and entry.revision else None
+
+        async def once() -> int:
+            nonlocal tried
+            again, tried = tried, True
+            data = self._encode(key, value)
+            sent.append(data)
+            try:
+                if revision is None:
+                    return await self._create_raw(key, data)
+                return await self._update_raw(key, data, revision)
+            except Conflict:
+                if again and (rev := await landed()) is not None:
+                    return rev  # our earlier try landed; its answer was lost
+                raise
+            except RETRYABLE as exc:
+                try:
+                    rev = await landed()
+                except Exception:
+                    raise exc from None
+                if rev is not None:
+                    return rev
+                raise
+
+        return await retrying(once, self.retry_for, "state write")
+
+    async def revision(self, key: str) -> int | None:
+        try:
+            entry = await asyncio.wait_for(self.kv.get(key), self.read_timeout)
+        except KeyNotFoundError:
+            return None
+        return entry.revision
+
+    async def keys(self, pattern: str) -> list[str]:
+        """Keys matching a subject-style pattern (``call.s1.t1.>``), read server-side filtered."""
+        watcher = await self.kv.watch(pattern, ignore_deletes=True, meta_only=True)
+        out: list[str] = []
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    break
+                out.append(entry.key)
+        finally:
+            await watcher.stop()  # type: ignore[no-untyped-call]
+        return out
+
+    async def matching(self, pattern: str, most: int) -> tuple[dict[str, Stored], int]:
+        """The current value of up to ``most`` keys matching ``pattern`` (``turn.s1.*``), and
+        how many more match: one batched direct get where the bucket allows them, else the
+        keys (read server-side filtered) and a get each. Decode each with ``typed``."""
+        if self.direct is not None:
+            req = {"multi_last": [self._prefix + pattern], "batch": most}
+            found, left = await direct_batch(self.direct, self._stream, req, self.read_timeout)
+            out: dict[str, Stored] = {}
+            for m in found:
+                if m.headers.get("KV-Operation") not in ("DEL", "PURGE"):
+                    out[m.subject.removeprefix(self._prefix)] = Stored(
+                        m.data, m.seq, stored_time(m.headers)
+                    )
+            return out, left
+        keys = await self.keys(pattern)
+        return await self._raw_many(keys[:most]), max(0, len(keys) - most)
+
+    async def stored(self, key: str) -> Stored | None:
+        """A key's current value as stored, not decoded yet (decode it with ``typed``)."""
+        return await self._raw(key)
+
+    def typed(
+        self, model: type[R], key: str, raw: Stored | None, verify: bool = True
+    ) -> Versioned[R] | None:
+        """A stored value as its record, verified as every read is (``SealBroken``)."""
+        return self._typed(model, key, raw, verify)
+
+    async def session(
+        self, session_id: str, verify: bool = True
+    ) -> Versioned[SessionRecord] | None:
+        return await self._get(SessionRecord, session_key(session_id), verify)
+
+    async def turn(
+        self, session_id: str, turn_id: str, verify: bool = True
+    ) -> Versioned[TurnRecord] | None:
+        return await self._get(TurnRecord, turn_key(session_id, turn_id), verify)
+
+    async def call(self, call_key: str, verify: bool = True) -> Versioned[CallRecord] | None:
+        return await self._get(CallRecord, call_state_key(call_key), verify)
+
+    async def approval(self, session_id: str, approval_id: str) -> Versioned[ApprovalRecord] | None:
+        return await self._get(ApprovalRecord, approval_key(session_id, approval_id))
+
+    async def question(self, session_id: str, question_id: str) -> Versioned[QuestionRecord] | None:
+        return await self._get(QuestionRecord, question_key(session_id, question_id))
+
+    async def compaction(
+        self, session_id: str, turn_id: str, model_step: int
+    ) -> Versioned[CompactionRecord] | None:
+        return await self._get(CompactionRecord, compaction_key(session_id, turn_id, model_step))

@@ -1,0 +1,278 @@
+"""The raw JetStream floor of a turn: the engine's writes, publishes and acks, and nothing else.
+
+A floor turn moves through the same streams, consumers and KV bucket shapes as an engine turn
+and makes, per step, the same number of KV CAS writes, confirmed publishes (pipelined where
+the engine pipelines them, each with a ``Nats-Msg-Id``) and confirmed acks (``ack_sync``), in
+the same order: commit, publish records, publish the next steps, ack. What it leaves out is
+what the engine adds: the reads (records, history), decoding and encoding with pydantic,
+sealing, the scripted model and the tools, logs, heartbeats. The per-step counts:
+
+    step          CAS writes          publishes (records, then steps)         ack
+    turn request  turn, session       accepted, user, started; run_model 0     1
+    run_model 0   claim, commit       assistant, answered; n call steps        1
+    call i        claim, commit       call.outcome; join i                     1
+    join (last)   turn                n tool results; run_model 1              1
+    join (other)  –                   –                                        1
+    run_model 1   claim, commit       assistant, turn.completed; turn_done     1
+    turn_done     session             –                                        1
+
+(a one-model-step turn is the turn request, run_model 0 answering at once, and turn_done).
+``jetloop.tooling.bench.run`` checks these counts against the engine's, measured from stream
+sequences.
+
+The floor worker runs in its own process (``python -c`` on ``floor_worker_main``), like an
+engine worker, so both pay the same hops. It keeps the join count and the revisions it wrote
+in memory: it reads nothing back, which is what makes it a floor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+
+TURNS = "FLOOR_TURNS"
+STEPS = "FLOOR_STEPS"
+EVENTS = "FLOOR_EVENTS"
+BUCKET = "floor_state"
+TURNS_CONSUMER = "floor_turns"
+STEPS_CONSUMER = "floor_steps"
+COMPLETED = "floor.event.*.turn.completed"
+CONNECTION_NAME = "jetloop-floor-worker"
+
+
+def turn_subject(session_id: str, turn_id: str, fan: int) -> str:
+    """A floor turn request: ``fan`` calls in model step 0 (0: a one-model-step turn)."""
+    return f"floor.turn.{session_id}.{turn_id}.{fan}"
+
+
+async def apply_topology(js: JetStreamContext) -> None:
+    """The floor's streams, consumers and bucket, shaped like the engine's (file storage,
+    dedupe windows, a work-queue stream for requests, 8 revisions a key)."""
+    for cfg in (
+        api.StreamConfig(
+            name=TURNS,
+            subjects=["floor.turn.>"],
+            retention=api.RetentionPolicy.WORK_QUEUE,
+            storage=api.StorageType.FILE,
+            duplicate_window=3600.0,
+        ),
+        api.StreamConfig(
+            name=STEPS,
+            subjects=["floor.step.>"],
+            storage=api.StorageType.FILE,
+            duplicate_window=3600.0,
+        ),
+        api.StreamConfig(
+            name=EVENTS,
+            subjects=["floor.event.>"],
+            storage=api.StorageType.FILE,
+            duplicate_window=3600.0,
+        ),
+    ):
+        await js.add_stream(cfg)
+    await js.create_key_value(
+        api.KeyValueConfig(bucket=BUCKET, history=8, storage=api.StorageType.FILE)
+    )
+    for stream, name, subject in (
+        (TURNS, TURNS_CONSUMER, "floor.turn.>"),
+        (STEPS, STEPS_CONSUMER, "floor.step.>"),
+    ):
+        await js.add_consumer(
+            stream,
+            api.ConsumerConfig(
+                durable_name=name,
+                name=name,
+                filter_subject=subject,
+                ack_policy=api.AckPolicy.EXPLICIT,
+                ack_wait=30.0,
+                max_ack_pending=10_000,
+            ),
+        )
+
+
+def _headers(msg_id: str, tid: str) -> dict[str, str]:
+    return {
+        "Nats-Msg-Id": msg_id,
+        "Jl-Kind": "floor",
+        "Jl-Session": msg_id.split(".", 1)[0],
+        "Jl-Turn": tid,
+        "Jl-Step": msg_id,
+        "Jl-Schema": "1",
+    }
+
+
+class FloorWorker:
+    """Handles floor steps: only the writes, publishes and acks an engine step makes."""
+
+    def __init__(self, nc: Client, kv: KeyValue, kv_bytes: int, msg_bytes: int) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.kv = kv
+        self.value = b"v" * kv_bytes
+        self.body = b"m" * msg_bytes
+        self.revisions: dict[str, int] = {}
+        self.joined: defaultdict[str, int] = defaultdict(int)
+
+    async def cas(self, key: str) -> None:
+        """A create (first write of a key) or an update from the revision written last."""
+        last = self.revisions.get(key)
+        if last is None:
+            self.revisions[key] = await self.kv.create(key, self.value)
+        else:
+            self.revisions[key] = await self.kv.update(key, self.value, last=last)
+
+    async def publish(self, subjects: Sequence[str], ids: Sequence[str], tid: str) -> None:
+        """Confirmed publishes: one alone, several pipelined, as ``jetloop.streams.bus.Bus`` does,
+        with the same headers as the engine's (``jetloop.streams.bus.headers``)."""
+        if len(subjects) == 1:
+            await self.js.publish(subjects[0], self.body, headers=_headers(ids[0], tid))
+            return
+        futures = [
+            await self.js.publish_async(s, self.body, headers=_headers(i, tid))
+            for s, i in zip(subjects, ids, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*futures), timeout=5.0)
+
+    async def handle(self, msg: Msg) -> None:
+        parts = msg.subject.split(".")
+        if parts[1] == "turn":
+            await self.turn_request(parts[2], parts[3], int(parts[4]))
+        else:
+            kind, sid, tid, fan, arg = parts[2], parts[3], parts[4], int(parts[5]), int(parts[6])
+            await getattr(self, kind)(sid, tid, fan, arg)
+        await msg.ack_sync(timeout=5.0)
+
+    def _step(self, kind: str, sid: str, tid: str, fan: int, arg: int = 0) -> str:
+        return f"floor.step.{kind}.{sid}.{tid}.{fan}.{arg}"
+
+    async def turn_request(self, sid: str, tid: str, fan: int) -> None:
+        await self.cas(f"turn.{sid}.{tid}")
+        await self.cas(f"session.{sid}")
+        base = f"{sid}.{tid}"
+        await self.publish(
+            [
+                f"floor.event.{sid}.turn.accepted",
+                f"floor.event.{sid}.history.user",
+                f"floor.event.{sid}.turn.started",
+            ],
+            [f"{base}.accepted", f"{base}.user", f"{base}.started"],
+            tid,
+        )
+        await self.publish([self._step("model", sid, tid, fan, 0)], [f"{base}.m0"], tid)
+
+    async def model(self, sid: str, tid: str, fan: int, n: int) -> None:
+        key, base = f"turn.{sid}.{tid}", f"{sid}.{tid}"
+        await self.cas(key)  # claim
+        await self.cas(key)  # commit
+        if n == 0 and fan > 0:
+            await self.publish(
+                [f"floor.event.{sid}.history.assistant", f"floor.event.{sid}.model.answered"],
+                [f"{base}.m0.assistant", f"{base}.m0.answered"],
+                tid,
+            )
+            await self.publish(
+                [self._step("call", sid, tid, fan, i) for i in range(fan)],
+                [f"{base}.m0.c{i}" for i in range(fan)],
+                tid,
+            )
+            return
+        await self.publish(
+            [f"floor.event.{sid}.history.assistant", f"floor.event.{sid}.turn.completed"],
+            [f"{base}.m{n}.assistant", f"{base}.completed"],
+            tid,
+        )
+        await self.publish([self._step("done", sid, tid, fan)], [f"{base}.done"], tid)
+
+    async def call(self, sid: str, tid: str, fan: int, i: int) -> None:
+        key, base = f"call.{sid}.{tid}.0.{i}", f"{sid}.{tid}"
+        await self.cas(key)  # claim (the in-doubt mark of a write)
+        await self.cas(key)  # commit the outcome
+        await self.publish([f"floor.event.{sid}.call.outcome"], [f"call.{base}.0.{i}.outcome"], tid)
+        await self.publish([self._step("join", sid, tid, fan, i)], [f"{base}.m0.c{i}.join"], tid)
+
+    async def join(self, sid: str, tid: str, fan: int, i: int) -> None:
+        base = f"{sid}.{tid}"
+        self.joined[base] += 1
+        if self.joined[base] < fan:
+            return
+        del self.joined[base]
+        await self.cas(f"turn.{sid}.{tid}")
+        await self.publish(
+            [f"floor.event.{sid}.history.tool" for _ in range(fan)],
+            [f"{base}.m0.c{j}.result" for j in range(fan)],
+            tid,
+        )
+        await self.publish([self._step("model", sid, tid, fan, 1)], [f"{base}.m1"], tid)
+
+    async def done(self, sid: str, tid: str, fan: int, arg: int) -> None:
+        await self.cas(f"session.{sid}")
+
+
+async def _pull(
+    js: JetStreamContext,
+    stream: str,
+    consumer: str,
+    worker: FloorWorker,
+    concurrency: int,
+    stop: asyncio.Event,
+) -> None:
+    """Fetch as many messages as there are free slots, like ``jetloop.services.worker``."""
+    sub = await js.pull_subscribe_bind(durable=consumer, stream=stream)
+    running: set[asyncio.Task[None]] = set()
+    free = asyncio.Event()
+    while not stop.is_set():
+        room = concurrency - len(running)
+        if room <= 0:
+            free.clear()
+            await free.wait()
+            continue
+        try:
+            msgs = await sub.fetch(room, timeout=1.0)
+        except (NatsTimeoutError, TimeoutError):
+            continue
+        for m in msgs:
+            task = asyncio.create_task(worker.handle(m))
+            running.add(task)
+
+            def done(t: asyncio.Task[None]) -> None:
+                running.discard(t)
+                free.set()
+                if not t.cancelled() and t.exception() is not None:
+                    print(f"floor step failed: {t.exception()!r}", file=sys.stderr, flush=True)
+
+            task.add_done_callback(done)
+    if running:
+        await asyncio.wait(running)
+    await sub.unsubscribe()
+
+
+async def run_floor_worker(url: str, kv_bytes: int, msg_bytes: int, concurrency: int) -> None:
+    """Serve floor steps until SIGTERM; print ``ready`` once pulling."""
+    nc = await nats.connect(url, name=CONNECTION_NAME)
+    try:
+        js = nc.jetstream()
+        worker = FloorWorker(nc, await js.key_value(BUCKET), kv_bytes, msg_bytes)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(_pull(js, TURNS, TURNS_CONSUMER, worker, concurrency, stop))
+            tg.create_task(_pull(js, STEPS, STEPS_CONSUMER, worker, concurrency, stop))
+            print("ready", flush=True)
+    finally:
+        await nc.close()
+
+
+def floor_worker_main() -> None:
+    """Entry of the floor worker process: ``<url> <kv bytes> <msg bytes> <concurrency>``."""
+    url, kv_bytes, msg_bytes, concurrency = sys.argv[1:5]
+    asyncio.run(run_floor_worker(url, int(kv_bytes), int(msg_bytes), int(concurrency)))

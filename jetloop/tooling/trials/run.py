@@ -1,0 +1,795 @@
+"""Kill trials: real processes killed at random moments, judged from state.
+
+One module on purpose: a round's driver, its judge and its report share the turn records
+they build, and read as one story of a trial; what is measured beyond lost turns and
+duplicates (detection, false takeovers, the targets) is read in ``jetloop.tooling.trials.measures``.
+
+Each round starts a fresh *victim* worker beside a *survivor* that runs throughout, keeps a
+few sessions busy with turns that mix reads, idempotent writes, single-attempt writes (with
+and without a reader), approvals (granted here), timers and task polls, and at a random
+moment 0.2–4 s after the victim is up applies the mode's failure:
+
+- ``worker_kill``: SIGKILL the victim;
+- ``server_restart``: SIGKILL nats-server and restart it on its store directory;
+- ``takeover``: on a 3-node cluster (R3), SIGKILL the node leading ``JL_STEPS``; it is
+  restarted on its store once a new leader is elected;
+- ``mixed``: on the 3-node cluster, each round picks a worker kill, a node restart (a random
+  node, restarted at once), a takeover, or a worker kill and a takeover together;
+- ``control``: nothing fails. Its "completion" is what the turns in flight at a random
+  moment take anyway (their timers, approvals, polls, model rounds): the part of every other
+  mode's completion that no failure caused.
+
+Every turn is judged from state (``Client.turn``, call records, the events stream) and from
+the vendor's SQLite log, never from worker logs. Per failure the report gives:
+
+- *lost* turns: a turn that does not end within the deadline or ends failed or cancelled
+  (``outcome_unknown`` for a single-attempt write in doubt is a legitimate end);
+- *duplicates*: a vendor write applied twice for one idempotency key, or a single-attempt
+  write requested twice with one key;
+- *detection*: from the kill until the engine noticed. After a worker kill, until another
+  worker resumed a step the dead one held (its ``agent.run.crash_resumed`` event); rounds in
+  which the victim held no step have none and are counted "n/a". When no worker died (a
+  server restart, a takeover, a node restart), until the first event of a turn in flight
+  made after the kill was stored: the engine moving again;
+- *completion*: from the kill to the end of every turn that was in flight when it came;
+- *false takeovers*: losses a turn recorded (or resumes) of a worker that was alive: the
+  survivor at any time, the victim when the round did not kill it or before it was killed;
+- the *restart time* of a server (kill until it accepts connections again) and the
+  *election time* of a takeover (kill until every stream and consumer the killed node
+  led, ``JL_STEPS`` among them, has a new leader).
+
+Targets: no lost turn, no duplicate; worker kill detection p99 ≤ 1 s; server restart
+completion p99 ≤ the p99 restart time + 1 s; takeover completion p99 ≤ the p99 election
+time + 1 s; no false takeover after a worker kill or a server restart. p50/p99 are nearest
+rank over every value measured (rounds for detection, turns in flight for completion).
+
+Every server knows the system account and its ``watch`` user (``jetloop.tooling.trials.servers``),
+and every worker is given the password (``JETLOOP_NATS_WATCH_PASSWORD``), so a worker that
+watches for closed connections can hand a dead worker's steps on before its lease lapses.
+
+This module only wires processes together (STYLE rule 1): the engine is driven through the
+public client, the harness (``WorkerProcess``; ``EmbeddedServer`` and ``LocalCluster``
+through ``jetloop.tooling.trials.servers``) and the test app ``tests.apps:app`` the workers load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import sqlite3
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nats.errors import Error as NatsError
+
+from jetloop.schemas import (
+    CallState,
+    DecodeError,
+    Event,
+    TurnPhase,
+    call_key,
+    decode,
+    idempotency_key,
+)
+from jetloop.services.client import Client
+from jetloop.services.embedded import server_binary
+from jetloop.services.logs import configure
+from jetloop.streams import topology
+from jetloop.streams.connection import connect
+from jetloop.streams.seal import Sealer, key_bytes
+from jetloop.tooling.trials.harness import WorkerProcess
+from jetloop.tooling.trials.measures import (
+    VICTIM_KILLED,
+    Target,
+    engine_detection,
+    false_takeovers,
+    read_events,
+    targets,
+    worker_detection,
+)
+from jetloop.tooling.trials.servers import Cluster, Servers, SingleServer
+
+MODES = ("worker_kill", "server_restart", "takeover", "mixed", "control")
+MIXED_FAILURES = ("worker_kill", "node_restart", "takeover", "worker_kill+takeover")
+
+APP = "tests.apps:app"
+AGENT = "tester"
+LEASE_SECONDS = 2.0
+# Any key will do: the harness (approvals through the client) and the workers share it.
+SEAL_KEY = "5e" * 32
+KILL_WINDOW = (0.2, 4.0)
+SESSIONS_PER_ROUND = 4
+# How often the harness reads a turn record: the resolution of a completion measured
+# without its end event.
+POLL_SECONDS = 0.05
+# From the kill, how long a turn in flight may take to end before it counts as lost.
+DEADLINES = {
+    "control": 40.0,
+    "worker_kill": 40.0,
+    "server_restart": 60.0,
+    "node_restart": 60.0,
+    "takeover": 90.0,
+    "worker_kill+takeover": 90.0,
+}
+# Vendor operations that change something; reads, notes and polls may repeat by design.
+WRITE_OPS = ("write", "slow", "guarded", "once", "once_read", "task_start")
+SINGLE_ATTEMPT_OPS = ("once", "once_read")
+# ``slow`` (an idempotent write that takes 0.3 s) widens the window a kill can land in.
+TOOLS = ("read", "write", "slow", "once", "once_read", "guarded", "wait", "export")
+WORKER_START_SECONDS = 60.0
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+@dataclass
+class TurnTrial:
+    """One turn of a round, as the harness saw it (times are seconds from the round start)."""
+
+    session_id: str
+    turn_id: str
+    request_id: str
+    tools: list[list[str]]
+    sent_at: float
+    ended_at: float | None = None
+    status: str | None = None
+    error: str | None = None
+    calls: dict[str, int] = field(default_factory=dict)
+    in_flight: bool = False
+    completion: float | None = None  # seconds from the kill to its end, if in flight
+    lost: list[str] = field(default_factory=list)  # the record's losses: worker/incarnation
+
+
+@dataclass
+class RoundTrial:
+    """One round: its failure, when it came, and the turns it caught."""
+
+    round: int
+    failure: str
+    kill_after: float
+    kill_at: float
+    victim: str
+    kill_wall: float = math.inf  # time.time() of the kill, the clock events carry
+    election: float | None = None  # the kill until all the killed node led has new leaders
+    steps_election: float | None = None  # the kill until JL_STEPS alone has a new leader
+    restart: float | None = None  # seconds from the kill until the server accepted clients
+    detection: float | None = None  # seconds from the kill until the engine noticed
+    false_takeovers: list[str] = field(default_factory=list)
+    turns: list[TurnTrial] = field(default_factory=list)
+
+    @property
+    def in_flight(self) -> list[TurnTrial]:
+        return [t for t in self.turns if t.in_flight]
+
+
+@dataclass
+class Duplicate:
+    """A write the vendor applied (or a single-attempt write it received) twice for a key."""
+
+    op: str
+    idempotency_key: str
+    applied: int
+    call: str | None
+
+
+@dataclass
+class Report:
+    """The verdict of a run of trials; ``ok`` when every target is met."""
+
+    mode: str
+    rounds: int
+    seed: int
+    lease_seconds: float
+    turns: int
+    in_flight: int
+    lost: list[str]
+    duplicates: list[Duplicate]
+    stray_keys: list[str]
+    call_states: dict[str, int]
+    # Over every round of the run, whatever its failure (``by_failure`` splits them).
+    detection_p50: float | None
+    detection_p99: float | None
+    detection_max: float | None
+    detection_na: int  # rounds without a detection value (the victim held no step)
+    completion_p50: float | None
+    completion_p99: float | None
+    completion_max: float | None
+    false_takeovers: list[str]
+    by_failure: dict[str, dict[str, Any]]
+    targets: list[Target]
+    wall_seconds: float
+    machine: dict[str, str]
+    trials: list[RoundTrial]
+
+    @property
+    def targets_ok(self) -> bool:
+        return all(t.met for t in self.targets)
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and not self.duplicates and self.targets_ok
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        data["targets_ok"] = self.targets_ok
+        return data
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile (``p`` in 0–100): an observed value, never interpolated."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def machine() -> dict[str, str]:
+    """What the numbers were measured on."""
+    try:
+        version = subprocess.run(
+            [server_binary(), "--version"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        version = "?"
+    return {
+        "cpus": str(os.cpu_count()),
+        "python": platform.python_version(),
+        "nats_server": version,
+        "platform": platform.platform(),
+        "load_1m": f"{os.getloadavg()[0]:.2f}",
+    }
+
+
+# --- the workload --------------------------------------------------------------------------
+
+
+def _call(tool: str, name: str) -> dict[str, Any]:
+    if tool == "wait":
+        return {"tool": tool, "args": {"seconds": 1}}
+    if tool == "export":
+        return {"tool": tool, "args": {"name": name, "polls": 2}}
+    if tool == "slow":
+        return {"tool": tool, "args": {"name": name, "seconds": 0.3}}
+    return {"tool": tool, "args": {"name": name}}
+
+
+def plan_turn(rng: random.Random, tag: str, covering: bool = False) -> list[list[dict[str, Any]]]:
+    """The steps of one turn for the test model: 1–2 model steps of 1–3 parallel calls.
+
+    ``covering`` gives the turn that has every kind once (the first turn of each round), so
+    every round exercises every step kind whatever the seed.
+    """
+    if covering:
+        groups = [["write", "once", "once_read", "read"], ["guarded", "wait", "export", "slow"]]
+    else:
+        groups = [
+            [rng.choice(TOOLS) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 2))
+        ]
+    return [
+        [_call(tool, f"{tag}-{k}-{i}") for i, tool in enumerate(group)]
+        for k, group in enumerate(groups)
+    ]
+
+
+def script_text(steps: list[list[dict[str, Any]]]) -> str:
+    """The user text that makes ``tests.apps``' scripted model run these steps."""
+    return json.dumps({"steps": steps, "answer": "done"})
+
+
+# --- a run ---------------------------------------------------------------------------------
+
+
+class Trials:
+    """One run: the servers, the survivor, a client; ``round()`` runs one round."""
+
+    def __init__(
+        self, mode: str, servers: Servers, base: Path, rng: random.Random, seed: int
+    ) -> None:
+        self.mode = mode
+        self.servers = servers
+        self.base = base
+        self.rng = rng
+        self.seed = seed
+        self.vendor_db = base / "vendor.sqlite"
+        self.client: Client | None = None
+        self.survivor: WorkerProcess | None = None
+        self.victims: list[WorkerProcess] = []
+        # Every call the harness planned, by its idempotency key: to name a duplicate.
+        self.calls_by_key: dict[str, str] = {}
+
+    def _worker(self, name: str) -> WorkerProcess:
+        env = {
+            "JETLOOP_LEASE_SECONDS": str(LEASE_SECONDS),
+            "JETLOOP_VENDOR_DB": str(self.vendor_db),
+            "JETLOOP_SEAL_KEY": SEAL_KEY,
+            "JETLOOP_REPLICAS": str(self.servers.replicas),
+            "JETLOOP_DRAIN_SECONDS": "5",
+            "JETLOOP_LOG_LEVEL": "info",
+            # The system account's watch user (the user name is the default, ``watch``).
+            "JETLOOP_NATS_WATCH_PASSWORD": self.servers.watch_password,
+        }
+        return WorkerProcess(
+            self.servers.url, APP, self.base / f"{name}.log", worker_id=name, env=env
+        ).start()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Trials]:
+        """Topology, survivor and client up; everything stopped and closed on the way out."""
+        nc = await connect(self.servers.url.split(","), "jetloop-trials-topology")
+        try:
+            cfg = topology.TopologyConfig(
+                replicas=self.servers.replicas, lease_seconds=LEASE_SECONDS
+            )
+            await topology.apply(nc.jetstream(), cfg, set_replicas=True)
+        finally:
+            await nc.close()
+        self.survivor = self._worker("survivor")
+        try:
+            await self.survivor.wait_for("worker.started", timeout=WORKER_START_SECONDS)
+            sealer = Sealer([key_bytes(SEAL_KEY)])
+            self.client = await Client.connect(self.servers.url, sealer=sealer)
+            try:
+                yield self
+            finally:
+                await self.client.close()
+        finally:
+            for v in self.victims:
+                v.kill()
+            self.survivor.kill()
+
+    def failure_of(self) -> str:
+        if self.mode == "mixed":
+            return self.rng.choice(MIXED_FAILURES)
+        return self.mode
+
+    async def round(self, r: int) -> RoundTrial:
+        """Start a victim, keep sessions busy, fail at a random moment, judge every turn."""
+        failure = self.failure_of()
+        kill_after = self.rng.uniform(*KILL_WINDOW)
+        plans = [
+            [plan_turn(self.rng, f"r{r}s{s}t{k}", covering=(s == 0 and k == 0)) for k in range(64)]
+            for s in range(SESSIONS_PER_ROUND)
+        ]
+        victim = self._worker(f"victim{r}")
+        self.victims.append(victim)
+        await victim.wait_for("worker.started", timeout=WORKER_START_SECONDS)
+        start = time.monotonic()
+        trial = RoundTrial(
+            round=r,
+            failure=failure,
+            kill_after=kill_after,
+            kill_at=math.inf,
+            victim=victim.worker_id,
+        )
+        stop_sending = asyncio.Event()
+        deadline: list[float] = []  # set at the kill: [monotonic deadline]
+        sids = [f"{self.mode[:2]}{r}s{s}" for s in range(SESSIONS_PER_ROUND)]
+
+        async with asyncio.TaskGroup() as tg:
+            for s, sid in enumerate(sids):
+                tg.create_task(
+                    self._session(sid, plans[s], start, stop_sending, deadline, trial.turns)
+                )
+            # The random kill moment is the point of the trial, not a wait for a condition.
+            await asyncio.sleep(kill_after)
+            stop_sending.set()
+            kill = await self.servers.fail(failure, victim, self.rng)
+            trial.kill_at = kill.at - start
+            trial.kill_wall = kill.wall
+            trial.restart = kill.restart
+            deadline.append(kill.at + DEADLINES[failure])
+        elected = await self.servers.heal()
+        if elected is not None:
+            trial.steps_election, trial.election = elected.steps, elected.every_group
+        victim.kill()
+        for t in trial.turns:
+            t.in_flight = t.sent_at < trial.kill_at and (
+                t.ended_at is None or t.ended_at > trial.kill_at
+            )
+            if t.in_flight and t.ended_at is not None:
+                t.completion = t.ended_at - trial.kill_at
+        await self._judge_from_events(trial, sids)
+        return trial
+
+    async def _judge_from_events(self, trial: RoundTrial, sids: list[str]) -> None:
+        """Detection and false takeovers, from the round's events and turn records."""
+        assert self.client is not None and self.survivor is not None
+        events = await read_events(self.client.js, sids)
+        killed = trial.victim if trial.failure in VICTIM_KILLED else None
+        if killed is not None:
+            trial.detection = worker_detection(events, killed, trial.kill_wall)
+        else:
+            in_flight = {t.turn_id for t in trial.in_flight}
+            trial.detection = engine_detection(events, in_flight, trial.kill_wall)
+        alive = {self.survivor.worker_id} | ({trial.victim} if killed is None else set())
+        losses = {t.turn_id: t.lost for t in trial.turns}
+        trial.false_takeovers = false_takeovers(losses, events, alive, killed, trial.kill_wall)
+
+    async def _session(
+        self,
+        sid: str,
+        plans: list[list[list[dict[str, Any]]]],
+        start: float,
+        stop_sending: asyncio.Event,
+        deadline: list[float],
+        out: list[TurnTrial],
+    ) -> None:
+        """Send turns one after the other until the kill; follow each to its end."""
+        assert self.client is not None
+        for k, steps in enumerate(plans):
+            if stop_sending.is_set():
+                return
+            rid = f"{sid}-{k}"
+            sent = time.monotonic() - start
+            handle = await self.client.send(AGENT, sid, script_text(steps), request_id=rid)
+            for n, group in enumerate(steps):
+                for i, c in enumerate(group):
+                    key = idempotency_key(sid, handle.turn_id, n, i)
+                    self.calls_by_key[key] = f"{call_key(sid, handle.turn_id, n, i)} {c['tool']}"
+            t = TurnTrial(
+                session_id=sid,
+                turn_id=handle.turn_id,
+                request_id=rid,
+                tools=[[c["tool"] for c in group] for group in steps],
+                sent_at=sent,
+            )
+            out.append(t)
+            await self._follow(t, steps, start, deadline)
+            if t.status != "completed":
+                return  # a lost turn: the session's next turn would only queue behind it
+
+    async def _follow(
+        self,
+        t: TurnTrial,
+        steps: list[list[dict[str, Any]]],
+        start: float,
+        deadline: list[float],
+    ) -> None:
+        """Poll the turn record until it ends (approving held calls on the way) or the
+        deadline after the kill passes."""
+        assert self.client is not None
+        approved: set[str] = set()
+        while True:
+            if deadline and time.monotonic() > deadline[0]:
+                t.error = "did not end within the deadline after the kill"
+                return
+            try:
+                # A read sent just before a server died waits out its own timeout; a short
+                # one here sends a fresh read instead.
+                turn = await asyncio.wait_for(self.client.turn(t.session_id, t.turn_id), 1.0)
+                if turn is not None:
+                    t.lost = list(turn.lost)
+                if turn is not None and turn.status.terminal:
+                    t.ended_at = await self._end_time(t, turn.status.value, start)
+                    t.status = turn.status.value
+                    t.error = turn.error
+                    await self._settled_calls(t, steps)
+                    return
+                if turn is not None and turn.phase == TurnPhase.CALLS:
+                    await asyncio.wait_for(self._approve(t, turn.model_step, steps, approved), 2.0)
+            except (NatsError, TimeoutError, OSError):
+                pass  # an outage: the client rides it out; look again
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def _end_time(self, t: TurnTrial, status: str, start: float) -> float:
+        """When the turn ended: the time on its end event (written by a worker on this
+        machine) if it can be read, else when the harness saw the end. The harness can see
+        it late (a read that rode out a restart); the event says when the state changed."""
+        assert self.client is not None
+        seen = time.monotonic() - start
+        subject = topology.event_subject(t.session_id, f"turn.{status}")
+        try:
+            raw = await asyncio.wait_for(
+                self.client.js.get_msg(topology.EVENTS_STREAM, subject=subject), 5.0
+            )
+            event = decode(Event, raw.data or b"")
+        except (NatsError, TimeoutError, DecodeError):
+            return seen
+        if event.turn_id != t.turn_id:
+            return seen
+        wall_to_monotonic = time.monotonic() - time.time()
+        return min(seen, event.at + wall_to_monotonic - start)
+
+    async def _approve(
+        self, t: TurnTrial, n: int, steps: list[list[dict[str, Any]]], approved: set[str]
+    ) -> None:
+        """Grant every held call of the step, as a person watching the session would."""
+        assert self.client is not None
+        if n >= len(steps):
+            return
+        for i, c in enumerate(steps[n]):
+            ckey = call_key(t.session_id, t.turn_id, n, i)
+            if c["tool"] != "guarded" or ckey in approved:
+                continue
+            rec = await self.client.call(t.session_id, t.turn_id, n, i)
+            if rec is not None and rec.state == CallState.AWAITING_APPROVAL and rec.approval_id:
+                await self.client.approve(t.session_id, rec.approval_id, by="trials")
+                approved.add(ckey)
+
+    async def _settled_calls(self, t: TurnTrial, steps: list[list[dict[str, Any]]]) -> None:
+        assert self.client is not None
+        states: Counter[str] = Counter()
+        for n, group in enumerate(steps):
+            for i in range(len(group)):
+                rec = await self.client.call(t.session_id, t.turn_id, n, i)
+                states[rec.state.value if rec is not None else "not_made"] += 1
+        t.calls = dict(states)
+
+
+def vendor_duplicates(db: Path, calls_by_key: dict[str, str]) -> tuple[list[Duplicate], list[str]]:
+    """Writes applied twice for one key, and write keys no planned call owns (a key that
+    changed between attempts would show up here)."""
+    if not db.exists():
+        return [], []
+    marks = ",".join("?" for _ in WRITE_OPS)
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        # With dedupe the vendor logs a repeat as deduped; without it (single-attempt ops)
+        # every request applies, so two undeduped requests for one key are two effects.
+        rows = con.execute(
+            f"SELECT op, idem_key, COUNT(*) FROM requests WHERE deduped = 0 AND op IN ({marks})"
+            " GROUP BY op, idem_key HAVING COUNT(*) > 1",
+            WRITE_OPS,
+        ).fetchall()
+        keys = con.execute(
+            f"SELECT DISTINCT idem_key FROM requests WHERE op IN ({marks})", WRITE_OPS
+        ).fetchall()
+    finally:
+        con.close()
+    dups = [Duplicate(str(op), str(k), int(n), calls_by_key.get(str(k))) for op, k, n in rows]
+    stray = sorted(str(k) for (k,) in keys if str(k) not in calls_by_key)
+    return dups, stray
+
+
+@asynccontextmanager
+async def _work_dir(work_dir: Path | None) -> AsyncIterator[Path]:
+    if work_dir is not None:
+        await asyncio.to_thread(work_dir.mkdir, parents=True, exist_ok=True)
+        yield work_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="jetloop-trials-") as d:
+        yield Path(d)
+
+
+async def run_trials(
+    mode: str,
+    rounds: int,
+    seed: int,
+    out_json: Path | str | None,
+    *,
+    work_dir: Path | None = None,
+) -> Report:
+    """Run ``rounds`` rounds of ``mode`` (one of ``MODES``) and judge them.
+
+    ``seed`` fixes the kill moments, failures and turn plans (not the scheduler). The report
+    is written as JSON to ``out_json`` when given; worker and server logs stay in
+    ``work_dir`` when given (else a temporary directory, removed afterwards).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown trial mode {mode!r}; modes are {', '.join(MODES)}")
+    if rounds < 1:
+        raise ValueError("trials need at least one round")
+    began = time.monotonic()
+    rng = random.Random(seed)
+    info = machine()
+    async with _work_dir(work_dir) as base:
+        servers: Servers = Cluster(base) if mode in ("takeover", "mixed") else SingleServer(base)
+        try:
+            await servers.start()
+            trials = Trials(mode, servers, base, rng, seed)
+            done: list[RoundTrial] = []
+            async with trials.running():
+                for r in range(rounds):
+                    done.append(await trials.round(r))
+            dups, stray = await asyncio.to_thread(
+                vendor_duplicates, trials.vendor_db, trials.calls_by_key
+            )
+        finally:
+            servers.close()
+    turns = [t for rnd in done for t in rnd.turns]
+    lost = [
+        f"round {rnd.round} {t.session_id}/{t.turn_id} {t.status or 'not ended'}: {t.error}"
+        for rnd in done
+        for t in rnd.turns
+        if t.status != "completed"
+    ]
+    states: Counter[str] = Counter()
+    for t in turns:
+        states.update(t.calls)
+    by_failure: dict[str, dict[str, Any]] = {}
+    judged: list[Target] = []
+    for failure in sorted({rnd.failure for rnd in done}):
+        row = summarize([rnd for rnd in done if rnd.failure == failure])
+        by_failure[failure] = row
+        judged += targets(failure, row)
+    whole = summarize(done)
+    report = Report(
+        mode=mode,
+        rounds=rounds,
+        seed=seed,
+        lease_seconds=LEASE_SECONDS,
+        turns=len(turns),
+        in_flight=sum(1 for t in turns if t.in_flight),
+        lost=lost,
+        duplicates=dups,
+        stray_keys=stray,
+        call_states=dict(states),
+        detection_p50=whole["detection_p50"],
+        detection_p99=whole["detection_p99"],
+        detection_max=whole["detection_max"],
+        detection_na=whole["detection_na"],
+        completion_p50=whole["completion_p50"],
+        completion_p99=whole["completion_p99"],
+        completion_max=whole["completion_max"],
+        false_takeovers=[
+            f"round {rnd.round} {what}" for rnd in done for what in rnd.false_takeovers
+        ],
+        by_failure=by_failure,
+        targets=judged,
+        wall_seconds=time.monotonic() - began,
+        machine=info,
+        trials=done,
+    )
+    if out_json is not None:
+        text = json.dumps(report.to_json(), indent=2, default=str) + "\n"
+        await asyncio.to_thread(Path(out_json).write_text, text)
+    return report
+
+
+def _spread(name: str, values: list[float]) -> dict[str, float | None]:
+    return {
+        f"{name}_p50": percentile(values, 50),
+        f"{name}_p99": percentile(values, 99),
+        f"{name}_max": max(values) if values else None,
+    }
+
+
+def summarize(rounds: Sequence[RoundTrial]) -> dict[str, Any]:
+    """The numbers of some rounds: counts, and p50/p99/max of each measured time."""
+    completions = [t.completion for rnd in rounds for t in rnd.turns if t.completion is not None]
+    detections = [rnd.detection for rnd in rounds if rnd.detection is not None]
+    return {
+        "rounds": len(rounds),
+        "in_flight": sum(len(rnd.in_flight) for rnd in rounds),
+        "lost": sum(1 for rnd in rounds for t in rnd.turns if t.status != "completed"),
+        **_spread("detection", detections),
+        "detection_na": len(rounds) - len(detections),
+        **_spread("completion", completions),
+        "false_takeovers": sum(len(rnd.false_takeovers) for rnd in rounds),
+        **_spread("restart", [rnd.restart for rnd in rounds if rnd.restart is not None]),
+        **_spread("election", [rnd.election for rnd in rounds if rnd.election is not None]),
+        **_spread(
+            "steps_election",
+            [rnd.steps_election for rnd in rounds if rnd.steps_election is not None],
+        ),
+    }
+
+
+# --- printing ------------------------------------------------------------------------------
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}s"
+
+
+def _three(row: dict[str, Any], name: str) -> str:
+    p50, p99, top = row[f"{name}_p50"], row[f"{name}_p99"], row[f"{name}_max"]
+    return f"p50 {_s(p50)} p99 {_s(p99)} max {_s(top)}"
+
+
+def format_reports(reports: Sequence[Report]) -> str:
+    """The summary table of one or more runs, then each run's failures, targets and rounds."""
+    head = (
+        f"{'mode':<15}{'rounds':>7}{'turns':>7}{'in flight':>10}{'lost':>6}{'dup':>5}"
+        f"{'unknown':>9}{'false':>7}{'det p50':>9}{'det p99':>9}{'det max':>9}{'n/a':>5}"
+        f"{'end p50':>9}{'end p99':>9}{'end max':>9}  verdict"
+    )
+    lines = [head, "-" * len(head)]
+    for rep in reports:
+        verdict = "met" if rep.ok else "NOT MET"
+        lines.append(
+            f"{rep.mode:<15}{rep.rounds:>7}{rep.turns:>7}{rep.in_flight:>10}{len(rep.lost):>6}"
+            f"{len(rep.duplicates):>5}{rep.call_states.get('outcome_unknown', 0):>9}"
+            f"{len(rep.false_takeovers):>7}"
+            f"{_s(rep.detection_p50):>9}{_s(rep.detection_p99):>9}{_s(rep.detection_max):>9}"
+            f"{rep.detection_na:>5}"
+            f"{_s(rep.completion_p50):>9}{_s(rep.completion_p99):>9}{_s(rep.completion_max):>9}"
+            f"  {verdict}"
+        )
+    lines.append(
+        "det = detection (kill → the lost step claimed again, or the engine moving again);"
+        " end = completion (kill → the turn ends); false = false takeovers;"
+        " n/a = rounds without detection"
+    )
+    for rep in reports:
+        lines.append("")
+        lines.append(f"{rep.mode} (seed {rep.seed}, {rep.wall_seconds:.0f}s)")
+        for failure, f in rep.by_failure.items():
+            lines.append(
+                f"  {failure:<22} rounds {f['rounds']:>3}  in flight {f['in_flight']:>3}"
+                f"  lost {f['lost']}  false takeovers {f['false_takeovers']}"
+            )
+            lines.append(f"    detection  {_three(f, 'detection')}  n/a {f['detection_na']} rounds")
+            lines.append(f"    completion {_three(f, 'completion')}")
+            if f["restart_p50"] is not None:
+                lines.append(f"    restart    {_three(f, 'restart')}")
+            if f["election_p50"] is not None:
+                lines.append(f"    election   {_three(f, 'election')} (every group it led)")
+                lines.append(f"    JL_STEPS   {_three(f, 'steps_election')}")
+        for target in rep.targets:
+            lines.append(f"  target {target.text()}")
+        if rep.lost or rep.duplicates:
+            lines.append("  target no lost turn, no duplicate: NOT MET")
+        for rnd in rep.trials:
+            rec = [t.completion for t in rnd.in_flight if t.completion is not None]
+            server = ""
+            if rnd.restart is not None:
+                server = f"  restart {_s(rnd.restart)}"
+            if rnd.election is not None:
+                server = (
+                    f"  new leaders after {_s(rnd.steps_election)} (JL_STEPS),"
+                    f" {_s(rnd.election)} (all)"
+                )
+            lines.append(
+                f"  round {rnd.round:>3} {rnd.failure:<22} kill at {rnd.kill_after:4.2f}s"
+                f"  turns {len(rnd.turns):>3}  in flight {len(rnd.in_flight):>2}"
+                f"  detection {_s(rnd.detection) if rnd.detection is not None else 'n/a'}"
+                f"  completion max {_s(max(rec) if rec else None)}"
+                f"  false {len(rnd.false_takeovers)}{server}"
+            )
+        for what in rep.lost:
+            lines.append(f"  LOST {what}")
+        for d in rep.duplicates:
+            lines.append(f"  DUPLICATE {d.op} {d.idempotency_key} x{d.applied} ({d.call})")
+        for what in rep.false_takeovers:
+            lines.append(f"  FALSE TAKEOVER {what}")
+        if rep.stray_keys:
+            lines.append(f"  stray vendor keys (no planned call): {len(rep.stray_keys)}")
+    return "\n".join(lines)
+
+
+def main(
+    modes: Sequence[str] = ("worker_kill",),
+    rounds: int | None = None,
+    seed: int | None = None,
+    out_json: Path | str | None = None,
+    work_dir: Path | None = None,
+) -> int:
+    """What ``jetloop trials`` runs: each mode in turn; prints the table; 0 if all targets met.
+
+    ``rounds`` defaults to ``JETLOOP_TRIALS`` (else 10), ``seed`` to ``JETLOOP_KILL_SEED``
+    (else random, and printed). With several modes, ``out_json`` holds a list of reports.
+    """
+    if rounds is None:
+        rounds = int(os.environ.get("JETLOOP_TRIALS", "10"))
+    if seed is None:
+        seed = int(os.environ.get("JETLOOP_KILL_SEED", str(random.randrange(1 << 30))))
+    print(f"JETLOOP_KILL_SEED={seed} JETLOOP_TRIALS={rounds}", flush=True)
+
+    async def go() -> list[Report]:
+        out = []
+        for i, mode in enumerate(modes):
+            wd = work_dir / mode if work_dir is not None else None
+            out.append(await run_trials(mode, rounds, seed + i, None, work_dir=wd))
+        return out
+
+    configure("console", "warning")  # the client's own log lines would drown the table
+    reports = asyncio.run(go())
+    print(format_reports(reports))
+    if out_json is not None:
+        body: Any = [r.to_json() for r in reports]
+        Path(out_json).write_text(json.dumps(body, indent=2, default=str) + "\n")
+    return 0 if all(r.ok for r in reports) else 1

@@ -1,0 +1,249 @@
+"""The NATS side of a kill trial: one server or a 3-node cluster, and the failures it takes.
+
+``SingleServer`` (``EmbeddedServer`` on a store directory) takes a worker kill or a
+server restart; ``Cluster`` (``LocalCluster``, R3) takes a worker kill, a node restart, a
+takeover (SIGKILL of the node leading ``JL_STEPS``) or a worker kill and a takeover at once,
+and heals after each round: the killed node restarted on its store, every replica caught up.
+
+Every server starts with a config file naming the system account (``SYS``) and its ``watch``
+user, with a password made for the run (``jetloop.services.natsauth.system_account``): workers may
+hear other workers' connections close (``JETLOOP_NATS_WATCH_PASSWORD``, from
+``watch_password``). Anonymous connections to the global account work beside it, so the
+harness and the workers connect as before. Used by ``jetloop.tooling.trials.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+from nats.errors import Error as NatsError
+
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.services.natsauth import system_account
+from jetloop.streams import topology
+from jetloop.streams.connection import connect
+from jetloop.tooling.trials.cluster import LocalCluster
+from jetloop.tooling.trials.harness import WorkerProcess
+
+
+@dataclass(frozen=True)
+class Kill:
+    """When a failure struck, on both clocks, and how long a restarted server took."""
+
+    at: float  # time.monotonic() of the kill
+    wall: float  # time.time() of the same moment: workers stamp events with this clock
+    restart: float | None = None  # seconds until a killed server accepted connections again
+
+    @classmethod
+    def now(cls) -> Kill:
+        return cls(at=time.monotonic(), wall=time.time())
+
+
+def write_server_config(path: Path, watch_password: str) -> Path:
+    """nats-server's config (JSON is valid config syntax): the system account, the ``watch``
+    user; readable by this user only, as ``jetloop up`` writes its own."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(system_account(watch_password), indent=2) + "\n")
+    return path
+
+
+# The streams a turn's steps touch: their leaders (and their consumers') must be elected
+# again after a takeover before every step can move.
+JETLOOP_STREAMS = [
+    topology.TURNS_STREAM,
+    topology.STEPS_STREAM,
+    topology.EVENTS_STREAM,
+    f"KV_{topology.STATE_BUCKET}",
+]
+
+
+class Elections(NamedTuple):
+    """Seconds from a takeover's kill to a new ``JL_STEPS`` leader, and to new leaders of
+    every group the killed node led (the streams a step touches and their consumers): each
+    elects on its own, and a step waits for every one it needs."""
+
+    steps: float
+    every_group: float
+
+
+class Servers(Protocol):
+    """The NATS side of a trial run: one server or a cluster, and the failures it can take."""
+
+    replicas: int
+    # The system account's ``watch`` password on every server of the run.
+    watch_password: str
+
+    @property
+    def url(self) -> str: ...
+
+    async def start(self) -> None: ...
+
+    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> Kill:
+        """Apply ``failure``; return when it struck (and a restart's duration)."""
+        ...
+
+    async def heal(self) -> Elections | None:
+        """After a round: everything restarted and caught up for the next one. Returns the
+        seconds from the kill to new leaders, after a takeover."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SingleServer:
+    """One nats-server on a store directory: a worker kill or a server restart."""
+
+    replicas = 1
+
+    def __init__(self, base: Path) -> None:
+        self.watch_password = secrets.token_urlsafe(24)
+        config = write_server_config(base / "nats-server.conf", self.watch_password)
+        self.server = EmbeddedServer(
+            base / "store", port=0, log_file=base / "nats.log", config_file=config
+        )
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.server.start)
+        await self.server.wait_jetstream()
+
+    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> Kill:
+        if failure == "control":
+            return Kill.now()  # nothing fails: the moment the others would strike
+        if failure == "worker_kill":
+            kill = Kill.now()
+            victim.kill()
+            return kill
+        if failure == "server_restart":
+            kill = Kill.now()
+            self.server.kill()
+            # start() waits for the port with blocking sleeps: keep the event loop free.
+            # nats-server opens its client port after it has recovered JetStream's store.
+            await asyncio.to_thread(self.server.start)
+            return Kill(kill.at, kill.wall, restart=time.monotonic() - kill.at)
+        raise ValueError(f"a single server cannot take the failure {failure!r}")
+
+    async def heal(self) -> Elections | None:
+        await self.server.wait_jetstream(timeout=30)
+        return None
+
+    def close(self) -> None:
+        self.server.kill()
+
+
+class Cluster:
+    """Three nodes, R3 streams: leader kills (takeovers), node restarts, worker kills."""
+
+    replicas = 3
+
+    def __init__(self, base: Path) -> None:
+        self.watch_password = secrets.token_urlsafe(24)
+        config = write_server_config(base / "nats-server.conf", self.watch_password)
+        self.cluster = LocalCluster(base / "cluster", "jl-trials", config_file=config)
+        self._healing: asyncio.Task[Elections | None] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url_string
+
+    async def start(self) -> None:
+        self.cluster.start()
+        await self.cluster.wait_ready(timeout=60)
+
+    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> Kill:
+        if failure == "worker_kill":
+            kill = Kill.now()
+            victim.kill()
+            return kill
+        if failure == "node_restart":
+            i = rng.randrange(len(self.cluster.nodes))
+            kill = Kill.now()
+            self.cluster.kill(i)
+            self.cluster.start_node(i)
+            self._healing = asyncio.create_task(self._restarted(i))
+            return kill
+        if failure in ("takeover", "worker_kill+takeover"):
+            leader = await self._leader(topology.STEPS_STREAM)
+            led = await self.cluster.groups_led_by(leader, JETLOOP_STREAMS)
+            kill = Kill.now()
+            if failure == "worker_kill+takeover":
+                victim.kill()
+            self.cluster.kill(leader)
+            self._healing = asyncio.create_task(self._restart_after_election(leader, kill.at, led))
+            return kill
+        raise ValueError(f"a cluster does not take the failure {failure!r}")
+
+    async def _leader(self, stream: str) -> int:
+        return await self.cluster.wait_leader(stream, timeout=60)
+
+    async def _restarted(self, node: int) -> Elections | None:
+        await self.cluster.wait_node(node, timeout=60)
+        return None
+
+    async def _restart_after_election(
+        self, node: int, killed_at: float, led: list[tuple[str, str | None]]
+    ) -> Elections:
+        """Restart ``node`` once every group it led (``JL_STEPS`` among them: the streams
+        and consumers it was leader of) has a new leader; the election time is the last."""
+        await self.cluster.wait_leader(topology.STEPS_STREAM, not_node=node, timeout=60)
+        steps = time.monotonic() - killed_at
+        await self.cluster.wait_groups(led, not_node=node, timeout=60)
+        elected = Elections(steps, time.monotonic() - killed_at)
+        self.cluster.start_node(node)
+        await self.cluster.wait_node(node, timeout=60)
+        return elected
+
+    async def heal(self) -> Elections | None:
+        elected = None
+        if self._healing is not None:
+            task, self._healing = self._healing, None
+            elected = await task
+        await self._caught_up()
+        return elected
+
+    async def _caught_up(self, timeout: float = 60.0) -> None:
+        """Every replica of every jetloop stream current, so the next kill meets a whole
+        cluster (a lagging replica would make the next election slower, not the engine)."""
+        streams = JETLOOP_STREAMS
+        deadline = time.monotonic() + timeout
+        nc = await connect(self.cluster.urls, "jetloop-trials-health")
+        try:
+            js = nc.jetstream()
+            for stream in streams:
+                while True:
+                    try:
+                        info = await js.stream_info(stream)
+                        c = info.cluster
+                        if (
+                            c is not None
+                            and c.leader
+                            and c.replicas is not None
+                            and len(c.replicas) == self.replicas - 1
+                            and all(r.current for r in c.replicas)
+                        ):
+                            break
+                    except (NatsError, TimeoutError):
+                        pass
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"stream {stream} did not catch up in {timeout}s")
+                    await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    def close(self) -> None:
+        if self._healing is not None:
+            self._healing.cancel()
+        self.cluster.stop()

@@ -1,0 +1,79 @@
+"""A Claude Agent SDK agent for worker processes: ``--app tests.apps_claude:app``.
+
+An SDK agent as its user writes it (``ClaudeAgentOptions`` with an in-process MCP server of
+``@tool`` functions and the built-in ``Bash``), made durable by ``durable_claude`` with one
+effect declaration per tool. Its CLI talks to the test's fake Anthropic server
+(``CLAUDE_FAKE_URL``, ``CLAUDE_FAKE_KEY``) with every kind of traffic but the model's off,
+and a home of its own (``CLAUDE_HOME``). The tools log at the demo vendor
+(``JETLOOP_VENDOR_DB``), so a test counts what ran.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from claude_agent_sdk import ClaudeAgentOptions, create_sdk_mcp_server, tool
+
+from agents import App, Effect
+from agents.frameworks.claude import call_context, durable_claude
+from demo.vendor import Vendor
+
+
+def vendor() -> Vendor:
+    return Vendor(Path(os.environ["JETLOOP_VENDOR_DB"]))
+
+
+@tool("charge", "Charge the customer's card (the vendor does not dedupe).", {"amount": int})
+async def charge(args: dict[str, Any]) -> dict[str, Any]:
+    ctx = call_context()
+    done = await vendor().write("charge", ctx.idempotency_key, {"amount": args["amount"]}, dedupe=False)
+    return {"content": [{"type": "text", "text": f"charged {done['amount']}"}]}
+
+
+@tool("book", "Book a slot (the vendor dedupes on the key).", {"slot": str})
+async def book(args: dict[str, Any]) -> dict[str, Any]:
+    ctx = call_context()
+    done = await vendor().write("book", ctx.idempotency_key, {"slot": args["slot"]})
+    return {"content": [{"type": "text", "text": f"booked {done['slot']}"}]}
+
+
+@tool("lookup", "Look an order up.", {"order": str})
+async def lookup(args: dict[str, Any]) -> dict[str, Any]:
+    await vendor().note("lookup", call_context().idempotency_key, {"order": args["order"]})
+    return {"content": [{"type": "text", "text": f"order {args['order']} is paid"}]}
+
+
+def options() -> ClaudeAgentOptions:
+    home = os.environ.get("CLAUDE_HOME", "/tmp/jetloop-claude-home")
+    Path(home).mkdir(parents=True, exist_ok=True)
+    shop = create_sdk_mcp_server("shop", tools=[charge, book, lookup])
+    return ClaudeAgentOptions(
+        model="claude-sonnet-4-5",
+        system_prompt="You run a shop.",
+        tools=["Bash"],
+        allowed_tools=["Bash"],
+        mcp_servers={"shop": shop},
+        cwd=home,
+        env={
+            "ANTHROPIC_BASE_URL": os.environ.get("CLAUDE_FAKE_URL", ""),
+            "ANTHROPIC_API_KEY": os.environ.get("CLAUDE_FAKE_KEY", ""),
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "HOME": home,
+            "CLAUDE_CONFIG_DIR": str(Path(home) / ".claude"),
+        },
+    )
+
+
+# The wrapper and the effect declarations: the only lines jetloop adds to the SDK agent.
+shop_agent = durable_claude(
+    "claude_shop",
+    options(),
+    tools={"shop": [charge, book, lookup]},
+    effects={"book": Effect.IDEMPOTENT_WRITE, "lookup": Effect.READ},  # charge: undeclared
+)
+
+app = App([shop_agent])

@@ -1,0 +1,303 @@
+"""A Claude Agent SDK agent on jetloop: segments, deferred custom tools, and crashes.
+
+Real worker processes (``tests.apps_claude:app``) run the SDK's bundled Claude Code CLI
+against the fake Anthropic Messages server of this test process (``ANTHROPIC_BASE_URL``),
+offline. The CLI is heavy, so each test keeps its CLI runs few.
+
+A worker is killed with its process group (``os.killpg``): the worker and the CLI it spawned
+die together, as they do when the machine or container goes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.model import Message, ModelRequest, ToolCallRequest
+from demo.vendor import Vendor
+from services.client import Client
+from streams.registry import Registry
+from tests.conftest import WorkerFactory, until
+from tests.fakes import FakeAnthropic, FakeCall, Reply
+from tests.test_matrix import Rig, rig  # noqa: F401 - the crash-matrix columns, reused
+from tooling.trials.harness import WorkerProcess
+
+APP = "tests.apps_claude:app"
+AGENT = "claude_shop"
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeAnthropic]:
+    async with FakeAnthropic() as f:
+        yield f
+
+
+def claude_env(fake: FakeAnthropic, home: Path) -> dict[str, str]:
+    return {
+        "CLAUDE_FAKE_URL": fake.base_url,
+        "CLAUDE_FAKE_KEY": fake.api_key,
+        "CLAUDE_HOME": str(home),
+    }
+
+
+async def declare(client: Client) -> None:
+    """The agent declared as a deploy does, so a send waits for its worker."""
+    registry = await Registry.open(client.js)
+    await registry.declare([AGENT], "tests")
+
+
+def start(
+    workers: WorkerFactory, fake: FakeAnthropic, home: Path, name: str | None = None, **kw: Any
+) -> WorkerProcess:
+    return workers.start(name, app=APP, env=claude_env(fake, home), **kw)
+
+
+def kill_with_cli(w: WorkerProcess) -> None:
+    """SIGKILL the worker and the CLI it runs (one process group)."""
+    assert w.proc is not None
+    os.killpg(w.pid, signal.SIGKILL)
+    w.proc.wait()
+
+
+def bash(log: Path, gate: Path | None = None) -> FakeCall:
+    """The built-in Bash tool: appends a line to ``log``, then waits for ``gate`` if given."""
+    command = f"echo ran >> {log}"
+    if gate is not None:
+        command += f"; while [ ! -f {gate} ]; do sleep 0.05; done"
+    return FakeCall("Bash", {"command": command, "description": "log a line"})
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def tool_results(body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        b
+        for m in body["messages"]
+        if isinstance(m["content"], list)
+        for b in m["content"]
+        if b.get("type") == "tool_result"
+    ]
+
+
+def transcript_texts(body: dict[str, Any]) -> str:
+    return json.dumps(body["messages"])
+
+
+async def count(vendor: Vendor, op: str) -> int:
+    return sum((await vendor.request_counts(op)).values())
+
+
+# --- the adapter, in this process --------------------------------------------------------
+
+
+async def test_segment_runs_cli_tools_inline_and_defers_custom_tools(
+    fake: FakeAnthropic, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One segment: the CLI runs Bash itself; the custom tool is not run but returned as a
+    call (jetloop's tool name, the provider's id); the next segment resumes from the
+    history with the result as a real ``tool_result`` of the MCP tool."""
+    for k, v in claude_env(fake, tmp_path).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("JETLOOP_VENDOR_DB", str(tmp_path / "vendor.sqlite"))
+    from tests.apps_claude import shop_agent
+
+    log = tmp_path / "bash.log"
+    fake.script(
+        Reply(text="first a note", calls=(bash(log),)),
+        Reply(text="now the charge", calls=(FakeCall("mcp__shop__charge", {"amount": 5}),)),
+        Reply(text="charged, all done"),
+    )
+    first = ModelRequest(
+        agent=AGENT,
+        instructions="",
+        messages=[Message(role="user", text="charge 5")],
+        tools=[],
+        attempt=1,
+        session_id="s",
+        turn_id="t1",
+    )
+    r1 = await shop_agent.model.complete(first)
+    assert lines(log) == 1, "Bash ran inside the segment"
+    assert r1.text == "now the charge"
+    assert [(c.name, c.arguments) for c in r1.tool_calls] == [("charge", {"amount": 5})]
+    assert await count(Vendor(tmp_path / "vendor.sqlite"), "charge") == 0, "deferred, not run"
+    call = r1.tool_calls[0]
+    history = [
+        Message(role="user", text="charge 5"),
+        Message(role="assistant", text=r1.text, calls=[ToolCallRequest(**vars(call))]),
+        Message(role="tool", call_id="t1-0-0", tool="charge", status="ok", result="charged 5"),
+    ]
+    second = ModelRequest(
+        agent=AGENT,
+        instructions="",
+        messages=history,
+        tools=[],
+        attempt=1,
+        session_id="s",
+        turn_id="t1",
+        model_step=1,
+    )
+    r2 = await shop_agent.model.complete(second)
+    assert (r2.text, r2.tool_calls) == ("charged, all done", [])
+    last = fake.bodies[-1]
+    assert [(m["role"]) for m in last["messages"][:3]] == ["user", "assistant", "user"]
+    use = last["messages"][1]["content"][-1]
+    assert (use["type"], use["name"], use["id"]) == ("tool_use", "mcp__shop__charge", call.provider_id)
+    assert tool_results(last)[0]["tool_use_id"] == call.provider_id
+    assert tool_results(last)[0]["content"] == "charged 5"
+    assert lines(log) == 1, "a finished segment's CLI tools are not run again"
+
+
+# --- real workers -----------------------------------------------------------------------
+
+
+async def test_turn_on_a_worker_defers_each_custom_tool_by_its_effect(
+    fake: FakeAnthropic, client: Client, workers: WorkerFactory, vendor: Vendor, tmp_path: Path
+) -> None:
+    """A turn on a real worker: three custom tools asked at once become three CallTool
+    steps with the declared effect classes (charge undeclared → a non-idempotent write)."""
+    await declare(client)
+    fake.script(
+        Reply(
+            text="doing all three",
+            calls=(
+                FakeCall("mcp__shop__charge", {"amount": 7}),
+                FakeCall("mcp__shop__book", {"slot": "9am"}),
+                FakeCall("mcp__shop__lookup", {"order": "A1"}),
+            ),
+        ),
+        Reply(text="all three done"),
+    )
+    start(workers, fake, tmp_path / "home")
+    h = await client.send(AGENT, "c1", "charge, book, look up")
+    res = await client.wait(h, timeout=60)
+    assert (res.status, res.text) == ("completed", "all three done")
+    effects = []
+    for i in range(3):
+        rec = await client.call("c1", h.turn_id, 0, i)
+        assert rec is not None and rec.state == "succeeded"
+        effects.append(rec.effect)
+    assert effects == ["non_idempotent_write", "idempotent_write", "read"]
+    assert await vendor.effect_count("charge") == 1
+    assert await vendor.effect_count("book") == 1
+    results = tool_results(fake.bodies[-1])
+    assert [r["content"] for r in results] == ["charged 7", "booked 9am", "order A1 is paid"]
+
+
+async def test_worker_killed_mid_deferred_tools(
+    fake: FakeAnthropic, client: Client, workers: WorkerFactory, vendor: Vendor, tmp_path: Path
+) -> None:
+    """SIGKILL while the deferred tools have run but not committed: the single-attempt
+    write is settled ``outcome_unknown`` and never runs twice, the idempotent write is made
+    again with the same key (applied once), the read is made again."""
+    await declare(client)
+    fake.script(
+        Reply(
+            text="doing all three",
+            calls=(
+                FakeCall("mcp__shop__charge", {"amount": 7}),
+                FakeCall("mcp__shop__book", {"slot": "9am"}),
+                FakeCall("mcp__shop__lookup", {"order": "A1"}),
+            ),
+        ),
+        Reply(text="settled"),
+    )
+    home = tmp_path / "home"
+    victim = start(workers, fake, home, hold="call_tool.before_commit")
+    h = await client.send(AGENT, "c2", "charge, book, look up")
+
+    async def all_held() -> bool:
+        return len(victim.find("fault.hold", point="call_tool.before_commit")) == 3
+
+    await until(all_held)
+    kill_with_cli(victim)
+    start(workers, fake, home, "survivor")
+    res = await client.wait(h, timeout=90)
+    assert res.status == "completed"
+    charge = await client.call("c2", h.turn_id, 0, 0)
+    assert charge is not None and charge.state == "outcome_unknown" and charge.attempts == 1
+    assert await count(vendor, "charge") == 1, "a single-attempt write never runs twice"
+    book_keys = await vendor.request_counts("book")
+    assert len(book_keys) == 1 and sum(book_keys.values()) == 2, "made again, the same key"
+    assert await vendor.effect_count("book") == 1
+    assert sum((await vendor.payload_counts("lookup")).values()) == 2, "a read repeats"
+    results = tool_results(fake.bodies[-1])
+    assert results[0]["is_error"] is True and "Outcome unknown" in results[0]["content"]
+    assert [r["content"] for r in results[1:]] == ["booked 9am", "order A1 is paid"]
+
+
+# --- the crash-matrix row: a Claude Agent SDK turn segment, while it runs ------------------
+
+
+class Answering:
+    """The fake's outcomes chosen from each request, not from a queue: a segment that runs
+    again asks the same questions again and must get the same answers (``popleft`` is all
+    ``FakeProvider`` asks of its queue)."""
+
+    def __init__(self, fake: FakeAnthropic, log: Path, gate: Path) -> None:
+        self.fake, self.log, self.gate = fake, log, gate
+
+    def __bool__(self) -> bool:
+        return True
+
+    def popleft(self) -> Reply:
+        body = self.fake.received[-1].body
+        results = tool_results(body)
+        if any(r["content"].startswith("charged") for r in results):
+            return Reply(text="charged 3, done")
+        if results:  # Bash answered, inside the segment
+            return Reply(text="now the charge", calls=(FakeCall("mcp__shop__charge", {"amount": 3}),))
+        return Reply(text="working", calls=(bash(self.log, self.gate),))
+
+
+@pytest.mark.timeout(180)
+async def test_segment_while_running(
+    rig: Rig,  # noqa: F811 - the fixture imported above
+    fake: FakeAnthropic,
+    tmp_path: Path,
+) -> None:
+    """A failure while a segment runs (its Bash tool is running): the worker is SIGKILLed
+    with its CLI, or the servers fail (restart, takeover) under the running worker.
+
+    Whatever the column, the turn completes and the deferred single-attempt charge after
+    the segment is made exactly once. After a worker kill the segment's RunModel step runs
+    again: its model calls and its Bash tool repeat (at-least-once). Under a server failure
+    the step goes on, or, if the outage outlasted its lease, runs again the same way."""
+    await declare(rig.client)
+    log, gate = tmp_path / "bash.log", tmp_path / "gate"
+    fake._outcomes = Answering(fake, log, gate)  # type: ignore[assignment]
+    home = tmp_path / "home"
+    env = claude_env(fake, home)
+    victim = rig.workers.start(app=APP, env=env)
+    h = await rig.client.send(AGENT, "seg", "charge 3 after the work")
+
+    async def bash_running() -> bool:
+        return lines(log) == 1
+
+    await until(bash_running)
+    if rig.worker_killed:
+        kill_with_cli(victim)
+        gate.touch()
+        rig.workers.start("survivor", app=APP, env=env)
+    else:
+        await rig.down()
+        await rig.up()
+        gate.touch()
+    res = await rig.client.wait(h, timeout=120)
+    assert (res.status, res.text) == ("completed", "charged 3, done")
+    ran = lines(log)
+    if rig.worker_killed:
+        assert ran == 2, "the segment ran again, and its Bash tool with it"
+    else:
+        assert ran >= 1
+    assert await count(rig.vendor, "charge") == 1, "the deferred charge is made once"
+    rec = await rig.client.call("seg", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == "succeeded" and rec.effect == "non_idempotent_write"

@@ -28,7 +28,9 @@ def vendor() -> Vendor:
 @tool("charge", "Charge the customer's card (the vendor does not dedupe).", {"amount": int})
 async def charge(args: dict[str, Any]) -> dict[str, Any]:
     ctx = call_context()
-    done = await vendor().write("charge", ctx.idempotency_key, {"amount": args["amount"]}, dedupe=False)
+    done = await vendor().write(
+        "charge", ctx.idempotency_key, {"amount": args["amount"]}, dedupe=False
+    )
     return {"content": [{"type": "text", "text": f"charged {done['amount']}"}]}
 
 

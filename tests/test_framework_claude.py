@@ -150,7 +150,11 @@ async def test_segment_runs_cli_tools_inline_and_defers_custom_tools(
     last = fake.bodies[-1]
     assert [(m["role"]) for m in last["messages"][:3]] == ["user", "assistant", "user"]
     use = last["messages"][1]["content"][-1]
-    assert (use["type"], use["name"], use["id"]) == ("tool_use", "mcp__shop__charge", call.provider_id)
+    assert (use["type"], use["name"], use["id"]) == (
+        "tool_use",
+        "mcp__shop__charge",
+        call.provider_id,
+    )
     assert tool_results(last)[0]["tool_use_id"] == call.provider_id
     assert tool_results(last)[0]["content"] == "charged 5"
     assert lines(log) == 1, "a finished segment's CLI tools are not run again"
@@ -254,7 +258,9 @@ class Answering:
         if any(r["content"].startswith("charged") for r in results):
             return Reply(text="charged 3, done")
         if results:  # Bash answered, inside the segment
-            return Reply(text="now the charge", calls=(FakeCall("mcp__shop__charge", {"amount": 3}),))
+            return Reply(
+                text="now the charge", calls=(FakeCall("mcp__shop__charge", {"amount": 3}),)
+            )
         return Reply(text="working", calls=(bash(self.log, self.gate),))
 
 

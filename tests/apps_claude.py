@@ -10,6 +10,7 @@ and a home of its own (``CLAUDE_HOME``). The tools log at the demo vendor
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -47,15 +48,27 @@ async def lookup(args: dict[str, Any]) -> dict[str, Any]:
     return {"content": [{"type": "text", "text": f"order {args['order']} is paid"}]}
 
 
+@tool("stock", "Count an item in the stockroom.", {"item": str})
+async def stock(args: dict[str, Any]) -> dict[str, Any]:
+    """Run by the CLI inside the segment (``inline``): at-least-once. With ``CLAUDE_GATE``
+    set (a file path) it waits for that file after logging, so a test can fail it midway."""
+    await vendor().note("stock", None, {"item": args["item"]})
+    gate = os.environ.get("CLAUDE_GATE")
+    # Polls a file the test process creates (as tests/apps.py's latch does).
+    while gate and not Path(gate).exists():  # noqa: ASYNC110, ASYNC240
+        await asyncio.sleep(0.02)
+    return {"content": [{"type": "text", "text": f"{args['item']}: 4 left"}]}
+
+
 def options() -> ClaudeAgentOptions:
     home = os.environ.get("CLAUDE_HOME", "/tmp/jetloop-claude-home")
     Path(home).mkdir(parents=True, exist_ok=True)
-    shop = create_sdk_mcp_server("shop", tools=[charge, book, lookup])
+    shop = create_sdk_mcp_server("shop", tools=[charge, book, lookup, stock])
     return ClaudeAgentOptions(
         model="claude-sonnet-4-5",
         system_prompt="You run a shop.",
         tools=["Bash"],
-        allowed_tools=["Bash"],
+        allowed_tools=["Bash", "mcp__shop__stock"],
         mcp_servers={"shop": shop},
         cwd=home,
         env={
@@ -74,7 +87,8 @@ def options() -> ClaudeAgentOptions:
 shop_agent = durable_claude(
     "claude_shop",
     options(),
-    tools={"shop": [charge, book, lookup]},
+    tools={"shop": [charge, book, lookup, stock]},
+    inline={"stock"},  # run by the CLI inside the segment, not deferred
     effects={"book": Effect.IDEMPOTENT_WRITE, "lookup": Effect.READ},  # charge: undeclared
 )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -246,22 +246,28 @@ class Answering:
     again asks the same questions again and must get the same answers (``popleft`` is all
     ``FakeProvider`` asks of its queue)."""
 
-    def __init__(self, fake: FakeAnthropic, log: Path, gate: Path) -> None:
-        self.fake, self.log, self.gate = fake, log, gate
+    def __init__(self, fake: FakeAnthropic, answer: Callable[[dict[str, Any]], Reply]) -> None:
+        self.fake, self.answer = fake, answer
 
     def __bool__(self) -> bool:
         return True
 
     def popleft(self) -> Reply:
-        body = self.fake.received[-1].body
-        results = tool_results(body)
-        if any(r["content"].startswith("charged") for r in results):
-            return Reply(text="charged 3, done")
-        if results:  # Bash answered, inside the segment
-            return Reply(
-                text="now the charge", calls=(FakeCall("mcp__shop__charge", {"amount": 3}),)
-            )
-        return Reply(text="working", calls=(bash(self.log, self.gate),))
+        return self.answer(self.fake.received[-1].body)
+
+
+async def fail_while_running(
+    r: Rig, victim: WorkerProcess, gate: Path, env: dict[str, str]
+) -> None:
+    """The column's failure, with the worker inside the segment; then the gate opens."""
+    if r.worker_killed:
+        kill_with_cli(victim)
+        gate.touch()  # noqa: ASYNC240
+        r.workers.start("survivor", app=APP, env=env)
+    else:
+        await r.down()
+        await r.up()
+        gate.touch()  # noqa: ASYNC240
 
 
 @pytest.mark.timeout(180)
@@ -279,7 +285,17 @@ async def test_segment_while_running(
     the step goes on, or, if the outage outlasted its lease, runs again the same way."""
     await declare(rig.client)
     log, gate = tmp_path / "bash.log", tmp_path / "gate"
-    fake._outcomes = Answering(fake, log, gate)  # type: ignore[assignment]
+
+    def answer(body: dict[str, Any]) -> Reply:
+        results = tool_results(body)
+        if any(r["content"].startswith("charged") for r in results):
+            return Reply(text="charged 3, done")
+        if results:  # Bash answered, inside the segment
+            charge = FakeCall("mcp__shop__charge", {"amount": 3})
+            return Reply(text="now the charge", calls=(charge,))
+        return Reply(text="working", calls=(bash(log, gate),))
+
+    fake._outcomes = Answering(fake, answer)  # type: ignore[assignment]
     home = tmp_path / "home"
     env = claude_env(fake, home)
     victim = rig.workers.start(app=APP, env=env)
@@ -289,14 +305,7 @@ async def test_segment_while_running(
         return lines(log) == 1
 
     await until(bash_running)
-    if rig.worker_killed:
-        kill_with_cli(victim)
-        gate.touch()
-        rig.workers.start("survivor", app=APP, env=env)
-    else:
-        await rig.down()
-        await rig.up()
-        gate.touch()
+    await fail_while_running(rig, victim, gate, env)
     res = await rig.client.wait(h, timeout=120)
     assert (res.status, res.text) == ("completed", "charged 3, done")
     ran = lines(log)
@@ -307,3 +316,45 @@ async def test_segment_while_running(
     assert await count(rig.vendor, "charge") == 1, "the deferred charge is made once"
     rec = await rig.client.call("seg", h.turn_id, 0, 0)
     assert rec is not None and rec.state == "succeeded" and rec.effect == "non_idempotent_write"
+
+
+# --- the crash-matrix row: a tool the framework cannot defer, while it runs ----------------
+
+
+@pytest.mark.timeout(180)
+async def test_inline_tool_while_running(
+    rig: Rig,  # noqa: F811 - the fixture imported above
+    fake: FakeAnthropic,
+    tmp_path: Path,
+) -> None:
+    """A custom tool declared ``inline`` is run by the CLI inside the segment: a failure
+    while it runs (after it logged at the vendor, before it answered) leaves it at-least-once.
+    After a worker kill the segment runs again and the tool with it (twice in all); under a
+    server failure once, or twice if the outage outlasted the step's lease. The turn
+    completes either way, and jetloop made no CallTool step for it."""
+    await declare(rig.client)
+    gate = tmp_path / "gate"
+
+    def answer(body: dict[str, Any]) -> Reply:
+        if tool_results(body):
+            return Reply(text="4 left, done")
+        return Reply(text="counting", calls=(FakeCall("mcp__shop__stock", {"item": "tea"}),))
+
+    fake._outcomes = Answering(fake, answer)  # type: ignore[assignment]
+    env = {**claude_env(fake, tmp_path / "home"), "CLAUDE_GATE": str(gate)}
+    victim = rig.workers.start(app=APP, env=env)
+    h = await rig.client.send(AGENT, "inl", "how much tea?")
+
+    async def running() -> bool:
+        return await count(rig.vendor, "stock") == 1
+
+    await until(running)
+    await fail_while_running(rig, victim, gate, env)
+    res = await rig.client.wait(h, timeout=120)
+    assert (res.status, res.text) == ("completed", "4 left, done")
+    ran = await count(rig.vendor, "stock")
+    if rig.worker_killed:
+        assert ran == 2, "the segment ran again, and the inline tool with it"
+    else:
+        assert ran in (1, 2)
+    assert await rig.client.call("inl", h.turn_id, 0, 0) is None, "no CallTool step"

@@ -42,6 +42,13 @@ async def book(args: dict[str, Any]) -> dict[str, Any]:
     return {"content": [{"type": "text", "text": f"booked {done['slot']}"}]}
 
 
+@tool("refund", "Refund an order (a person approves each refund).", {"order": str})
+async def refund(args: dict[str, Any]) -> dict[str, Any]:
+    ctx = call_context()
+    await vendor().write("refund", ctx.idempotency_key, {"order": args["order"]}, dedupe=False)
+    return {"content": [{"type": "text", "text": f"refunded {args['order']}"}]}
+
+
 @tool("lookup", "Look an order up.", {"order": str})
 async def lookup(args: dict[str, Any]) -> dict[str, Any]:
     await vendor().note("lookup", call_context().idempotency_key, {"order": args["order"]})
@@ -63,7 +70,7 @@ async def stock(args: dict[str, Any]) -> dict[str, Any]:
 def options() -> ClaudeAgentOptions:
     home = os.environ.get("CLAUDE_HOME", "/tmp/jetloop-claude-home")
     Path(home).mkdir(parents=True, exist_ok=True)
-    shop = create_sdk_mcp_server("shop", tools=[charge, book, lookup, stock])
+    shop = create_sdk_mcp_server("shop", tools=[charge, book, refund, lookup, stock])
     return ClaudeAgentOptions(
         model="claude-sonnet-4-5",
         system_prompt="You run a shop.",
@@ -87,9 +94,10 @@ def options() -> ClaudeAgentOptions:
 shop_agent = durable_claude(
     "claude_shop",
     options(),
-    tools={"shop": [charge, book, lookup, stock]},
+    tools={"shop": [charge, book, refund, lookup, stock]},
     inline={"stock"},  # run by the CLI inside the segment, not deferred
     effects={"book": Effect.IDEMPOTENT_WRITE, "lookup": Effect.READ},  # charge: undeclared
+    approval={"refund": True},  # AwaitToolApproval before each refund
 )
 
 app = App([shop_agent])

@@ -25,7 +25,11 @@ from services.client import Client
 from streams.registry import Registry
 from tests.conftest import WorkerFactory, until
 from tests.fakes import FakeAnthropic, FakeCall, Reply
-from tests.test_matrix import Rig, rig  # noqa: F401 - the crash-matrix columns, reused
+from tests.test_matrix import (  # the crash-matrix columns, reused
+    Rig,
+    _events_until_done,
+    rig,  # noqa: F401 - a fixture
+)
 from tooling.trials.harness import WorkerProcess
 
 APP = "tests.apps_claude:app"
@@ -238,6 +242,36 @@ async def test_worker_killed_mid_deferred_tools(
     assert [r["content"] for r in results[1:]] == ["booked 9am", "order A1 is paid"]
 
 
+async def test_approval_holds_a_deferred_tool_until_approved(
+    fake: FakeAnthropic, client: Client, workers: WorkerFactory, vendor: Vendor, tmp_path: Path
+) -> None:
+    """A deferred tool with an approval policy waits in state for a person's decision (the
+    segment has ended, no CLI runs meanwhile); approved, it is made once and the next
+    segment reads its result."""
+    await declare(client)
+    fake.script(
+        Reply(text="refunding", calls=(FakeCall("mcp__shop__refund", {"order": "A1"}),)),
+        Reply(text="refund done"),
+    )
+    start(workers, fake, tmp_path / "home")
+    h = await client.send(AGENT, "ap", "refund A1")
+
+    async def waiting() -> Any:
+        snap = await client.snapshot("ap")
+        return snap if snap is not None and snap.approvals else None
+
+    snap = await until(waiting)
+    rec = await client.call("ap", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == "awaiting_approval"
+    assert await count(vendor, "refund") == 0
+    assert len(fake.received) == 1, "no segment runs while the call waits"
+    await client.approve("ap", snap.approvals[0].approval_id, by="test")
+    res = await client.wait(h, timeout=60)
+    assert (res.status, res.text) == ("completed", "refund done")
+    assert await vendor.effect_count("refund") == 1
+    assert tool_results(fake.bodies[-1])[0]["content"] == "refunded A1"
+
+
 # --- the crash-matrix row: a Claude Agent SDK turn segment, while it runs ------------------
 
 
@@ -311,6 +345,12 @@ async def test_segment_while_running(
     ran = lines(log)
     if rig.worker_killed:
         assert ran == 2, "the segment ran again, and its Bash tool with it"
+        resumed = [
+            e.data["step"]
+            async for e in _events_until_done(rig.client, "seg")
+            if e.type == "agent.run.crash_resumed"
+        ]
+        assert resumed == [f"seg.{h.turn_id}.m0"], "the lost RunModel step, audited"
     else:
         assert ran >= 1
     assert await count(rig.vendor, "charge") == 1, "the deferred charge is made once"

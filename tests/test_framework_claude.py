@@ -4,15 +4,15 @@ Real worker processes (``tests.apps_claude:app``) run the SDK's bundled Claude C
 against the fake Anthropic Messages server of this test process (``ANTHROPIC_BASE_URL``),
 offline. The CLI is heavy, so each test keeps its CLI runs few.
 
-A worker is killed with its process group (``os.killpg``): the worker and the CLI it spawned
-die together, as they do when the machine or container goes.
+A worker is killed alone (SIGKILL to its pid, as the crash matrix does); the CLI it was
+running must die with it (``agents.frameworks.claude`` starts it with a parent-death signal)
+rather than finish the lost segment as an orphan.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
+import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -62,11 +62,31 @@ def start(
     return workers.start(name, app=APP, env=claude_env(fake, home), **kw)
 
 
-def kill_with_cli(w: WorkerProcess) -> None:
-    """SIGKILL the worker and the CLI it runs (one process group)."""
-    assert w.proc is not None
-    os.killpg(w.pid, signal.SIGKILL)
-    w.proc.wait()
+def cli_processes(w: WorkerProcess) -> list[int]:
+    """The pids of the Claude Code CLI processes the worker is running."""
+    out = subprocess.run(["pgrep", "-P", str(w.pid)], capture_output=True, text=True)
+    pids = [int(x) for x in out.stdout.split()]
+    return [p for p in pids if "claude" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+
+
+async def kill_worker(w: WorkerProcess) -> list[int]:
+    """SIGKILL the worker alone; the CLI it was running (its pids returned) dies with it."""
+    clis = cli_processes(w)
+    w.kill()
+
+    async def gone() -> bool:
+        return not any(_alive(p) for p in clis)
+
+    await until(gone, timeout=10)
+    return clis
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def bash(log: Path, gate: Path | None = None) -> FakeCall:
@@ -226,7 +246,7 @@ async def test_worker_killed_mid_deferred_tools(
         return len(victim.find("fault.hold", point="call_tool.before_commit")) == 3
 
     await until(all_held)
-    kill_with_cli(victim)
+    await kill_worker(victim)
     start(workers, fake, home, "survivor")
     res = await client.wait(h, timeout=90)
     assert res.status == "completed"
@@ -295,7 +315,7 @@ async def fail_while_running(
 ) -> None:
     """The column's failure, with the worker inside the segment; then the gate opens."""
     if r.worker_killed:
-        kill_with_cli(victim)
+        assert await kill_worker(victim), "the worker was running its CLI"
         gate.touch()  # noqa: ASYNC240
         r.workers.start("survivor", app=APP, env=env)
     else:

@@ -33,11 +33,16 @@ attempt) with ``call_context()`` while the engine makes it.
 
 from __future__ import annotations
 
+import atexit
 import contextvars
+import os
+import sys
+import tempfile
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, create_model
@@ -50,6 +55,7 @@ from agents.model import Message, ModelRequest, ModelResponse, ToolCallRequest, 
 from agents.tools import ApprovalPolicy, Effect, Tool, ToolContext, ToolError
 
 try:
+    import claude_agent_sdk
     from claude_agent_sdk import (
         AssistantMessage,
         ClaudeAgentOptions,
@@ -83,6 +89,38 @@ def call_context() -> ToolContext:
         raise RuntimeError(
             "call_context() is only available inside a custom tool that jetloop makes"
         ) from None
+
+
+# Linux: the CLI is started through this launcher, which asks the kernel to SIGKILL it when
+# the worker dies (PR_SET_PDEATHSIG, kept across exec). Without it a CLI whose worker was
+# SIGKILLed runs on as an orphan, finishing the lost segment (its tools, its model calls)
+# beside the segment the next worker runs again.
+LAUNCHER = """#!{python}
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != {parent}:
+    sys.exit("the worker that started the Claude Code CLI is gone")
+os.execv({cli!r}, [{cli!r}, *sys.argv[1:]])
+"""
+
+
+def _launcher(cli: str) -> str:
+    """A launcher of ``cli`` that dies with this process (written once per process)."""
+    path = Path(tempfile.gettempdir()) / f"jetloop-claude-{os.getpid()}-{abs(hash(cli))}.py"
+    if not path.exists():
+        code = LAUNCHER.format(python=sys.executable, parent=os.getpid(), cli=cli)
+        path.write_text(code)
+        path.chmod(0o700)
+        atexit.register(path.unlink, missing_ok=True)
+    return str(path)
+
+
+def _cli(options: ClaudeAgentOptions) -> str | None:
+    """The CLI the SDK would start: the user's ``cli_path`` or the bundled one."""
+    if options.cli_path is not None:
+        return str(options.cli_path)
+    bundled = Path(claude_agent_sdk.__file__).parent / "_bundled" / "claude"
+    return str(bundled) if bundled.exists() else None
 
 
 def mcp_name(server: str, tool: str) -> str:
@@ -134,9 +172,16 @@ class ClaudeSegments:
 
     supports_streaming = False
 
-    def __init__(self, options: ClaudeAgentOptions, deferred: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        options: ClaudeAgentOptions,
+        deferred: Mapping[str, str],
+        *,
+        die_with_worker: bool = sys.platform == "linux",
+    ) -> None:
         # deferred: the model's (MCP) name of each deferred tool → its jetloop tool name.
         self.options = options
+        self.die_with_worker = die_with_worker
         self.deferred = dict(deferred)
         self.wire_names = {v: k for k, v in self.deferred.items()}
         self._render = AnthropicAdapter("claude-agent-sdk")
@@ -188,6 +233,9 @@ class ClaudeSegments:
         hooks = {k: list(v) for k, v in (self.options.hooks or {}).items()}
         hooks.setdefault("PreToolUse", []).insert(0, HookMatcher(hooks=[self._defer]))
         changes: dict[str, Any] = {"hooks": hooks}
+        cli = _cli(self.options) if self.die_with_worker else None
+        if cli is not None:
+            changes["cli_path"] = _launcher(cli)
         if request.instructions and not self.options.system_prompt:
             changes["system_prompt"] = request.instructions
         if messages:

@@ -33,8 +33,8 @@ attempt) with ``call_context()`` while the engine makes it.
 
 from __future__ import annotations
 
-import atexit
 import contextvars
+import hashlib
 import os
 import sys
 import tempfile
@@ -98,20 +98,24 @@ def call_context() -> ToolContext:
 LAUNCHER = """#!{python}
 import ctypes, os, signal, sys
 ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-if os.getppid() != {parent}:
+if os.getppid() != int(os.environ.get("JETLOOP_CLAUDE_PARENT", os.getppid())):
     sys.exit("the worker that started the Claude Code CLI is gone")
 os.execv({cli!r}, [{cli!r}, *sys.argv[1:]])
 """
 
 
 def _launcher(cli: str) -> str:
-    """A launcher of ``cli`` that dies with this process (written once per process)."""
-    path = Path(tempfile.gettempdir()) / f"jetloop-claude-{os.getpid()}-{abs(hash(cli))}.py"
+    """A launcher of ``cli`` that dies with its parent: one file per interpreter and CLI,
+    written once (atomically: workers on one host may race to write it)."""
+    code = LAUNCHER.format(python=sys.executable, cli=cli)
+    digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"jetloop-claude-launcher-{digest}.py"
     if not path.exists():
-        code = LAUNCHER.format(python=sys.executable, parent=os.getpid(), cli=cli)
-        path.write_text(code)
-        path.chmod(0o700)
-        atexit.register(path.unlink, missing_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name)
+        with os.fdopen(fd, "w") as f:
+            f.write(code)
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, path)
     return str(path)
 
 
@@ -236,6 +240,8 @@ class ClaudeSegments:
         cli = _cli(self.options) if self.die_with_worker else None
         if cli is not None:
             changes["cli_path"] = _launcher(cli)
+            env = {**self.options.env, "JETLOOP_CLAUDE_PARENT": str(os.getpid())}
+            changes["env"] = env
         if request.instructions and not self.options.system_prompt:
             changes["system_prompt"] = request.instructions
         if messages:

@@ -19,7 +19,9 @@ from typing import Any
 
 import pytest
 
+from agents.frameworks.claude import ClaudeSegments, durable_claude
 from agents.model import Message, ModelRequest, ToolCallRequest
+from agents.tools import Effect
 from demo.vendor import Vendor
 from services.client import Client
 from streams.registry import Registry
@@ -117,6 +119,60 @@ def transcript_texts(body: dict[str, Any]) -> str:
 
 async def count(vendor: Vendor, op: str) -> int:
     return sum((await vendor.request_counts(op)).values())
+
+
+# --- the wrapper, without the CLI -------------------------------------------------------
+
+
+def test_wrapper_declares_each_custom_tool_by_its_effect() -> None:
+    """Each ``@tool`` of an SDK MCP server becomes a jetloop tool: its declared effect, or a
+    single-attempt write when undeclared; an ``inline`` tool stays with the CLI; effects for
+    tools that do not exist, or tools of a server the options lack, are refused."""
+    from tests.apps_claude import book, charge, lookup, options, shop_agent, stock
+
+    assert {t.name: t.effect for t in shop_agent.tools} == {
+        "charge": Effect.NON_IDEMPOTENT_WRITE,
+        "book": Effect.IDEMPOTENT_WRITE,
+        "refund": Effect.NON_IDEMPOTENT_WRITE,
+        "lookup": Effect.READ,
+    }
+    assert shop_agent.tool("charge") is not None
+    assert shop_agent.tool("charge").max_attempts == 1  # type: ignore[union-attr]
+    assert shop_agent.tool("stock") is None, "inline: run by the CLI"
+    with pytest.raises(ValueError, match="unknown tools"):
+        durable_claude("x", options(), tools={"shop": [book]}, effects={"charge": Effect.READ})
+    with pytest.raises(ValueError, match=r"not in options\.mcp_servers"):
+        durable_claude("x", options(), tools={"other": [charge, lookup, stock]})
+
+
+def test_segment_resumes_the_history_and_prompts_with_the_last_user_text() -> None:
+    """A segment's input: the history before the last user text (tool names as the CLI
+    knows them, results as ``tool_result`` blocks) and that text as the prompt; after
+    deferred calls, the conversation up to their results and a note to go on."""
+    from tests.apps_claude import shop_agent
+
+    model = shop_agent.model
+    assert isinstance(model, ClaudeSegments)
+    call = ToolCallRequest("charge", {"amount": 5}, provider_id="toolu_01abc")
+    history = [
+        Message(role="user", text="charge 5"),
+        Message(role="assistant", text="charging", calls=[call]),
+        Message(role="tool", call_id="t-0-0", tool="charge", status="ok", result="charged 5"),
+    ]
+
+    def request(messages: list[Message]) -> ModelRequest:
+        return ModelRequest(agent=AGENT, instructions="", messages=messages, tools=[], attempt=1)
+
+    messages, prompt = model.segment(request(history))
+    assert prompt.endswith("The results of the tool calls above are in. Continue the task.")
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[1]["content"][-1]["name"] == "mcp__shop__charge"
+    assert messages[2]["content"][0]["tool_use_id"] == "toolu_01abc"
+    later = [*history, Message(role="assistant", text="done"), Message(role="user", text="more")]
+    messages, prompt = model.segment(request(later))
+    assert prompt == "more"
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert model.segment(request([Message(role="user", text="hi")])) == ([], "hi")
 
 
 # --- the adapter, in this process --------------------------------------------------------

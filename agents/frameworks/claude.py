@@ -40,7 +40,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -138,7 +138,6 @@ class _Transcript:
     resume; what the CLI mirrors back is dropped (the history is the record)."""
 
     entries: list[dict[str, Any]]
-    mirrored: list[Any] = field(default_factory=list)
 
     async def load(self, key: Any) -> list[dict[str, Any]] | None:
         return self.entries
@@ -195,7 +194,7 @@ class ClaudeSegments:
 
     def segment(self, request: ModelRequest) -> tuple[list[dict[str, Any]], str]:
         """The conversation to resume and the segment's prompt."""
-        items: list[Item] = conversation(request.messages)
+        items: list[Item] = conversation(request.messages, summary=request.purpose == "summary")
         prompt = CONTINUE
         if items and isinstance(items[-1], UserText):
             prompt = items[-1].text or "(empty message)"
@@ -229,6 +228,11 @@ class ClaudeSegments:
             for b in last
             if isinstance(b, ToolUseBlock) and b.name in self.deferred
         ]
+        asked = result.deferred_tool_use
+        if not calls and asked is not None and asked.name in self.deferred:
+            # A subagent (Task) asked for it: made as if the agent had, its result is the
+            # agent's to read.
+            calls = [ToolCallRequest(self.deferred[asked.name], asked.input, asked.id)]
         if not calls:
             text = result.result if result.result is not None else text
         return ModelResponse(text=text, tool_calls=calls, usage=_usage(result.usage))

@@ -17,7 +17,7 @@ from typing import Any
 
 from claude_agent_sdk import ClaudeAgentOptions, create_sdk_mcp_server, tool
 
-from agents import App, Effect
+from agents import Agent, App, Effect
 from agents.frameworks.claude import call_context, durable_claude
 from demo.vendor import Vendor
 
@@ -90,14 +90,19 @@ def options() -> ClaudeAgentOptions:
     )
 
 
-# The wrapper and the effect declarations: the only lines jetloop adds to the SDK agent.
-shop_agent = durable_claude(
-    "claude_shop",
-    options(),
-    tools={"shop": [charge, book, refund, lookup, stock]},
-    inline={"stock"},  # run by the CLI inside the segment, not deferred
-    effects={"book": Effect.IDEMPOTENT_WRITE, "lookup": Effect.READ},  # charge: undeclared
-    approval={"refund": True},  # AwaitToolApproval before each refund
-)
+def make_agent() -> Agent:
+    """The wrapper and the effect declarations: the only lines jetloop adds to the SDK agent
+    (options are read from the environment when this is called)."""
+    return durable_claude(
+        "claude_shop",
+        options(),
+        tools={"shop": [charge, book, refund, lookup, stock]},
+        inline={"stock"},  # run by the CLI inside the segment, not deferred
+        effects={"book": Effect.IDEMPOTENT_WRITE, "lookup": Effect.READ},  # charge: undeclared
+        approval={"refund": True},  # AwaitToolApproval before each refund
+    )
+
+
+shop_agent = make_agent()
 
 app = App([shop_agent])

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 # The `claude` extra: without it these tests are skipped, not broken.
 pytest.importorskip("claude_agent_sdk")
@@ -142,6 +143,12 @@ def test_wrapper_declares_each_custom_tool_by_its_effect() -> None:
     assert shop_agent.tool("charge") is not None
     assert shop_agent.tool("charge").max_attempts == 1  # type: ignore[union-attr]
     assert shop_agent.tool("stock") is None, "inline: run by the CLI"
+    # Arguments are checked against the tool's schema as the SDK's server checks them, so a
+    # call the model got wrong is recorded as failed (RunModel's plan) and never made.
+    args = shop_agent.tool("charge").args_model  # type: ignore[union-attr]
+    assert args.model_validate({"amount": 5}).model_dump() == {"amount": 5}
+    with pytest.raises(ValidationError, match="Input validation error"):
+        args.model_validate({"amount": "five"})
     with pytest.raises(ValueError, match="unknown tools"):
         durable_claude("x", options(), tools={"shop": [book]}, effects={"charge": Effect.READ})
     with pytest.raises(ValueError, match=r"not in options\.mcp_servers"):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
+import importlib
 import os
 import sys
 import tempfile
@@ -43,9 +44,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, create_model
+from pydantic import BaseModel, ConfigDict, create_model, model_validator
 
 from agents.adapters.anthropic import AnthropicAdapter
 from agents.adapters.errors import ProviderRejected, ProviderRetryable
@@ -285,9 +286,36 @@ def _usage(raw: Mapping[str, Any] | None) -> dict[str, int]:
     }
 
 
-def _args_model(name: str) -> type[BaseModel]:
-    """Arguments as the model sent them: the SDK validates them against the tool's schema."""
-    return create_model(f"{name}_args", __config__=ConfigDict(extra="allow"))
+def _input_schema(sdk_tool: SdkMcpTool[Any]) -> dict[str, Any] | None:
+    """The JSON Schema the SDK sends for the tool (built as the SDK builds it)."""
+    build = getattr(claude_agent_sdk, "_build_input_schema", None)
+    return build(sdk_tool) if callable(build) else None
+
+
+class ToolArgs(BaseModel):
+    """Arguments as the model sent them, checked against the tool's JSON Schema as the SDK's
+    own server checks them: a call that fails is recorded as failed and never made."""
+
+    model_config = ConfigDict(extra="allow")
+    input_schema: ClassVar[dict[str, Any] | None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check(cls, value: Any) -> Any:
+        if cls.input_schema is not None and isinstance(value, dict):
+            # jsonschema comes with the SDK (it validates MCP tool input); it has no hints.
+            validator: Any = importlib.import_module("jsonschema")
+            try:
+                validator.validate(instance=value, schema=cls.input_schema)
+            except validator.ValidationError as exc:
+                raise ValueError(f"Input validation error: {exc.message}") from None
+        return value
+
+
+def _args_model(sdk_tool: SdkMcpTool[Any]) -> type[ToolArgs]:
+    model = create_model(f"{sdk_tool.name}_args", __base__=ToolArgs)
+    model.input_schema = _input_schema(sdk_tool)
+    return model
 
 
 def _jetloop_tool(
@@ -310,7 +338,7 @@ def _jetloop_tool(
     return Tool(
         name=sdk_tool.name,
         description=sdk_tool.description,
-        args_model=_args_model(sdk_tool.name),
+        args_model=_args_model(sdk_tool),
         fn=make,
         effect=effect,
         approval=approval,

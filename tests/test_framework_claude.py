@@ -259,7 +259,8 @@ async def test_turn_on_a_worker_defers_each_custom_tool_by_its_effect(
     fake: FakeAnthropic, client: Client, workers: WorkerFactory, vendor: Vendor, tmp_path: Path
 ) -> None:
     """A turn on a real worker: three custom tools asked at once become three CallTool
-    steps with the declared effect classes (charge undeclared → a non-idempotent write)."""
+    steps with the declared effect classes (charge undeclared → a non-idempotent write); the
+    session's next turn resumes the whole conversation (the calls as MCP tool uses)."""
     await declare(client)
     fake.script(
         Reply(
@@ -286,6 +287,20 @@ async def test_turn_on_a_worker_defers_each_custom_tool_by_its_effect(
     assert await vendor.effect_count("book") == 1
     results = tool_results(fake.bodies[-1])
     assert [r["content"] for r in results] == ["charged 7", "booked 9am", "order A1 is paid"]
+    # The next turn's segment resumes the whole session from jetloop's history.
+    fake.script(Reply(text="yes, all three"))
+    h2 = await client.send(AGENT, "c1", "did it work?")
+    res2 = await client.wait(h2, timeout=60)
+    assert (res2.status, res2.text) == ("completed", "yes, all three")
+    sent = fake.bodies[-1]["messages"]
+    assert sent[0]["content"][0]["text"] == "charge, book, look up"
+    assert [b["name"] for b in sent[1]["content"] if b["type"] == "tool_use"] == [
+        "mcp__shop__charge",
+        "mcp__shop__book",
+        "mcp__shop__lookup",
+    ]
+    assert {"type": "text", "text": "all three done"} in sent[3]["content"]
+    assert "did it work?" in json.dumps(sent[-1])
 
 
 async def test_worker_killed_mid_deferred_tools(

@@ -13,44 +13,44 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from agents import Agent, OpenAIResponsesModel, RunContextWrapper, WebSearchTool, function_tool
 from openai import AsyncOpenAI
 
 from jetloop.agents import App, Effect
-from jetloop.agents.frameworks.openai_agents import durable, sdk
+from jetloop.agents.frameworks.openai_agents import durable
 from tests.apps import vendor
 
-oa = sdk()
 URL = os.environ.get("TEST_OPENAI_AGENTS_URL", "http://127.0.0.1:9/v1")
 API_KEY = "sk-fake-0123456789"
 
 # No retries in the client: the engine retries a failed model step (one retry loop).
 client = AsyncOpenAI(base_url=URL, api_key=API_KEY, max_retries=0)
-model = oa.OpenAIResponsesModel(model="gpt-fake", openai_client=client)
+model = OpenAIResponsesModel(model="gpt-fake", openai_client=client)
 
 
-@oa.function_tool
-async def lookup(ctx: oa.RunContextWrapper[Any], city: str) -> dict[str, Any]:
+@function_tool
+async def lookup(ctx: RunContextWrapper[Any], city: str) -> dict[str, Any]:
     """Look up a city's weather (a read)."""
     await vendor().note("lookup", ctx.context.idempotency_key, {"city": city})
     return {"city": city, "weather": "sunny"}
 
 
-@oa.function_tool
-async def book(ctx: oa.RunContextWrapper[Any], flight: str) -> dict[str, Any]:
+@function_tool
+async def book(ctx: RunContextWrapper[Any], flight: str) -> dict[str, Any]:
     """Book a flight at a vendor that does not dedupe (no effect declared: a single-attempt
     write)."""
     key = ctx.context.idempotency_key
     return await vendor().write("book", key, {"name": flight}, dedupe=False)
 
 
-@oa.function_tool
-async def save(ctx: oa.RunContextWrapper[Any], note: str) -> dict[str, Any]:
+@function_tool
+async def save(ctx: RunContextWrapper[Any], note: str) -> dict[str, Any]:
     """Save a note at a vendor that dedupes on the idempotency key."""
     return await vendor().write("save", ctx.context.idempotency_key, {"name": note})
 
 
-@oa.function_tool(needs_approval=True)
-async def refund(ctx: oa.RunContextWrapper[Any], amount: int) -> dict[str, Any]:
+@function_tool(needs_approval=True)
+async def refund(ctx: RunContextWrapper[Any], amount: int) -> dict[str, Any]:
     """Refund an amount: a person approves every refund."""
     key = ctx.context.idempotency_key
     return await vendor().write("refund", key, {"name": str(amount)}, dedupe=False)
@@ -60,32 +60,32 @@ async def big_payment(ctx: Any, params: dict[str, Any], call_id: str) -> bool:
     return bool(params.get("amount", 0) >= 100)
 
 
-@oa.function_tool(needs_approval=big_payment)
-async def pay(ctx: oa.RunContextWrapper[Any], amount: int) -> dict[str, Any]:
+@function_tool(needs_approval=big_payment)
+async def pay(ctx: RunContextWrapper[Any], amount: int) -> dict[str, Any]:
     """Pay an amount: a person approves payments of 100 or more."""
     key = ctx.context.idempotency_key
     return await vendor().write("pay", key, {"name": str(amount)}, dedupe=False)
 
 
-@oa.function_tool
-async def invoice(ctx: oa.RunContextWrapper[Any], number: str) -> dict[str, Any]:
+@function_tool
+async def invoice(ctx: RunContextWrapper[Any], number: str) -> dict[str, Any]:
     """Read an invoice (the billing agent's tool)."""
     await vendor().note("invoice", ctx.context.idempotency_key, {"number": number})
     return {"number": number, "total": 42}
 
 
-billing = oa.Agent(
+billing = Agent(
     name="Billing agent",
     instructions="You answer billing questions.",
     model=model,
     tools=[invoice],
 )
 
-triage = oa.Agent(
+triage = Agent(
     name="Triage agent",
     instructions="You help travellers; hand billing questions to the billing agent.",
     model=model,
-    tools=[lookup, book, save, refund, pay, oa.WebSearchTool()],
+    tools=[lookup, book, save, refund, pay, WebSearchTool()],
     handoffs=[billing],
 )
 

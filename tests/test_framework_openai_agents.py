@@ -11,17 +11,31 @@ crash-matrix semantics from the call records, the fake's requests and the vendor
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytest.importorskip("agents", reason="the openai-agents extra is not installed")
+
+from agents import (
+    Agent,
+    LocalShellTool,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    function_tool,
+)
 from aiohttp import web
 from openai import AsyncOpenAI
 
 from jetloop.agents import Effect, Message, ModelRequest, ProviderRejected, ProviderRetryable
 from jetloop.agents.adapters import MalformedToolCall
-from jetloop.agents.frameworks.openai_agents import durable, sdk
+from jetloop.agents.frameworks.openai_agents import durable
 from jetloop.demo.vendor import Vendor
 from jetloop.services.client import Client
 from jetloop.streams.registry import Registry
@@ -30,11 +44,7 @@ from tests.fakes import Failure, FakeCall, FakeOpenAIChat, FakeOpenAIResponses, 
 from tests.fakes.base import Outcome
 from tests.test_matrix import Rig, rig  # noqa: F401  (the crash matrix's rig fixture)
 
-try:
-    sdk()
-except ImportError as exc:  # the extra is not installed where jetloop can load it
-    pytest.skip(f"openai-agents: {exc}", allow_module_level=True)
-
+ROOT = Path(__file__).resolve().parent.parent
 APP = "tests.apps_openai_agents:app"
 AGENT = "oai-travel"
 TRIAGE = "You help travellers; hand billing questions to the billing agent."
@@ -177,27 +187,47 @@ def handed_off(calls: list[Any], target: str) -> list[Message]:
 
 
 def sdk_agents(model: Any) -> tuple[Any, Any]:
-    oa = sdk()
-
-    @oa.function_tool
+    @function_tool
     async def lookup(city: str) -> str:
         """Look up a city's weather."""
         return f"sunny in {city}"
 
-    @oa.function_tool(needs_approval=True)
+    @function_tool(needs_approval=True)
     async def refund(amount: int) -> str:
         """Refund an amount."""
         return "refunded"
 
-    billing = oa.Agent(name="Billing agent", instructions=BILLING, model=model, tools=[lookup])
-    triage = oa.Agent(
+    billing = Agent(name="Billing agent", instructions=BILLING, model=model, tools=[lookup])
+    triage = Agent(
         name="Triage agent", instructions=TRIAGE, model=model, tools=[refund], handoffs=[billing]
     )
     return triage, billing
 
 
+def test_the_sdk_is_an_extra_imported_only_by_the_wrapper() -> None:
+    """The core (the public face, the worker, the CLI) runs without the SDK; the wrapper
+    imports it as what it is, the top-level ``agents`` package."""
+    code = (
+        "import sys, jetloop, jetloop.agents.frameworks, jetloop.services.cli,"
+        " jetloop.services.worker\n"
+        "assert 'agents' not in sys.modules, 'the core imported the SDK'\n"
+        "import agents, jetloop.agents.frameworks.openai_agents as w\n"
+        "assert w.SdkAgent is agents.Agent and agents.__name__ == 'agents'\n"
+        "print(agents.__file__)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).parent.name == "agents"
+    assert not Path(out.stdout.strip()).is_relative_to(ROOT / "jetloop")
+
+
 def test_wrapping_declares_effects_and_refuses_what_it_cannot_run() -> None:
-    oa = sdk()
     triage, _ = sdk_agents("gpt-fake")
     agent = durable(triage, effects={"lookup": Effect.READ})
     assert agent.name == "triage-agent" and agent.instructions == TRIAGE
@@ -212,7 +242,7 @@ def test_wrapping_declares_effects_and_refuses_what_it_cannot_run() -> None:
     assert lookup is not None and lookup.json_schema()["required"] == ["city"]
     with pytest.raises(ValueError, match="effects name tools no agent has"):
         durable(triage, effects={"lokup": Effect.READ})
-    shell = oa.Agent(name="shell", tools=[oa.LocalShellTool(executor=lambda req: "")])
+    shell = Agent(name="shell", tools=[LocalShellTool(executor=lambda req: "")])
     with pytest.raises(TypeError, match="LocalShellTool runs in the SDK's own loop"):
         durable(shell)
     with pytest.raises(TypeError, match="expected an OpenAI Agents SDK Agent"):
@@ -222,12 +252,11 @@ def test_wrapping_declares_effects_and_refuses_what_it_cannot_run() -> None:
 async def test_chat_completions_model_conversation_and_errors() -> None:
     """The SDK's Chat Completions model: the handoff's result in the conversation makes the
     billing agent answer; the summary call has no tools; provider errors are classified."""
-    oa = sdk()
     async with FakeOpenAIChat() as chat:
         async with AsyncOpenAI(
             base_url=chat.base_url, api_key=chat.api_key, max_retries=0
         ) as client:
-            triage, _ = sdk_agents(oa.OpenAIChatCompletionsModel("gpt-fake", client))
+            triage, _ = sdk_agents(OpenAIChatCompletionsModel("gpt-fake", client))
             model = durable(triage, effects={"lookup": Effect.READ}).model
             chat.script(Reply(text="hi", calls=(FakeCall("transfer_to_billing_agent"),)))
             first = await model.complete(request([Message("user", "hello")]))
@@ -259,12 +288,11 @@ async def test_chat_completions_model_conversation_and_errors() -> None:
 async def test_handoffs_in_one_answer_and_per_turn_agents() -> None:
     """A second handoff in one answer is refused as the SDK refuses it; without
     ``sticky_handoffs`` a new turn starts at the first agent again."""
-    oa = sdk()
     async with FakeOpenAIResponses() as fake:
         async with AsyncOpenAI(
             base_url=fake.base_url, api_key=fake.api_key, max_retries=0
         ) as client:
-            triage, _ = sdk_agents(oa.OpenAIResponsesModel("gpt-fake", client))
+            triage, _ = sdk_agents(OpenAIResponsesModel("gpt-fake", client))
             model = durable(triage, effects={"lookup": Effect.READ}, sticky_handoffs=False).model
             twice = FakeCall("transfer_to_billing_agent")
             fake.script(Reply(calls=(twice, twice)))

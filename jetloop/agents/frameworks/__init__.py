@@ -1,6 +1,6 @@
-"""Agents written in a framework, run durably: each framework's wrapper turns its agent into an
-``agents.Agent`` whose model adapter goes through the framework's model and whose tools are the
-framework's tools with an effect class each.
+"""Agents written in a framework, run durably: each framework's wrapper turns its agent into a
+``jetloop.agents.Agent`` whose model adapter goes through the framework's model and whose tools
+are the framework's tools with an effect class each.
 
 The engine keeps the loop: every model request is a RunModel step and every tool call the
 framework lets us defer is a CallTool step, with the crash semantics of docs/crash-matrix.md.

@@ -1,7 +1,7 @@
 """OpenAI Agents SDK agents, run durably: ``durable(sdk_agent, effects={...})``.
 
 The wrapper turns an SDK ``Agent`` (and every agent it can hand off to) into one jetloop
-``agents.Agent``. The engine keeps the loop the SDK's ``Runner`` would have run:
+``jetloop.agents.Agent``. The engine keeps the loop the SDK's ``Runner`` would have run:
 
 - each model request is a RunModel step: ``SdkModel`` turns jetloop's conversation into the
   SDK's input items (Responses format) and calls the SDK ``Model.get_response`` of the agent
@@ -16,31 +16,44 @@ The wrapper turns an SDK ``Agent`` (and every agent it can hand off to) into one
   ``ImageGenerationTool``, ``HostedMCPTool``, ``ToolSearchTool``) run at the provider, inside
   the model call: inside RunModel, so they run again when RunModel runs again.
 
-The name clash. The SDK's import name is ``agents``, and so is this project's package: in a
-process that runs jetloop, ``import agents`` is jetloop. ``sdk()`` loads the SDK under another
-name (``openai_agents_sdk``) from its own directory and answers the SDK's few absolute
-``agents.<x>`` imports with its own modules, so both live in one process. User code takes the
-SDK's names from ``sdk()`` (or ``from openai_agents_sdk import Agent`` once ``sdk()`` ran).
+The SDK is an optional extra (``jetloop[openai-agents]``; its import name is ``agents``):
+import this module only where it is installed; nothing in the core imports it. User code
+writes plain SDK code (``from agents import Agent, function_tool``) and only adds
+``durable(...)`` and the effects.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.metadata
-import importlib.util
 import inspect
 import json
-import os
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from agents import Agent as SdkAgent
+from agents import (
+    AgentOutputSchemaBase,
+    CodeInterpreterTool,
+    FileSearchTool,
+    FunctionTool,
+    Handoff,
+    HostedMCPTool,
+    ImageGenerationTool,
+    Model,
+    ModelProvider,
+    ModelTracing,
+    MultiProvider,
+    RunContextWrapper,
+    ToolSearchTool,
+    TResponseInputItem,
+    WebSearchTool,
+    handoff,
+)
+from agents import Tool as SdkTool
+from agents.run_internal import turn_preparation
+from agents.tool_context import ToolContext as SdkToolContext
+from openai.types.responses.response_prompt_param import ResponsePromptParam
 from pydantic import BaseModel, ConfigDict
 
 from jetloop.agents.adapters.base import MalformedToolCall, tool_call, usage
@@ -50,139 +63,28 @@ from jetloop.agents.agent import Agent, Limits
 from jetloop.agents.model import Message, ModelRequest, ModelResponse, ToolCallRequest, rough_tokens
 from jetloop.agents.tools import Effect, Tool, ToolContext
 
-SDK_MODULE = "openai_agents_sdk"
-"""The name the OpenAI Agents SDK is loaded under in a jetloop process."""
-
-PATH_ENV = "JETLOOP_OPENAI_AGENTS_PATH"
-"""A directory holding the SDK's ``agents`` package (a ``pip install --target`` directory),
-for when it is not installed where ``importlib.metadata`` finds it."""
-
 # Tools the provider runs inside the model call: they cannot be deferred to a CallTool step.
 HOSTED_TOOLS = (
-    "WebSearchTool",
-    "FileSearchTool",
-    "CodeInterpreterTool",
-    "ImageGenerationTool",
-    "HostedMCPTool",
-    "ToolSearchTool",
+    WebSearchTool,
+    FileSearchTool,
+    CodeInterpreterTool,
+    ImageGenerationTool,
+    HostedMCPTool,
+    ToolSearchTool,
 )
 
 RETRYABLE_STATUS = frozenset({408, 409, 429})
-
-
-# --- loading the SDK next to jetloop's own ``agents`` ---------------------------------------
-
-
-def sdk() -> ModuleType:
-    """The OpenAI Agents SDK's top-level module, loaded as ``openai_agents_sdk``."""
-    loaded = sys.modules.get(SDK_MODULE)
-    if loaded is not None:
-        return loaded
-    directory = sdk_directory()
-    # A `pip install --target DIR` directory holds the SDK's dependencies too: last on the
-    # path, it only supplies those the environment lacks (jetloop's `agents` stays first).
-    if str(directory.parent) not in sys.path:
-        sys.path.append(str(directory.parent))
-    aliases = _SdkAliases(directory)
-    # First on the path: `agents.util._types` must not be found by the path finder in the
-    # aliased `agents.util`'s directory, which would load a second copy of the SDK's module.
-    sys.meta_path.insert(0, aliases)
-    spec = importlib.util.spec_from_file_location(
-        SDK_MODULE, directory / "__init__.py", submodule_search_locations=[str(directory)]
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[SDK_MODULE] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        # Leave nothing half-loaded behind: a later call starts afresh.
-        sys.meta_path.remove(aliases)
-        for name in [n for n in sys.modules if n.partition(".")[0] in ("agents", SDK_MODULE)]:
-            if (
-                name == SDK_MODULE
-                or name.startswith(SDK_MODULE + ".")
-                or (getattr(sys.modules[name], "__name__", "").startswith(SDK_MODULE))
-            ):
-                del sys.modules[name]
-        raise
-    return module
-
-
-def sdk_module(name: str) -> ModuleType:
-    """A submodule of the SDK (``sdk_module("tool_context")``)."""
-    sdk()
-    return importlib.import_module(f"{SDK_MODULE}.{name}")
-
-
-def sdk_directory() -> Path:
-    """Where the SDK's ``agents`` package is: ``$JETLOOP_OPENAI_AGENTS_PATH``, the
-    ``openai-agents`` distribution's files, or an ``agents`` package on ``sys.path`` that is
-    not jetloop's."""
-    ours = Path(__file__).resolve().parent.parent
-    candidates: list[Path] = []
-    if os.environ.get(PATH_ENV):
-        candidates.append(Path(os.environ[PATH_ENV]) / "agents")
-    try:
-        dist = importlib.metadata.distribution("openai-agents")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    else:
-        candidates.append(Path(str(dist.locate_file("agents"))))
-    candidates += [Path(p or ".") / "agents" for p in sys.path]
-    for c in candidates:
-        if (c / "run.py").is_file() and (c / "handoffs").is_dir() and c.resolve() != ours:
-            return c.resolve()
-    raise ImportError(
-        "the OpenAI Agents SDK is not installed where jetloop can load it: install "
-        f"`openai-agents` into a directory of its own (`pip install --target DIR openai-agents`)"
-        f" and set {PATH_ENV}=DIR. Its import name `agents` is jetloop's package name too, so "
-        "both cannot share one site-packages directory."
-    )
-
-
-def _has(package: Path, name: str) -> bool:
-    return (package / name).is_dir() or (package / f"{name}.py").is_file()
-
-
-class _SdkAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Answers the SDK's absolute ``agents.<x>`` imports (``agents.util._types``,
-    ``agents.model_settings``, …) with the SDK's module ``openai_agents_sdk.<x>``.
-
-    A name jetloop's own package has is never aliased: ``jetloop.agents.agent``,
-    ``jetloop.agents.tools``… stay jetloop's."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.ours = Path(__file__).resolve().parent.parent
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        head, _, rest = fullname.partition(".")
-        top = rest.partition(".")[0]
-        if head != "agents" or not top or _has(self.ours, top):
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self) if _has(self.directory, top) else None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return None
-
-    def exec_module(self, module: ModuleType) -> None:
-        # The import system returns what sys.modules holds once this returns: the SDK's module.
-        target = importlib.import_module(SDK_MODULE + module.__name__[len("agents") :])
-        sys.modules[module.__name__] = target
 
 
 # --- the wrapper -----------------------------------------------------------------------------
 
 
 def durable(
-    agent: Any,
+    agent: SdkAgent[Any],
     *,
     name: str | None = None,
     effects: Mapping[str, Effect] | None = None,
-    model_provider: Any = None,
+    model_provider: ModelProvider | None = None,
     context: Any = None,
     limits: Limits | None = None,
     sticky_handoffs: bool = True,
@@ -230,17 +132,16 @@ class Graph:
     """The SDK agents reachable by handoffs from the first one, their function tools, their
     handoffs (by tool name) and hosted tools, checked once when the agent is wrapped."""
 
-    start: Any
-    agents: dict[str, Any] = field(default_factory=dict)
-    function_tools: dict[str, Any] = field(default_factory=dict)
-    handoffs: dict[str, Any] = field(default_factory=dict)
+    start: SdkAgent[Any]
+    agents: dict[str, SdkAgent[Any]] = field(default_factory=dict)
+    function_tools: dict[str, FunctionTool] = field(default_factory=dict)
+    handoffs: dict[str, Handoff[Any, Any]] = field(default_factory=dict)
     # The agent each handoff tool hands off to.
     targets: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, start: Any) -> Graph:
-        s = sdk()
-        if not isinstance(start, s.Agent):
+        if not isinstance(start, SdkAgent):
             raise TypeError(f"expected an OpenAI Agents SDK Agent, got {type(start).__name__}")
         graph = cls(start)
         todo = [start]
@@ -260,7 +161,7 @@ class Graph:
                 graph._add_tool(a, t)
             for h in handoffs_of(a):
                 target = h._agent_ref() if h._agent_ref is not None else None
-                if target is None:
+                if not isinstance(target, SdkAgent):
                     raise TypeError(f"agent {a.name!r}: handoff {h.tool_name} has no agent")
                 known = graph.targets.get(h.tool_name)
                 if known is not None and known != target.name:
@@ -272,20 +173,19 @@ class Graph:
                 todo.append(target)
         return graph
 
-    def _add_tool(self, owner: Any, t: Any) -> None:
-        s = sdk()
-        if isinstance(t, s.FunctionTool):
+    def _add_tool(self, owner: SdkAgent[Any], t: Any) -> None:
+        if isinstance(t, FunctionTool):
             known = self.function_tools.get(t.name)
             if known is not None and known is not t:
                 raise ValueError(f"two different function tools are named {t.name!r}")
             self.function_tools[t.name] = t
-        elif not isinstance(t, tuple(getattr(s, n) for n in HOSTED_TOOLS)):
+        elif not isinstance(t, HOSTED_TOOLS):
             raise TypeError(
                 f"agent {owner.name!r}: {type(t).__name__} runs in the SDK's own loop, which "
                 "jetloop replaces; wrap it as a function tool"
             )
 
-    def active(self, messages: Sequence[Message], sticky: bool) -> Any:
+    def active(self, messages: Sequence[Message], sticky: bool) -> SdkAgent[Any]:
         """The agent that answers next: the target of the last handoff that succeeded (in the
         whole conversation, or in the current turn without ``sticky``), else the first."""
         scope = messages
@@ -302,11 +202,10 @@ class Graph:
         return current
 
 
-def handoffs_of(agent: Any) -> list[Any]:
+def handoffs_of(agent: SdkAgent[Any]) -> list[Handoff[Any, Any]]:
     """An agent's handoffs as SDK ``Handoff`` objects (an agent listed directly gets the SDK's
     default handoff to it)."""
-    s = sdk()
-    return [h if isinstance(h, s.Handoff) else s.handoff(h) for h in agent.handoffs]
+    return [h if isinstance(h, Handoff) else handoff(h) for h in agent.handoffs]
 
 
 # --- tools -----------------------------------------------------------------------------------
@@ -331,14 +230,13 @@ def arguments_model(tool_name: str, schema: dict[str, Any]) -> type[SdkArguments
     return Arguments
 
 
-def function_tool(t: Any, effect: Effect, context: Any) -> Tool:
+def function_tool(t: FunctionTool, effect: Effect, context: Any) -> Tool:
     """An SDK ``FunctionTool`` as a jetloop tool: the SDK's own invoker runs inside CallTool,
     with a ``ToolContext`` whose ``context`` is jetloop's (``ctx.context.idempotency_key``)."""
-    tool_context = sdk_module("tool_context").ToolContext
 
     async def run(args: BaseModel, ctx: ToolContext) -> Any:
         raw = json.dumps(args.model_dump(mode="json"))
-        call = tool_context(
+        call = SdkToolContext(
             context=ctx, tool_name=t.name, tool_call_id=ctx.call_id, tool_arguments=raw
         )
         return jsonable(await t.on_invoke_tool(call, raw))
@@ -353,14 +251,13 @@ def function_tool(t: Any, effect: Effect, context: Any) -> Tool:
     )
 
 
-def handoff_tool(h: Any, effect: Effect, context: Any) -> Tool:
+def handoff_tool(h: Handoff[Any, Any], effect: Effect, context: Any) -> Tool:
     """A handoff as a jetloop tool: the SDK's ``on_invoke_handoff`` (and the user's
     ``on_handoff``) runs inside CallTool; its result names the agent that answers next."""
-    s = sdk()
 
     async def run(args: BaseModel, ctx: ToolContext) -> Any:
         raw = json.dumps(args.model_dump(mode="json"))
-        target = await h.on_invoke_handoff(s.RunContextWrapper(context=context), raw)
+        target = await h.on_invoke_handoff(RunContextWrapper(context=context), raw)
         return {"assistant": target.name}
 
     return Tool(
@@ -381,8 +278,7 @@ def approval_policy(needs: Any, context: Any) -> bool | Any:
         return bool(needs)
 
     def policy(args: BaseModel) -> bool:
-        s = sdk()
-        out = needs(s.RunContextWrapper(context=context), args.model_dump(mode="json"), "")
+        out = needs(RunContextWrapper(context=context), args.model_dump(mode="json"), "")
         if not inspect.isawaitable(out):
             return bool(out)
         if not inspect.iscoroutine(out):
@@ -415,32 +311,37 @@ class SdkModel:
     """jetloop's ``ModelAdapter`` over the SDK's ``Model``: one ``get_response`` per RunModel
     step, for the agent the conversation says is active."""
 
-    def __init__(self, graph: Graph, provider: Any, context: Any, sticky: bool) -> None:
+    def __init__(
+        self, graph: Graph, provider: ModelProvider | None, context: Any, sticky: bool
+    ) -> None:
         self.graph = graph
         self.provider = provider
         self.context = context
         self.sticky = sticky
-        self._models: dict[str, Any] = {}
+        self._models: dict[str, Model] = {}
 
     def estimate_tokens(self, messages: list[Message]) -> int:
         return rough_tokens(messages)
 
-    def model_of(self, agent: Any) -> Any:
+    def model_of(self, agent: SdkAgent[Any]) -> Model:
         """The SDK ``Model`` an agent's requests go to (resolved once per agent)."""
-        s = sdk()
         found = self._models.get(agent.name)
         if found is None:
-            if isinstance(agent.model, s.Model):
+            if isinstance(agent.model, Model):
                 found = agent.model
             else:
                 if self.provider is None:
-                    self.provider = s.MultiProvider()
+                    self.provider = MultiProvider()
                 found = self.provider.get_model(agent.model)
             self._models[agent.name] = found
         return found
 
     async def complete(self, request: ModelRequest) -> ModelResponse:
-        s = sdk()
+        system: str | None
+        tools: list[SdkTool]
+        handoffs: list[Handoff[Any, Any]]
+        output: AgentOutputSchemaBase | None
+        prompt: ResponsePromptParam | None
         if request.purpose == "summary":
             agent = self.graph.start
             items = conversation(request.messages, tools_enabled=False, summary=True)
@@ -448,12 +349,11 @@ class SdkModel:
         else:
             agent = self.graph.active(request.messages, self.sticky)
             items = conversation(request.messages)
-            run = s.RunContextWrapper(context=self.context)
-            turn = sdk_module("run_internal.turn_preparation")
+            run = RunContextWrapper(context=self.context)
             system = await agent.get_system_prompt(run)
             tools = await agent.get_all_tools(run)
-            handoffs = await turn.get_handoffs(agent, run)
-            output = turn.get_output_schema(agent)
+            handoffs = await turn_preparation.get_handoffs(agent, run)
+            output = turn_preparation.get_output_schema(agent)
             prompt = await agent.get_prompt(run)
         try:
             response = await self.model_of(agent).get_response(
@@ -463,7 +363,7 @@ class SdkModel:
                 tools,
                 output,
                 handoffs,
-                s.ModelTracing.DISABLED,
+                ModelTracing.DISABLED,
                 previous_response_id=None,
                 conversation_id=None,
                 prompt=prompt,
@@ -474,7 +374,7 @@ class SdkModel:
                 raise
             raise mapped from exc
         # What the model was offered this step (``is_enabled`` may hide a tool or handoff).
-        allowed = {t.name for t in tools if isinstance(t, s.FunctionTool)}
+        allowed = {t.name for t in tools if isinstance(t, FunctionTool)}
         return self.answer(response, allowed | {h.tool_name for h in handoffs})
 
     def answer(self, response: Any, allowed: set[str]) -> ModelResponse:
@@ -515,9 +415,9 @@ class SdkModel:
         )
 
 
-def input_items(items: list[Item]) -> list[dict[str, Any]]:
+def input_items(items: list[Item]) -> list[TResponseInputItem]:
     """jetloop's conversation as the SDK's input items (the Responses API format)."""
-    out: list[dict[str, Any]] = []
+    out: list[TResponseInputItem] = []
     for item in items:
         if isinstance(item, UserText):
             out.append({"role": "user", "content": item.text})

@@ -1,13 +1,13 @@
 """The mutation check: deliberate bugs in the engine, and the tests that must catch them.
 
-Each ``Mutation`` names a file of the engine (under ``consumers/`` or ``streams/``), an exact
-source snippet, what replaces it, the bug that makes in one line, and the test node ids that
-claim to catch it. ``check`` copies the project to a temporary directory, applies the one
-mutation there (failing loudly unless the snippet is found exactly once, so the list cannot
-rot silently), checks that a fresh interpreter with the copy first on ``PYTHONPATH`` — which
-is what the worker subprocesses the tests start inherit — imports the mutated module from
-the copy, runs the named tests in the copy, and reports the mutation caught (a test failed)
-or survived (every test passed).
+Each ``Mutation`` names a file of the engine (under ``jetloop/consumers/`` or
+``jetloop/streams/``), an exact source snippet, what replaces it, the bug that makes in one
+line, and the test node ids that claim to catch it. ``check`` copies the project to a temporary
+directory, applies the one mutation there (failing loudly unless the snippet is found exactly
+once, so the list cannot rot silently), checks that a fresh interpreter with the copy first on
+``PYTHONPATH`` — which is what the worker subprocesses the tests start inherit — imports the
+mutated module from the copy, runs the named tests in the copy, and reports the mutation caught
+(a test failed) or survived (every test passed).
 
     python -m tests.mutations                 # the CI subset
     python -m tests.mutations --all           # every mutation (see docs/crash-matrix.md)
@@ -40,7 +40,7 @@ MATRIX = "tests/test_matrix.py::test_matrix"
 @dataclass(frozen=True)
 class Mutation:
     name: str
-    path: str  # under consumers/ or streams/
+    path: str  # under jetloop/consumers/ or jetloop/streams/
     find: str  # exact source, found exactly once
     replace: str
     bug: str  # the bug the replacement makes, in one line
@@ -355,8 +355,10 @@ class Result:
 
 def apply(m: Mutation, root: Path) -> None:
     """Apply ``m`` to the tree at ``root``, or raise ``MutationError`` naming what is wrong."""
-    if not m.path.startswith(("consumers/", "streams/")):
-        raise MutationError(f"{m.name}: {m.path} is not under consumers/ or streams/")
+    if not m.path.startswith(("jetloop/consumers/", "jetloop/streams/")):
+        raise MutationError(
+            f"{m.name}: {m.path} is not under jetloop/consumers/ or jetloop/streams/"
+        )
     target = root / m.path
     if not target.is_file():
         raise MutationError(f"{m.name}: {m.path} does not exist")

@@ -9,17 +9,14 @@ unstarted past its lease.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import time
 from collections.abc import Awaitable, Sequence
-from typing import Any
 
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from prometheus_client import start_http_server
 
@@ -42,6 +39,7 @@ from jetloop.streams.bus import Bus
 from jetloop.streams.connection import ConnectionLost, NotAuthorized, connect
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.holds import Holds
+from jetloop.streams.intake import Intake
 from jetloop.streams.registry import Registry
 from jetloop.streams.state import StateStore
 from jetloop.streams.topology import alive_subject
@@ -79,15 +77,14 @@ class Worker(Service):
         self._nc: Client | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._since = time.time()
-        # Done at each reconnect (and replaced): a fetch waiting on a server that went away
-        # waits for nothing, so the pull loops ask again at once instead of at its timeout.
-        self._reconnected: asyncio.Future[None] | None = None
+        # The pull loops' intakes: at each reconnect their open requests may have gone with
+        # the server, so they ask again at once.
+        self._intakes: list[Intake] = []
         self._rt: Runtime | None = None
 
     def _on_reconnected(self) -> None:
-        if self._reconnected is not None and not self._reconnected.done():
-            self._reconnected.set_result(None)
-        self._reconnected = None
+        for intake in self._intakes:
+            intake.forget_requests()
 
     def _concurrency(self, pool: str) -> int:
         s = self.settings
@@ -181,7 +178,7 @@ class Worker(Service):
                     loops.append(
                         self._pull(
                             rt,
-                            js,
+                            nc,
                             topology.TURNS_STREAM,
                             topology.turn_consumer(name),
                             route_turn,
@@ -193,7 +190,7 @@ class Worker(Service):
                     loops.append(
                         self._pull(
                             rt,
-                            js,
+                            nc,
                             topology.STEPS_STREAM,
                             topology.step_consumer(pool, name),
                             route_step,
@@ -311,70 +308,65 @@ class Worker(Service):
     async def _pull(
         self,
         rt: Runtime,
-        js: JetStreamContext,
+        nc: Client,
         stream: str,
         consumer: str,
         handler: Handler,
         slots: Slots,
         holds: Holds,
     ) -> None:
-        sub = await js.pull_subscribe_bind(durable=consumer, stream=stream)
+        intake = Intake(nc, stream, consumer)
+        await intake.start()
+        self._intakes.append(intake)
         mine = slots.running
-        while not self._stopping.is_set():
-            free = slots.limit - len(mine)
-            if free <= 0:
-                slots.freed.clear()
-                await _first(slots.freed.wait(), self._stopping.wait())
-                continue
-            try:
-                msgs = await self._fetch(sub, free)
-            except (NatsTimeoutError, TimeoutError):
-                continue
-            except Exception as exc:  # an outage: reconnect happens underneath
-                log.warning("worker.fetch_failed", consumer=consumer, error=str(exc))
-                await _first(asyncio.sleep(0.5), self._stopping.wait())
-                continue
-            if msgs and not self._stopping.is_set():
-                for m in msgs:
-                    holds.add(m)
-                await _quietly(holds.publish(), "worker.holds_failed")
-            for m in msgs:
-                if self._stopping.is_set():
-                    # Not started: hand it back now, it costs no attempt.
-                    await _nak_quietly(m)
+        try:
+            while not self._stopping.is_set():
+                free = slots.limit - len(mine)
+                if free <= 0:
+                    slots.freed.clear()
+                    await _first(slots.freed.wait(), self._stopping.wait())
                     continue
-                task = asyncio.create_task(dispatch(rt, m, handler))
-                mine.add(task)
-                self._inflight.add(task)
+                try:
+                    msgs = await intake.take(free, timeout=1.0)
+                except Exception as exc:  # an outage: reconnect happens underneath
+                    log.warning("worker.fetch_failed", consumer=consumer, error=str(exc))
+                    await _first(asyncio.sleep(0.5), self._stopping.wait())
+                    continue
+                if msgs and not self._stopping.is_set():
+                    for m in msgs:
+                        holds.add(m)
+                    await _quietly(holds.publish(), "worker.holds_failed")
+                for m in msgs:
+                    if self._stopping.is_set():
+                        # Not started: hand it back now, it costs no attempt.
+                        await _nak_quietly(m)
+                        continue
+                    self._start(rt, m, handler, mine, holds, slots)
+        finally:
+            self._intakes.remove(intake)
+            for m in await intake.stop():
+                await _nak_quietly(m)
 
-                def done(
-                    t: asyncio.Task[None],
-                    mine: set[asyncio.Task[None]] = mine,
-                    m: Msg = m,
-                ) -> None:
-                    mine.discard(t)
-                    self._inflight.discard(t)
-                    holds.drop(m)
-                    slots.freed.set()
+    def _start(
+        self,
+        rt: Runtime,
+        m: Msg,
+        handler: Handler,
+        mine: set[asyncio.Task[None]],
+        holds: Holds,
+        slots: Slots,
+    ) -> None:
+        task = asyncio.create_task(dispatch(rt, m, handler))
+        mine.add(task)
+        self._inflight.add(task)
 
-                task.add_done_callback(done)
-        await sub.unsubscribe()
+        def done(t: asyncio.Task[None]) -> None:
+            mine.discard(t)
+            self._inflight.discard(t)
+            holds.drop(m)
+            slots.freed.set()
 
-    async def _fetch(self, sub: JetStreamContext.PullSubscription, n: int) -> list[Msg]:
-        """Up to ``n`` messages within a second; given up at once (a timeout) when the
-        connection is made again, since the server that had the request may be gone."""
-        if self._reconnected is None:
-            self._reconnected = asyncio.get_running_loop().create_future()
-        reconnected = self._reconnected
-        fetch: asyncio.Future[list[Msg]] = asyncio.ensure_future(sub.fetch(n, timeout=1.0))
-        waits: set[asyncio.Future[Any]] = {fetch, reconnected}
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        if not fetch.done():
-            fetch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await fetch
-            raise TimeoutError("reconnected: fetch again")
-        return fetch.result()
+        task.add_done_callback(done)
 
     async def _drain(self) -> None:
         if not self._inflight:

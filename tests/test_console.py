@@ -276,6 +276,10 @@ def test_console_in_a_browser(up: tuple[str, str, Path], browser: Browser) -> No
     expect(page.locator('#sessions [data-session="web-approve"]')).to_contain_text("demo")
     expect(page.locator("#sessions-total")).to_contain_text("of 2", timeout=WAIT_MS)
     shot(page, "05-sessions")
+    page.locator('#sessions [data-session="web-approve"]').click()
+    expect(page.locator(f'#turns [data-turn="{turn_id}"]')).to_contain_text("completed")
+    shot(page, "05b-session")
+    page.goto(gateway + "/#/sessions")
     page.locator("#search").fill("question")
     page.locator("#search").press("Enter")
     expect(page.locator("#sessions-total")).to_contain_text("of 1", timeout=WAIT_MS)
@@ -319,7 +323,7 @@ def test_console_in_a_browser(up: tuple[str, str, Path], browser: Browser) -> No
     expect(banner).to_contain_text("Reconcile")
     expect(banner.locator("button")).to_have_count(2)
     expect(page.locator('#timeline [data-type="model.answered"]')).to_contain_text("812")
-    shot(page, "08-outcome-unknown")
+    shot(page, "07-outcome-unknown")
 
     # Read-only: a held approval, and no approve button for this token.
     post(gateway, "/v1/agents/demo/sessions/web-held/messages", {"text": "close T-1"}, BOSS)
@@ -331,7 +335,7 @@ def test_console_in_a_browser(up: tuple[str, str, Path], browser: Browser) -> No
     expect(held).to_be_visible(timeout=WAIT_MS)
     expect(held.locator("[data-no-approve]")).to_be_visible()
     assert viewer.locator("button.approve").count() == 0
-    shot(viewer, "07-inbox-read-only")
+    shot(viewer, "08-inbox-read-only")
     assert errors == [], errors
     viewer.goto(f"{gateway}/#/turn/web-unknown/tunknown")
     expect(viewer.locator("[data-outcome-unknown]").first).to_contain_text(

@@ -531,15 +531,17 @@ async function inboxView(signal, params) {
   const offset = Number(params.get("offset") || 0);
   const list = h("div", { id: "inbox" });
   const info = h("span", { class: "mute" });
+  const older = h("button", { class: "secondary", onclick: () => (location.hash = `#/inbox?offset=${offset + PAGE}`) }, "older →");
   show(h("h1", {}, "Inbox ", h("span", { class: "live" }, "live")),
-    h("p", { class: "mute" }, "Calls held for approval and questions the agents asked, across sessions, newest first. Decisions are recorded as ",
-      h("b", {}, me.name), "."),
+    h("p", { class: "mute" }, "Calls held for approval and questions the agents asked, across sessions, newest first.",
+      can("write") || can("approve") ? [" Your decisions and answers are recorded as ", h("b", {}, me.name), "."] : " This token may only read."),
     list, h("div", { class: "pager" },
       h("button", { class: "secondary", disabled: offset === 0, onclick: () => (location.hash = `#/inbox?offset=${Math.max(0, offset - PAGE)}`) }, "← newer"),
-      h("button", { class: "secondary", onclick: () => (location.hash = `#/inbox?offset=${offset + PAGE}`) }, "older →"), info));
+      older, info));
   const load = async () => {
     const page = await api(`/v1/inbox?limit=${PAGE}&offset=${offset}`, { signal });
     info.textContent = `${page.total ? offset + 1 : 0}–${offset + page.items.length} of ${page.total}`;
+    older.disabled = offset + page.items.length >= page.total;
     setCount(page.total);
     list.replaceChildren(...page.items.map((it) =>
       h("div", { class: "card item", "data-kind": it.kind, "data-session": it.session_id, "data-id": it.id },
@@ -784,7 +786,11 @@ function start() {
   document.getElementById("who").replaceChildren(
     h("span", { id: "whoami" }, me.name, " · ", me.scopes.join(", ")),
     h("button", { onclick: signOut, id: "signout" }, "Sign out"));
-  api("/v1/inbox?limit=1").then((p) => setCount(p.total)).catch(() => {});
+  // The inbox's count in the menu, whatever page is open (one row read, now and then).
+  const count = () => (me ? api("/v1/inbox?limit=1").then((p) => setCount(p.total)).catch(() => {}) : null);
+  count();
+  clearInterval(window.jetloopCount);
+  window.jetloopCount = setInterval(count, 10000);
   route();
 }
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import nats
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -199,7 +200,8 @@ async def test_ten_thousand_sessions_page_is_bounded(api: Api, config: GatewayCo
         assert len(raw) < 200 * 1024 and took < 5.0, (params, len(raw), took)
     newest = await ok(await api.get("/v1/sessions", params={"limit": "1"}, headers=READ))
     assert newest["sessions"][0]["session_id"] == f"s{MANY - 1:05d}"
-    assert newest["sessions"][0]["waiting_for"] == []  # no call rows: nothing named
+    # No worker serves `demo` here: every busy session waits for one (no call rows name more).
+    assert newest["sessions"][0]["waiting_for"] == ["worker"]
     await problem(await api.get("/v1/sessions", params={"limit": "10000"}, headers=READ), 422)
 
     t0 = time.monotonic()
@@ -211,3 +213,33 @@ async def test_ten_thousand_sessions_page_is_bounded(api: Api, config: GatewayCo
     assert inbox["items"][0]["session_id"] == f"s{MANY - 1:05d}"
     assert inbox["items"][0]["args"] == {"ticket": MANY - 1}
     await problem(await api.get("/v1/inbox", params={"limit": "201"}, headers=READ), 422)
+
+
+async def test_every_sessions_events_from_now(api: Api, nats_ready: EmbeddedServer) -> None:
+    """`/v1/events` streams every session's events from now (what came before is not
+    replayed), history entries left out, each with its stream sequence as its id."""
+    nc = await nats.connect(nats_ready.url)
+    js = nc.jetstream()
+    try:
+
+        async def publish(sid: str, n: int) -> None:
+            e = Event(key=f"{sid}.{n}", type=EventType.TURN_ACCEPTED, session_id=sid, turn_id="t")
+            e.data = {"request_id": "r", "queued": False}
+            await js.publish(f"jl.event.{sid}.turn.accepted", encode(e))
+
+        await publish("before", 1)
+        resp = await api.get("/v1/events", headers=READ)
+        assert resp.status == 200 and resp.content_type == "text/event-stream"
+        assert await resp.content.readuntil(b"\n\n") == b"retry: 2000\n: connected\n\n"
+        await js.publish("jl.event.a.history.user", b"not an event")
+        await publish("a", 2)
+        await publish("b", 3)
+        frames = [await resp.content.readuntil(b"\n\n") for _ in range(2)]
+        got = [json.loads(f.split(b"data: ", 1)[1]) for f in frames]
+        assert [g["session_id"] for g in got] == ["a", "b"]
+        assert frames[0].startswith(b"id: ") and b"event: turn.accepted" in frames[0]
+        resp.close()
+        bad = await api.get("/v1/events", headers={**READ, "Last-Event-ID": "x"})
+        await problem(bad, 400)
+    finally:
+        await nc.close()

@@ -162,6 +162,7 @@ async def list_sessions(request: web.Request) -> web.Response:
     query = read_query(request, ListQuery)
     model = await request.app[READMODEL].get()
     page = await model.list_sessions(query.q, query.status, query.agent, query.limit, query.offset)
+    await console.add_worker_waits(request, page.sessions)
     return ok(
         SessionList(
             total=page.total,

@@ -39,6 +39,7 @@ from services.gateway.http import (
     CONFIG,
     GRANT,
     METRICS,
+    NATS_DOWN,
     Problem,
     ok,
     path_name,
@@ -129,6 +130,22 @@ async def stream_all(request: web.Request) -> web.StreamResponse:
         )
     finally:
         app[METRICS].streams.dec()
+
+
+async def add_worker_waits(request: web.Request, sessions: list[dict[str, Any]]) -> None:
+    """Mark the page's busy sessions whose agent no live worker serves as waiting for a
+    worker (the read model cannot know: it is the registry's, read once per page)."""
+    busy = [r for r in sessions if r.get("status") not in (None, "idle") and r.get("agent")]
+    if not busy:
+        return
+    try:
+        workers = await (await request.app[CLIENT].registry()).workers()
+    except NATS_DOWN:
+        return  # the list still answers; it only cannot say this
+    served = {a for w in workers for a in w.agents}
+    for r in busy:
+        if r["agent"] not in served:
+            r["waiting_for"] = [*r.get("waiting_for", []), "worker"]
 
 
 async def inbox(request: web.Request) -> web.Response:

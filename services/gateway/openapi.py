@@ -138,7 +138,8 @@ class SessionRow(BaseModel):
     last_answer: str | None = None
     last_seq: int = 0
     last_turn_status: str | None = None
-    # approval, answer, timer, task: the calls of the running turn wait for these
+    # approval, answer, timer, task: the calls of the running turn wait for these;
+    # worker: the session is busy and no live worker serves its agent
     waiting_for: list[str] = Field(default_factory=list)
 
 

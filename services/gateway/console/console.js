@@ -190,7 +190,7 @@ function signOut() {
 // --- sessions ----------------------------------------------------------------------------
 
 function sessionStatus(s) {
-  if (s.status === "waiting" && s.waiting_for && s.waiting_for.length)
+  if (s.status !== "idle" && s.waiting_for && s.waiting_for.length)
     return badge(`waiting for ${s.waiting_for.join(", ")}`, "waiting");
   if (s.status === "idle" && s.last_turn_status === "failed") return badge("failed");
   return badge(s.status || "—", s.status);

@@ -243,3 +243,16 @@ async def test_every_sessions_events_from_now(api: Api, nats_ready: EmbeddedServ
         await problem(bad, 400)
     finally:
         await nc.close()
+
+
+async def test_anonymous_on_loopback_is_signed_in(
+    nats_ready: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Where anonymous requests have scopes (`jetloop up` on loopback without tokens), the
+    console's first question is answered without a token: no sign-in form."""
+    config = make_config(tmp_path, tokens={}, anonymous_scopes=["read", "write", "approve"])
+    async with TestClient(TestServer(make_app(config, nats_ready.url))) as c:
+        assert await ok(await c.get("/v1/whoami")) == {
+            "name": "anonymous",
+            "scopes": ["approve", "read", "write"],
+        }

@@ -573,6 +573,7 @@ async function chatView(signal, params) {
   const agentIn = h("input", { id: "chat-agent", value: agent, size: 10 });
   const sidIn = h("input", { id: "chat-session", value: sid, size: 18 });
   const mine = new Set();
+  let following = false;
   const send = async (e) => {
     e.preventDefault();
     if (!text.value.trim()) return;
@@ -583,6 +584,7 @@ async function chatView(signal, params) {
       const out = await api(`/v1/agents/${enc(agentIn.value)}/sessions/${enc(sidIn.value)}/messages`, { method: "POST", body: { text: msg } });
       mine.add(out.turn_id);
       log.append(h("div", { class: "msg step" }, "turn ", h("a", { href: `#/turn/${enc(sidIn.value)}/${enc(out.turn_id)}`, class: "turn-link" }, out.turn_id), ` ${out.status}`));
+      flush();
       if (!following) startFollowing();
     } catch (err) {
       log.append(h("div", { class: "msg step error" }, err.message));
@@ -595,7 +597,6 @@ async function chatView(signal, params) {
       text, h("div", { class: "toolbar" }, h("button", { type: "submit", id: "chat-send", disabled: !can("write") }, "Send"),
         can("write") ? null : h("span", { class: "mute" }, "sending needs the write scope"))),
     log);
-  let following = false;
   const startFollowing = async () => {
     following = true;
     // From the session's current end: a long session's past is not replayed.
@@ -606,18 +607,37 @@ async function chatView(signal, params) {
       if (row) after = row.last_seq;
     } catch (err) { /* no read model yet: from the start */ }
     follow(`/v1/sessions/${enc(sidIn.value)}/events`, after, signal, (ev) => {
+      // The stream may tell of a turn before the send's answer names it: kept until then.
+      if (mine.has(ev.data.turn_id)) render(ev);
+      else if (early.push(ev) > 500) early.shift();
+    });
+  };
+  // Events of turns this page has not been told of yet (the send's answer may come after).
+  let early = [];
+  const flush = () => {
+    const now = early.filter((e) => mine.has(e.data.turn_id));
+    early = early.filter((e) => !mine.has(e.data.turn_id));
+    now.forEach(render);
+  };
+  // Buttons used once: a decision or an answer sent from here takes them away (the log
+  // then tells what was recorded).
+  const once = (make) => {
+    const el = make(() => el.remove());
+    return el;
+  };
+  const render = (ev) => {
       const d = ev.data;
-      if (!mine.has(d.turn_id)) return;
       const x = d.data || {};
       if (ev.type === "turn.completed") log.append(h("div", { class: "msg agent" }, x.text || "(answer in the blob store: open the turn)"));
       else if (ev.type === "approval.requested")
-        log.append(h("div", { class: "msg step" }, `${x.tool} waits for approval `, decisionButtons(d.session_id, x.approval_id, () => {})));
+        log.append(h("div", { class: "msg step" }, `${x.tool} waits for approval `, once((after) => decisionButtons(d.session_id, x.approval_id, after))));
       else if (ev.type === "question.asked")
-        log.append(h("div", { class: "msg agent" }, x.question, answerBox(d.session_id, x.question_id, () => {})));
+        log.append(h("div", { class: "msg agent" }, x.question, once((after) => answerBox(d.session_id, x.question_id, after))));
+      else if (ev.type === "approval.decided") log.append(h("div", { class: "msg step" }, `${x.status} by ${x.by}${x.reason ? ": " + x.reason : ""}`));
+      else if (ev.type === "question.answered") log.append(h("div", { class: "msg user" }, x.answer));
       else if (ev.type === "turn.failed") log.append(h("div", { class: "msg step error" }, `failed: ${x.error}`));
       else if (ev.type === "call.outcome") log.append(h("div", { class: "msg step" }, `${x.tool}: ${x.state}`));
       else log.append(h("div", { class: "msg step" }, ev.type));
-    });
   };
   if (params.get("session")) startFollowing();
   text.focus();

@@ -337,6 +337,10 @@ def test_console_in_a_browser(up: tuple[str, str, Path], browser: Browser) -> No
     assert viewer.locator("button.approve").count() == 0
     shot(viewer, "08-inbox-read-only")
     assert errors == [], errors
+    viewer.goto(gateway + "/#/sessions?status=approval")
+    expect(viewer.locator('#sessions [data-session="web-held"]')).to_contain_text(
+        "waiting for approval", timeout=WAIT_MS
+    )
     viewer.goto(f"{gateway}/#/turn/web-unknown/tunknown")
     expect(viewer.locator("[data-outcome-unknown]").first).to_contain_text(
         "reconciling needs the approve scope", timeout=WAIT_MS

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ValidationError
@@ -22,6 +22,14 @@ def encode(model: BaseModel) -> bytes:
     data = model.model_dump(mode="json", exclude_none=True)
     packed: bytes = msgpack.packb(data, use_bin_type=True)
     return packed
+
+
+def readable(data: bytes) -> Any:
+    """A stored body as data, for a person to read: msgpack decoded, else text."""
+    try:
+        return msgpack.unpackb(data, raw=False)
+    except Exception:  # not msgpack (msgpack raises several unrelated types): show the text
+        return data.decode(errors="replace")
 
 
 def decode(model: type[M], data: bytes) -> M:

@@ -90,6 +90,9 @@ class Registry:
             return []
         out = []
         for key in keys:
+            if not key.startswith("worker."):
+                # The bucket also holds each process's held messages (jetloop.streams.holds).
+                continue
             try:
                 entry = await self._workers.get(key)
             except KeyNotFoundError:
@@ -106,6 +109,14 @@ class Registry:
                 )
             )
         return out
+
+    async def declared(self) -> list[str]:
+        """Every agent ever served, sorted."""
+        try:
+            keys = await self._agents.keys()
+        except NoKeysError:
+            return []
+        return sorted(k.removeprefix("agent.") for k in keys if k.startswith("agent."))
 
     async def known(self, agent: str) -> bool:
         """Has any worker ever served ``agent``? (Remembered once true: it stays true.)"""

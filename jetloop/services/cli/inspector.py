@@ -19,10 +19,10 @@ import json
 from typing import Any
 
 import click
-import msgpack
 from nats.js import JetStreamContext, api
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
+from jetloop.schemas.codec import readable
 from jetloop.streams import topology as topo
 
 # In text mode a body longer than this is cut (--json and --seq show it whole).
@@ -31,14 +31,6 @@ BODY_CHARS = 400
 
 class Missing(LookupError):
     """The key, stream or message asked for is not there; the message says which."""
-
-
-def readable(data: bytes) -> Any:
-    """A stored body as data: msgpack decoded, else text."""
-    try:
-        return msgpack.unpackb(data, raw=False)
-    except Exception:  # not msgpack: show what it is
-        return data.decode(errors="replace")
 
 
 def _dumps(value: Any, indent: int | None = None) -> str:

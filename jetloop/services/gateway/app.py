@@ -14,6 +14,14 @@ Routes (the OpenAPI 3.1 document is ``jetloop.services.gateway.openapi``, served
     POST /v1/sessions/{session}/cancel                    write    cancel the running turn
     POST /v1/calls/{call_key}/reconcile                   approve  settle outcome_unknown
     POST /v1/hooks/{trigger}                              (signed) webhooks start turns
+    GET  /v1/whoami                                       read     the token's name, scopes
+    GET  /v1/events                                       read     SSE of every session
+    GET  /v1/inbox                                        read     pending approvals, questions
+    GET  /v1/sessions/{session}/turns/{turn_id}/timeline  read     a turn's events and calls
+    GET  /v1/sessions/{session}/events/{seq}              read     one event, whole
+    GET  /v1/dead-letters[/{seq}]                         read     dead letters, newest first
+    GET  /v1/operations                                   read     workers, agents, lag
+    GET  /, /console/{asset}                              (open)   the web console
     GET  /v1/openapi.json, /healthz, /readyz, /metrics    (open)
 
 Everything that changes something goes through ``jetloop.services.client.Client`` — the same
@@ -44,7 +52,6 @@ import signal
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import click
@@ -56,7 +63,7 @@ from pydantic import ValidationError
 from jetloop.consumers.control import dump
 from jetloop.schemas.errors import TurnFailed
 from jetloop.services.client import Client
-from jetloop.services.gateway import hooks, sse
+from jetloop.services.gateway import console, hooks, sse
 from jetloop.services.gateway.config import GatewayConfig, Scope, exposure_error, is_loopback
 from jetloop.services.gateway.guard import ConnectionGuard
 from jetloop.services.gateway.http import (
@@ -96,9 +103,16 @@ from jetloop.services.gateway.openapi import (
     TurnsQuery,
     openapi_document,
 )
+from jetloop.services.gateway.state import (
+    CLIENT,
+    NATS_CLOSED,
+    NATS_URLS,
+    READMODEL,
+    STOPPING,
+    ReadModelReader,
+)
 from jetloop.services.lifecycle import Service
 from jetloop.services.logs import configure
-from jetloop.services.readmodel.model import ReadModel, ReadModelMissing
 from jetloop.services.settings import SettingsError, describe_errors, load_settings
 from jetloop.streams import topology
 from jetloop.streams.connection import ConnectionLost, connect
@@ -108,44 +122,6 @@ log = structlog.get_logger("jetloop.gateway")
 CALL_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){3}$")
 REQUEST_ID_RE = re.compile(REQUEST_ID)
 SEQ_RE = re.compile(r"^[0-9]{1,19}$")
-
-
-# --- state -----------------------------------------------------------------------------
-
-
-class ReadModelReader:
-    """The read model, opened on first use: the projector may not have written it yet."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self._model: ReadModel | None = None
-        self._lock = asyncio.Lock()
-
-    async def get(self) -> ReadModel:
-        if self.path is None:
-            raise Problem(503, "read model not configured", "set the read model's database")
-        async with self._lock:
-            if self._model is None:
-                try:
-                    self._model = await ReadModel.open(self.path, readonly=True)
-                except ReadModelMissing:
-                    raise Problem(
-                        503, "read model not available yet", "no projector has written it"
-                    ) from None
-            return self._model
-
-    async def close(self) -> None:
-        if self._model is not None:
-            await self._model.close()
-            self._model = None
-
-
-NATS_URLS: web.AppKey[tuple[str, ...]] = web.AppKey("nats_urls")
-CLIENT = web.AppKey("client", Client)
-READMODEL = web.AppKey("readmodel", ReadModelReader)
-STOPPING = web.AppKey("stopping", asyncio.Event)
-# Set when the NATS connection closes while the gateway is not stopping: it will not reopen.
-NATS_CLOSED = web.AppKey("nats_closed", asyncio.Event)
 
 
 # --- handlers --------------------------------------------------------------------------
@@ -186,6 +162,7 @@ async def list_sessions(request: web.Request) -> web.Response:
     query = read_query(request, ListQuery)
     model = await request.app[READMODEL].get()
     page = await model.list_sessions(query.q, query.status, query.agent, query.limit, query.offset)
+    await console.add_worker_waits(request, page.sessions)
     return ok(
         SessionList(
             total=page.total,
@@ -386,6 +363,23 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/sessions/{session}/cancel", "cancelTurn", "write", cancel_turn),
     Route("POST", "/v1/calls/{call_key}/reconcile", "reconcileCall", "approve", reconcile_call),
     Route("POST", "/v1/hooks/{trigger}", "receiveWebhook", None, receive_webhook),
+    # The console's reads (jetloop.services.gateway.console).
+    Route("GET", "/v1/whoami", "whoami", "read", console.whoami),
+    Route("GET", "/v1/events", "streamAllEvents", "read", console.stream_all),
+    Route("GET", "/v1/inbox", "getInbox", "read", console.inbox),
+    Route(
+        "GET",
+        "/v1/sessions/{session}/turns/{turn_id}/timeline",
+        "getTimeline",
+        "read",
+        console.timeline,
+    ),
+    Route("GET", "/v1/sessions/{session}/events/{seq}", "getEvent", "read", console.event),
+    Route("GET", "/v1/dead-letters", "listDeadLetters", "read", console.dead_letters),
+    Route("GET", "/v1/dead-letters/{seq}", "getDeadLetter", "read", console.dead_letter),
+    Route("GET", "/v1/operations", "getOperations", "read", console.operations),
+    Route("GET", "/", "console", None, console.index),
+    Route("GET", "/console/{asset}", "consoleAsset", None, console.asset),
     Route("GET", "/v1/openapi.json", "getOpenAPI", None, get_openapi),
     Route("GET", "/healthz", "health", None, health),
     Route("GET", "/readyz", "ready", None, ready),

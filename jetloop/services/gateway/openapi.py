@@ -21,6 +21,8 @@ from jetloop.schemas import ApprovalRecord, CallRecord, QuestionRecord, TurnReco
 NAME = r"^[A-Za-z0-9_-]{1,64}$"
 CALL_KEY = r"^[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){3}$"
 REQUEST_ID = r"^[\x21-\x7e]{1,200}$"  # printable ASCII, no spaces: a header value
+SEQ = r"^[0-9]{1,18}$"  # fits SQLite's integers
+ASSET = r"^[a-z0-9_-]{1,64}\.(js|css|txt|svg)$"
 
 
 class Body(BaseModel):
@@ -93,7 +95,11 @@ class TurnQuery(Query):
 
 class ListQuery(Query):
     q: str | None = Field(None, max_length=200, description="search ids, agents and texts")
-    status: Literal["idle", "running", "waiting"] | None = None
+    status: Literal["idle", "running", "waiting", "approval", "answer", "failed"] | None = Field(
+        None,
+        description="idle, running, waiting (anything); approval or answer (waits for a "
+        "person); failed (the last turn failed)",
+    )
     agent: str | None = Field(None, max_length=64)
     limit: int = Field(50, ge=1, le=200)
     offset: int = Field(0, ge=0, le=1_000_000_000)
@@ -131,6 +137,10 @@ class SessionRow(BaseModel):
     last_text: str | None = None
     last_answer: str | None = None
     last_seq: int = 0
+    last_turn_status: str | None = None
+    # approval, answer, timer, task: the calls of the running turn wait for these;
+    # worker: the session is busy and no live worker serves its agent
+    waiting_for: list[str] = Field(default_factory=list)
 
 
 class SessionList(BaseModel):
@@ -138,6 +148,132 @@ class SessionList(BaseModel):
     limit: int
     offset: int
     sessions: list[SessionRow]
+
+
+class PageQuery(Query):
+    limit: int = Field(50, ge=1, le=200)
+    offset: int = Field(0, ge=0, le=1_000_000_000)
+
+
+class TimelineQuery(Query):
+    after: int = Field(0, ge=0, description="events after this stream sequence")
+    limit: int = Field(500, ge=1, le=1000, description="events in the page, in log order")
+
+
+class DeadQuery(Query):
+    before: int | None = Field(None, ge=1, description="letters before this JL_DEAD sequence")
+    limit: int = Field(20, ge=1, le=100, description="letters in the page, newest first")
+
+
+class Whoami(BaseModel):
+    name: str
+    scopes: list[str]
+
+
+class InboxItem(BaseModel):
+    kind: Literal["approval", "question"]
+    session_id: str
+    id: str  # the approval id or the question id
+    turn_id: str | None = None
+    call_key: str | None = None
+    tool: str | None = None
+    args: Any = None
+    question: str | None = None
+    at: float | None = None
+
+
+class Inbox(BaseModel):
+    total: int
+    limit: int
+    offset: int
+    items: list[InboxItem]
+
+
+class TimelineEvent(BaseModel):
+    seq: int
+    key: str
+    type: str
+    at: float
+    data: Any = None
+    # The data was cut (larger than the gateway sends in a page): GET the event for it.
+    truncated: bool = False
+    size: int = 0
+
+
+class TimelineCall(BaseModel):
+    call_key: str
+    model_step: int | None = None
+    call_index: int | None = None
+    tool: str | None = None
+    effect: str | None = None
+    state: str | None = None
+    attempts: int | None = None
+    idempotency_key: str | None = None
+    error: str | None = None
+    settlement: str | None = None
+    approval_id: str | None = None
+    question_id: str | None = None
+    timer_due: float | None = None
+    reconciled_by: str | None = None
+    updated_at: float | None = None
+
+
+class Timeline(BaseModel):
+    session_id: str
+    turn_id: str
+    turn: dict[str, Any] | None = None
+    calls: list[TimelineCall]
+    events: list[TimelineEvent]
+    # Pass as ``after`` for the next page (null: this was the last one).
+    next_after: int | None = None
+
+
+class DeadLetter(BaseModel):
+    seq: int
+    time: str | None = None
+    subject: str  # where it was published first
+    stream: str | None = None
+    stream_seq: str | None = None
+    reason: str
+    body: Any = None
+    truncated: bool = False
+    size: int = 0
+
+
+class DeadLetters(BaseModel):
+    total: int
+    letters: list[DeadLetter]
+    next_before: int | None = None
+
+
+class WorkerRow(BaseModel):
+    worker_id: str
+    agents: list[str]
+    pools: list[str]
+    since: float
+
+
+class ConsumerRow(BaseModel):
+    stream: str
+    name: str
+    pending: int  # the lag: messages not yet delivered
+    ack_pending: int
+    redelivered: int
+
+
+class StreamRow(BaseModel):
+    name: str
+    messages: int
+    bytes: int
+    last_seq: int
+
+
+class Operations(BaseModel):
+    workers: list[WorkerRow]
+    agents: list[str]
+    consumers: list[ConsumerRow]
+    streams: list[StreamRow]
+    readmodel_position: int | None = None
 
 
 class Health(BaseModel):
@@ -168,6 +304,13 @@ SCHEMA_MODELS: list[type[BaseModel]] = [
     TurnRecord,
     Health,
     Problem,
+    Whoami,
+    Inbox,
+    Timeline,
+    TimelineEvent,
+    DeadLetters,
+    DeadLetter,
+    Operations,
 ]
 
 
@@ -434,6 +577,109 @@ def openapi_document() -> dict[str, Any]:
                     "content": {"application/json": {"schema": {}}, "*/*": {"schema": {}}},
                 },
             }
+        },
+        "/v1/whoami": {
+            "get": _op(
+                "whoami",
+                "The token's name and scopes (the console signs in with it)",
+                "read",
+                {"200": _json(_ref("Whoami"), "who the token is")},
+                problems=(),
+            )
+        },
+        "/v1/events": {
+            "get": _op(
+                "streamAllEvents",
+                "Server-Sent Events of every session's log, from now (or after Last-Event-ID)",
+                "read",
+                {
+                    "200": {
+                        "description": "an event stream: id is the JL_EVENTS sequence",
+                        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    }
+                },
+                params=[last_id],
+                problems=("400", "503"),
+            )
+        },
+        "/v1/inbox": {
+            "get": _op(
+                "getInbox",
+                "Pending approvals and open questions across sessions, newest first",
+                "read",
+                {"200": _json(_ref("Inbox"), "a page of the inbox")},
+                params=_query(PageQuery),
+                problems=("422", "503"),
+            )
+        },
+        "/v1/sessions/{session}/turns/{turn_id}/timeline": {
+            "get": _op(
+                "getTimeline",
+                "A turn's timeline (read model): every event in log order, its calls; large "
+                "payloads cut (GET the event for the whole)",
+                "read",
+                {"200": _json(_ref("Timeline"), "a page of the timeline")},
+                params=[session, _path("turn_id"), *_query(TimelineQuery)],
+                problems=("404", "422", "503"),
+            )
+        },
+        "/v1/sessions/{session}/events/{seq}": {
+            "get": _op(
+                "getEvent",
+                "One event of the session's log, whole (read model)",
+                "read",
+                {"200": _json(_ref("TimelineEvent"), "the event")},
+                params=[session, _path("seq", SEQ)],
+                problems=("404", "422", "503"),
+            )
+        },
+        "/v1/dead-letters": {
+            "get": _op(
+                "listDeadLetters",
+                "Dead letters (JL_DEAD), newest first: where each came from, why, the message",
+                "read",
+                {"200": _json(_ref("DeadLetters"), "a page of dead letters")},
+                params=_query(DeadQuery),
+                problems=("422", "503"),
+            )
+        },
+        "/v1/dead-letters/{seq}": {
+            "get": _op(
+                "getDeadLetter",
+                "One dead letter, its message whole",
+                "read",
+                {"200": _json(_ref("DeadLetter"), "the dead letter")},
+                params=[_path("seq", SEQ)],
+                problems=("404", "422", "503"),
+            )
+        },
+        "/v1/operations": {
+            "get": _op(
+                "getOperations",
+                "Live workers and their agents, consumers and their lag, streams",
+                "read",
+                {"200": _json(_ref("Operations"), "the figures")},
+                problems=("503",),
+            )
+        },
+        "/": {
+            "get": _op(
+                "console",
+                "The web console (its data comes from the routes above, with a token)",
+                None,
+                {"200": {"description": "the page", "content": {"text/html": {"schema": {}}}}},
+                problems=(),
+            )
+        },
+        "/console/{asset}": {
+            "get": _op(
+                "consoleAsset",
+                "The console's script, style and licence files",
+                None,
+                {"200": {"description": "the file", "content": {"*/*": {"schema": {}}}}},
+                params=[_path("asset", ASSET)],
+                problems=("404",),
+            )
         },
         "/v1/openapi.json": {
             "get": _op(

@@ -1,4 +1,5 @@
-"""Server-Sent Events of one session's log, resumable by stream sequence.
+"""Server-Sent Events of one session's log (or of every session's, for the console's live
+lists), resumable by stream sequence.
 
 Each event goes out as ``id: <JL_EVENTS stream sequence>``, ``event: <type>``, ``data:
 <Event JSON>``. A client that reconnects with ``Last-Event-ID: n`` gets everything after
@@ -31,16 +32,23 @@ log = structlog.get_logger("jetloop.gateway")
 IDLE_POLL = 1.0  # how often a quiet stream looks at the stop flag and the keep-alive clock
 
 
+def _is_history(subject: str) -> bool:
+    # jl.event.<session>.history.<role>
+    parts = subject.split(".")
+    return len(parts) > 3 and parts[3] == "history"
+
+
 async def follow(
     js: JetStreamContext,
-    session_id: str,
+    session_id: str | None,
     after: int,
     stopping: asyncio.Event,
     idle: float = IDLE_POLL,
 ) -> AsyncGenerator[tuple[int, Event] | None, None]:
-    """(sequence, event) of the session after ``after``; ``None`` whenever it is quiet."""
+    """(sequence, event) of the session (of every session: ``None``) after ``after``;
+    ``None`` whenever it is quiet."""
     next_seq = after + 1
-    subject = topology.session_events_filter(session_id)
+    subject = "jl.event.>" if session_id is None else topology.session_events_filter(session_id)
     while not stopping.is_set():
         cfg = api.ConsumerConfig(
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
@@ -77,7 +85,7 @@ async def follow(
                     if seq < next_seq:
                         continue  # a redelivery across a consumer reset: already sent
                     next_seq = seq + 1
-                    if m.subject.startswith(f"jl.event.{session_id}.history."):
+                    if _is_history(m.subject):
                         continue
                     try:
                         ev = decode(Event, m.data)
@@ -108,12 +116,13 @@ def frame(seq: int, ev: Event) -> bytes:
 async def stream(
     request: web.Request,
     js: JetStreamContext,
-    session_id: str,
+    session_id: str | None,
     after: int,
     stopping: asyncio.Event,
     keepalive: float,
 ) -> web.StreamResponse:
-    """Write the session's events to the client until it goes or the gateway stops."""
+    """Write the session's (every session's: ``None``) events to the client until it goes
+    or the gateway stops."""
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream; charset=utf-8",

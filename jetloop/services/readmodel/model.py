@@ -167,6 +167,13 @@ CALL_RANK = {
 WAITING_CALLS = ("awaiting_approval", "awaiting_answer", "waiting_timer", "task_running")
 OPEN_CALLS = (*WAITING_CALLS, "planned", "approved", "answered", "timer_fired")
 SESSION_STATUSES = ("idle", "running", "waiting")
+# What a session waits for, by the state of its waiting call.
+WAITING_FOR = {
+    "awaiting_approval": "approval",
+    "awaiting_answer": "answer",
+    "waiting_timer": "timer",
+    "task_running": "task",
+}
 
 
 class ReadModelMissing(Exception):
@@ -670,9 +677,18 @@ class ReadModel:
                 "(t.user_text LIKE ? ESCAPE '\\' OR t.answer_text LIKE ? ESCAPE '\\')))"
             )
             args += [like, like, like, like]
-        if status:
+        if status in SESSION_STATUSES:
             where.append("s.status = ?")
             args.append(status)
+        elif status == "approval":
+            where.append("s.pending_approvals > 0")
+        elif status == "answer":
+            where.append("s.open_questions > 0")
+        elif status == "failed":
+            where.append(
+                "EXISTS (SELECT 1 FROM turns t WHERE t.session_id = s.session_id AND "
+                "t.turn_id = s.last_turn_id AND t.status = 'failed')"
+            )
         if agent:
             where.append("s.agent = ?")
             args.append(agent)
@@ -686,7 +702,97 @@ class ReadModel:
             [*args, limit, offset],
         ) as cur:
             rows = await cur.fetchall()
-        return SessionPage(total, [dict(r) for r in rows])
+        sessions = [dict(r) for r in rows]
+        await self._add_details(sessions)
+        return SessionPage(total, sessions)
+
+    async def _add_details(self, sessions: list[dict[str, Any]]) -> None:
+        """What a person wants to read of each row of a page: the last turn's status and
+        what the session waits for (one query per page, whatever the table holds)."""
+        if not sessions:
+            return
+        ids = [r["session_id"] for r in sessions]
+        marks = ", ".join("?" for _ in ids)
+        async with self.db.execute(
+            f"SELECT s.session_id, t.status FROM sessions s JOIN turns t ON "
+            f"t.session_id = s.session_id AND t.turn_id = s.last_turn_id "
+            f"WHERE s.session_id IN ({marks})",
+            ids,
+        ) as cur:
+            last = {r[0]: r[1] for r in await cur.fetchall()}
+        waits = ", ".join(f"'{s}'" for s in WAITING_CALLS)
+        async with self.db.execute(
+            f"SELECT DISTINCT c.session_id, c.state FROM calls c JOIN turns t ON "
+            f"t.session_id = c.session_id AND t.turn_id = c.turn_id "
+            f"WHERE c.session_id IN ({marks}) AND t.status = 'running' AND c.state IN ({waits})",
+            ids,
+        ) as cur:
+            waiting: dict[str, list[str]] = {}
+            for sid, state in await cur.fetchall():
+                waiting.setdefault(sid, []).append(WAITING_FOR[state])
+        for r in sessions:
+            r["last_turn_status"] = last.get(r["session_id"])
+            r["waiting_for"] = sorted(waiting.get(r["session_id"], []))
+
+    async def inbox(self, limit: int = 50, offset: int = 0) -> tuple[int, list[dict[str, Any]]]:
+        """Pending approvals and open questions across sessions, newest first, of turns that
+        have not ended (a cancelled turn's approval is no one's business any more)."""
+        live = (
+            "NOT EXISTS (SELECT 1 FROM turns t WHERE t.session_id = x.session_id AND "
+            "t.turn_id = x.turn_id AND t.status IN ('completed', 'failed', 'cancelled'))"
+        )
+        union = (
+            "SELECT 'approval' AS kind, session_id, approval_id AS id, turn_id, call_key, tool, "
+            "args, NULL AS question, requested_at AS at FROM approvals x "
+            f"WHERE status = 'pending' AND {live} UNION ALL "
+            "SELECT 'question', session_id, question_id, turn_id, call_key, NULL, NULL, "
+            f"question, asked_at FROM questions x WHERE answered_at IS NULL AND {live}"
+        )
+        async with self.db.execute(f"SELECT count(*) FROM ({union})") as cur:
+            row = await cur.fetchone()
+        total = int(row[0]) if row else 0
+        async with self.db.execute(
+            f"SELECT * FROM ({union}) ORDER BY at DESC, session_id, id LIMIT ? OFFSET ?",
+            (limit, offset),
+        ) as cur:
+            items = [dict(r) for r in await cur.fetchall()]
+        for item in items:
+            item["args"] = json.loads(item["args"]) if item["args"] else None
+        return total, items
+
+    async def turn_row(self, session_id: str, turn_id: str) -> dict[str, Any] | None:
+        async with self.db.execute(
+            "SELECT * FROM turns WHERE session_id = ? AND turn_id = ?", (session_id, turn_id)
+        ) as cur:
+            row = await cur.fetchone()
+        return dict(row) if row else None
+
+    async def turn_calls(self, session_id: str, turn_id: str, limit: int) -> list[dict[str, Any]]:
+        async with self.db.execute(
+            "SELECT * FROM calls WHERE session_id = ? AND turn_id = ? "
+            "ORDER BY model_step, call_index LIMIT ?",
+            (session_id, turn_id, limit),
+        ) as cur:
+            return [dict(r) for r in await cur.fetchall()]
+
+    async def turn_events(
+        self, session_id: str, turn_id: str, after: int, limit: int
+    ) -> list[dict[str, Any]]:
+        """The turn's events in log order after stream sequence ``after`` (the audit)."""
+        async with self.db.execute(
+            "SELECT seq, key, type, at, data FROM audit WHERE session_id = ? AND turn_id = ? "
+            "AND seq > ? ORDER BY seq LIMIT ?",
+            (session_id, turn_id, after, limit),
+        ) as cur:
+            return [dict(r) for r in await cur.fetchall()]
+
+    async def event(self, session_id: str, seq: int) -> dict[str, Any] | None:
+        async with self.db.execute(
+            "SELECT seq, key, type, turn_id, at, data FROM audit WHERE session_id = ? AND seq = ?",
+            (session_id, seq),
+        ) as cur:
+            row = await cur.fetchone()
+        return dict(row) if row else None
 
     async def dump(self, tables: Iterable[str] = TABLES) -> dict[str, list[tuple[Any, ...]]]:
         """Every row of every table, in key order: to compare two read models."""

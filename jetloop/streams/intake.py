@@ -34,6 +34,7 @@ from nats.aio.subscription import Subscription
 STATUS = "Status"
 PENDING = "Nats-Pending-Messages"
 HEARTBEAT = "100"
+EXPIRED = "408"
 
 
 class Intake:
@@ -46,7 +47,7 @@ class Intake:
         consumer: str,
         *,
         expires: float = 30.0,
-        heartbeat: float = 1.0,
+        heartbeat: float = 0.5,
     ) -> None:
         self.nc = nc
         self.subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
@@ -135,7 +136,9 @@ class Intake:
             return
         # The request ended unfilled: 408 (expired) and 409 (cut short) say what it still
         # owed; a request refused outright (409 with no count) owed all it asked.
-        owed = (msg.headers or {}).get(PENDING)
-        if owed is None:
-            owed = msg.subject.rsplit(".", 1)[-1]
-        self.asked = max(0, self.asked - int(owed))
+        owed = (msg.headers or {}).get(PENDING) or msg.subject.rsplit(".", 1)[-1]
+        self.asked = max(0, self.asked - int(owed)) if owed.isdigit() else 0
+        if status == EXPIRED:
+            # Ask again now, not at the taker's next turn: no request is open meanwhile.
+            # (A refusal waits for that turn: asking again at once could spin on it.)
+            self._woken.set()

@@ -82,7 +82,7 @@ def test_public_names_are_pinned() -> None:
         ]
     )
     # What the module really offers is what `__all__` says: no pinned name missing, no other
-    # public name (a helper imported into jetloop.py would be one users start to rely on).
+    # public name (a helper imported into jetloop/__init__.py would be one users start to rely on).
     # (The internal packages are attributes of the package once imported: not names it offers.)
     offered = {
         n

@@ -19,6 +19,10 @@ quiet for longer than two heartbeats while requests are open, or the connection 
 again, the open requests are taken as lost and asked again; if one was not lost
 after all, its messages are still delivered here, so the taker may get a few more than its
 room (never lost, at most briefly over its limit).
+
+Requests expire after a second (and are asked again at once): a process that hangs (SIGSTOP,
+a stuck loop) keeps its open requests on the server, and a message delivered into them waits
+out its lease; short requests keep that window as short as a one-second fetch kept it.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ class Intake:
         stream: str,
         consumer: str,
         *,
-        expires: float = 30.0,
-        heartbeat: float = 0.5,
+        expires: float = 1.0,
+        heartbeat: float = 0.4,
     ) -> None:
         self.nc = nc
         self.subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"

@@ -106,13 +106,19 @@ os.execv({cli!r}, [{cli!r}, *sys.argv[1:]])
 
 
 def _launcher(cli: str) -> str:
-    """A launcher of ``cli`` that dies with its parent: one file per interpreter and CLI,
-    written once (atomically: workers on one host may race to write it)."""
+    """A launcher of ``cli`` that dies with its parent: one file per interpreter and CLI, in
+    a directory of this user's that no one else can write (a guessable name in the shared
+    temporary directory could be put there first by someone else, and then run). Written
+    atomically: workers on one host may race to write it."""
     code = LAUNCHER.format(python=sys.executable, cli=cli)
-    digest = hashlib.sha256(code.encode()).hexdigest()[:16]
-    path = Path(tempfile.gettempdir()) / f"jetloop-claude-launcher-{digest}.py"
+    directory = Path(tempfile.gettempdir()) / f"jetloop-claude-{os.getuid()}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    st = directory.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(f"{directory} is not this user's own directory: remove it")
+    path = directory / f"launcher-{hashlib.sha256(code.encode()).hexdigest()[:16]}.py"
     if not path.exists():
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=path.name)
         with os.fdopen(fd, "w") as f:
             f.write(code)
         os.chmod(tmp, 0o700)

@@ -64,6 +64,7 @@ from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus
 from jetloop.streams.connection import connect, retrying
 from jetloop.streams.history import HistoryReader
+from jetloop.streams.intake import Intake
 from jetloop.streams.registry import AgentStatus, Registry
 from jetloop.streams.seal import Sealer
 from jetloop.streams.state import StateStore
@@ -637,28 +638,26 @@ class Client:
                 filter_subject=subjects[0] if len(subjects) == 1 else None,
             )
             try:
-                sub = await self.js.pull_subscribe(
-                    subjects[0], stream=topology.EVENTS_STREAM, config=cfg
-                )
+                intake = await Intake.ephemeral(self.js, topology.EVENTS_STREAM, cfg)
             except (TimeoutError, NatsError):
                 await asyncio.sleep(0.2)  # no leader yet (an election, a restart)
                 continue
             try:
-                if tail is not None and await self._nothing_pending(sub):
+                if tail is not None and await self._nothing_pending(intake):
                     return
                 idle = 0
                 while True:
                     try:
-                        msgs = await sub.fetch(64, timeout=1.0)
-                    except TimeoutError:
-                        if tail is not None and await self._nothing_pending(sub):
-                            return
-                        idle += 1
-                        if idle % 5 == 0 and not await self._consumer_alive(sub):
-                            break
-                        continue
+                        msgs = await intake.take(64, timeout=1.0)
                     except NatsError:
                         break
+                    if not msgs:
+                        if tail is not None and await self._nothing_pending(intake):
+                            return
+                        idle += 1
+                        if idle % 5 == 0 and not await self._consumer_alive(intake):
+                            break
+                        continue
                     idle = 0
                     for m in msgs:
                         seq = m.metadata.sequence.stream
@@ -672,10 +671,7 @@ class Client:
                         if tail is not None and (seq >= tail or m.metadata.num_pending == 0):
                             return
             finally:
-                try:
-                    await sub.unsubscribe()
-                except Exception:  # the consumer ages out by itself
-                    pass
+                await intake.stop()
 
     async def _tail(self) -> int:
         """The stream sequence of the last event stored now: ``events(follow=False)`` stops
@@ -686,19 +682,19 @@ class Client:
         return int(info.state.last_seq)
 
     @staticmethod
-    async def _nothing_pending(sub: Any) -> bool:
+    async def _nothing_pending(intake: Intake) -> bool:
         """Whether the consumer has delivered everything stored for it (False when that
         cannot be told now: the caller reads on)."""
         try:
-            info = await sub.consumer_info()
+            info = await intake.info()
         except (TimeoutError, NatsError):
             return False
         return int(info.num_pending or 0) == 0 and int(info.num_ack_pending or 0) == 0
 
     @staticmethod
-    async def _consumer_alive(sub: Any) -> bool:
+    async def _consumer_alive(intake: Intake) -> bool:
         try:
-            await sub.consumer_info()
+            await intake.info()
         except NotFoundError:
             return False
         except (TimeoutError, NatsError):

@@ -34,6 +34,7 @@ import time
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext, api
 
 STATUS = "Status"
 PENDING = "Nats-Pending-Messages"
@@ -54,7 +55,11 @@ class Intake:
         heartbeat: float = 0.4,
     ) -> None:
         self.nc = nc
+        self.stream = stream
+        self.consumer = consumer
         self.subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        # Set for a consumer made by ``ephemeral``: deleted again at ``stop``.
+        self._js: JetStreamContext | None = None
         self.expires = expires
         self.heartbeat = heartbeat
         # Messages asked for and not yet come.
@@ -65,6 +70,24 @@ class Intake:
         self._heard = time.monotonic()
         self._inbox = ""
         self._sub: Subscription | None = None
+
+    @classmethod
+    async def ephemeral(
+        cls, js: JetStreamContext, stream: str, config: api.ConsumerConfig
+    ) -> Intake:
+        """A new ephemeral consumer of ``stream`` (a reader's: events followed live), taken
+        through an intake; ``stop`` deletes it (else it ages out by its inactive threshold)."""
+        info = await js.add_consumer(stream, config=config)
+        intake = cls(js._nc, stream, info.name)  # the context's connection: no public name
+        intake._js = js
+        await intake.start()
+        return intake
+
+    async def info(self) -> api.ConsumerInfo:
+        """The consumer's info (pending counts); for an intake made by ``ephemeral``."""
+        assert self._js is not None, "info() is for consumers made by ephemeral()"
+        info: api.ConsumerInfo = await self._js.consumer_info(self.stream, self.consumer)
+        return info
 
     async def start(self) -> None:
         self._inbox = self.nc.new_inbox()
@@ -79,6 +102,12 @@ class Intake:
         left = []
         while not self._ready.empty():
             left.append(self._ready.get_nowait())
+        if self._js is not None:
+            js, self._js = self._js, None
+            try:
+                await js.delete_consumer(self.stream, self.consumer)
+            except Exception:  # gone already, or no server now: it ages out by itself
+                pass
         return left
 
     def forget_requests(self) -> None:

@@ -26,6 +26,7 @@ from nats.js.errors import NotFoundError
 
 from jetloop.schemas import DecodeError, Event, decode
 from jetloop.streams import topology
+from jetloop.streams.intake import Intake
 
 log = structlog.get_logger("jetloop.gateway")
 
@@ -60,7 +61,7 @@ async def follow(
             filter_subject=subject,
         )
         try:
-            sub = await js.pull_subscribe(subject, stream=topology.EVENTS_STREAM, config=cfg)
+            intake = await Intake.ephemeral(js, topology.EVENTS_STREAM, cfg)
         except (TimeoutError, NatsError) as exc:  # no leader yet (an election, a restart)
             log.info("sse.subscribe_failed", session=session_id, error=str(exc))
             yield None
@@ -70,15 +71,15 @@ async def follow(
             quiet = 0
             while not stopping.is_set():
                 try:
-                    msgs = await sub.fetch(64, timeout=idle)
-                except TimeoutError:
+                    msgs = await intake.take(64, timeout=idle)
+                except NatsError:
+                    break
+                if not msgs:
                     quiet += 1
-                    if quiet % 5 == 0 and not await _alive(sub):
+                    if quiet % 5 == 0 and not await _alive(intake):
                         break
                     yield None
                     continue
-                except NatsError:
-                    break
                 quiet = 0
                 for m in msgs:
                     seq = m.metadata.sequence.stream
@@ -94,15 +95,12 @@ async def follow(
                         continue
                     yield seq, ev
         finally:
-            try:
-                await sub.unsubscribe()
-            except (TimeoutError, NatsError):
-                pass  # the ephemeral consumer ages out by itself
+            await intake.stop()
 
 
-async def _alive(sub: JetStreamContext.PullSubscription) -> bool:
+async def _alive(intake: Intake) -> bool:
     try:
-        await sub.consumer_info()
+        await intake.info()
     except (NotFoundError, TimeoutError, NatsError):
         return False
     return True

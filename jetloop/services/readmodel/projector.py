@@ -38,7 +38,6 @@ import click
 import structlog
 from nats.aio.client import Client as Nats
 from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
@@ -50,6 +49,7 @@ from jetloop.services.settings import SettingsError, load_settings
 from jetloop.services.supervisor import Component, GaveUp, Part, Supervisor
 from jetloop.streams import topology
 from jetloop.streams.connection import connect
+from jetloop.streams.intake import Intake
 
 log = structlog.get_logger("jetloop.projector")
 
@@ -103,7 +103,7 @@ class Projector(Service):
             # From what SQLite holds: after a failed batch that is less than was fetched.
             self.position = await model.position()
             try:
-                sub = await self._subscribe(js, self.position)
+                sub = await self._subscribe(nc, js, self.position)
             except (TimeoutError, NatsError) as exc:  # no leader yet, or the server is away
                 log.warning("projector.subscribe_failed", error=str(exc), retry_in=delay)
                 await self._pause(delay)
@@ -120,10 +120,9 @@ class Projector(Service):
                 log.error("projector.apply_failed", error=str(exc), position=self.position)
                 raise
             finally:
-                try:
-                    await sub.unsubscribe()
-                except (TimeoutError, NatsError):
-                    pass  # the durable stays; it is made again on the next start
+                # What came and was not applied is delivered again (the durable stays, and
+                # is made again on the next start).
+                await sub.stop()
 
     async def _pause(self, seconds: float) -> None:
         try:
@@ -131,9 +130,7 @@ class Projector(Service):
         except TimeoutError:
             pass
 
-    async def _subscribe(
-        self, js: JetStreamContext, position: int
-    ) -> JetStreamContext.PullSubscription:
+    async def _subscribe(self, nc: Nats, js: JetStreamContext, position: int) -> Intake:
         """The durable consumer, made again to deliver from ``position + 1``."""
         try:
             await js.delete_consumer(topology.EVENTS_STREAM, self.durable)
@@ -163,20 +160,18 @@ class Projector(Service):
                 max_ack_pending=self.batch * 4,
             ),
         )
-        return await js.pull_subscribe_bind(durable=self.durable, stream=topology.EVENTS_STREAM)
+        # Taken through an intake, not nats-py's fetch: a batched fetch on an idle consumer
+        # sometimes holds an event until its timeout (jetloop.streams.intake).
+        intake = Intake(nc, topology.EVENTS_STREAM, self.durable)
+        await intake.start()
+        return intake
 
-    async def _consume(
-        self, js: JetStreamContext, sub: JetStreamContext.PullSubscription, model: ReadModel
-    ) -> bool:
+    async def _consume(self, js: JetStreamContext, sub: Intake, model: ReadModel) -> bool:
         """Apply batches until stopped; True when done (stopped, or caught up in burst)."""
         failures = 0
         while not self._stopping.is_set():
             try:
-                msgs = await sub.fetch(self.batch, timeout=1.0)
-            except (NatsTimeoutError, TimeoutError):
-                if self.burst and await self._caught_up(js):
-                    return True
-                continue
+                msgs = await sub.take(self.batch, timeout=1.0)
             except NatsError as exc:
                 failures += 1
                 log.warning("projector.fetch_failed", error=str(exc))
@@ -186,8 +181,6 @@ class Projector(Service):
                 continue
             failures = 0
             if not msgs:
-                # nats-py 2.16 may answer a fetch with no messages (a 408/404 status) instead
-                # of raising its timeout: the same as a timeout.
                 if self.burst and await self._caught_up(js):
                     return True
                 continue

@@ -15,6 +15,7 @@ from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
+from jetloop.streams.headers import parse_header_lines
 from jetloop.streams.liblog import LibraryLogger
 
 log = LibraryLogger("jetloop.nats")
@@ -163,13 +164,16 @@ def message_size(payload: bytes, headers: dict[str, str] | None) -> int:
 
 
 class SizedClient(Client):
-    """A nats-py client that checks headers plus body against ``max_payload``.
+    """A nats-py client that checks headers plus body against ``max_payload``, and reads
+    header blocks with ``parse_header_lines``.
 
     nats-py compares only the body; the server counts the headers too and closes the
     connection on a message that passes the limit (NATS-NOTES). Every publish goes through
     ``publish`` (requests, JetStream publishes, KV and object-store writes), so this is the
     one place a message too big is refused, as a ``PayloadTooLarge`` on that call.
     """
+
+    _parse_header_lines = staticmethod(parse_header_lines)
 
     async def publish(
         self,

@@ -69,19 +69,23 @@ class DirectGets:
                 json.dumps(request).encode(),
                 reply=f"{self._inbox}.{token}",
             )
-            while True:
-                msg = await asyncio.wait_for(q.get(), timeout)
-                hdrs = msg.headers or {}
-                status = hdrs.get("Status")
-                if status == "404":
-                    return out, 0
-                if status:
-                    if status != "204":
-                        raise DirectGetFailed(f"direct get on {stream} failed: {status} {hdrs}")
-                    return out, int(hdrs.get("Nats-Num-Pending", "0"))
-                out.append(
-                    Stored(hdrs["Nats-Subject"], int(hdrs["Nats-Sequence"]), msg.data, dict(hdrs))
-                )
+            loop = asyncio.get_running_loop()
+            # ``timeout`` for each message (not a task per wait, as ``wait_for`` makes).
+            async with asyncio.timeout(timeout) as deadline:
+                while True:
+                    msg = await q.get()
+                    deadline.reschedule(loop.time() + timeout)
+                    hdrs = msg.headers or {}
+                    status = hdrs.get("Status")
+                    if status == "404":
+                        return out, 0
+                    if status:
+                        if status != "204":
+                            raise DirectGetFailed(f"direct get on {stream} failed: {status} {hdrs}")
+                        return out, int(hdrs.get("Nats-Num-Pending", "0"))
+                    out.append(
+                        Stored(hdrs["Nats-Subject"], int(hdrs["Nats-Sequence"]), msg.data, hdrs)
+                    )
         finally:
             del self._waiting[token]
 

@@ -17,7 +17,7 @@ import msgpack
 from nats.aio.client import Client
 from nats.errors import ConnectionClosedError
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
@@ -88,6 +88,10 @@ def compaction_key(session_id: str, turn_id: str, model_step: int) -> str:
 
 
 RETRYABLE: tuple[type[BaseException], ...] = (*TRANSIENT, ConnectionClosedError)
+
+EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+# The server's answers to a CAS whose revision moved on (JSStreamWrongLastSequence…).
+WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
 @dataclass(frozen=True)
@@ -199,10 +203,10 @@ class StateStore:
 
     async def _raw(self, key: str) -> Stored | None:
         try:
-            msg = await asyncio.wait_for(
-                self.js.get_msg(self._stream, subject=self._prefix + key, direct=self.allow_direct),
-                self.read_timeout,
-            )
+            async with asyncio.timeout(self.read_timeout):
+                msg = await self.js.get_msg(
+                    self._stream, subject=self._prefix + key, direct=self.allow_direct
+                )
         except NotFoundError:
             return None
         if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or msg.data is None:
@@ -292,19 +296,35 @@ class StateStore:
 
     async def _create_raw(self, key: str, data: bytes) -> int:
         try:
-            rev: int = await asyncio.wait_for(self.kv.create(key, data), self.write_timeout)
+            return await self._cas(key, data, 0)
+        except Conflict:
+            pass
+        # The key has a value, or had one that was deleted: nats-py's create tells them
+        # apart (a deleted key is created over its tombstone).
+        try:
+            async with asyncio.timeout(self.write_timeout):
+                rev: int = await self.kv.create(key, data)
         except KeyWrongLastSequenceError as exc:
             raise Conflict(key, None) from exc
         return rev
 
     async def _update_raw(self, key: str, data: bytes, revision: int) -> int:
+        return await self._cas(key, data, revision)
+
+    async def _cas(self, key: str, data: bytes, revision: int) -> int:
+        """One CAS publish into the bucket's stream (what ``kv.update`` sends, without its
+        layers: a step makes several of these, each on the worker's CPU budget)."""
+        headers = {EXPECTED_LAST: str(revision)}
         try:
-            rev: int = await asyncio.wait_for(
-                self.kv.update(key, data, last=revision), self.write_timeout
+            ack = await self.js.publish(
+                self._prefix + key, data, timeout=self.write_timeout, headers=headers
             )
-        except KeyWrongLastSequenceError as exc:
-            raise Conflict(key, revision) from exc
-        return rev
+        except APIError as exc:
+            if exc.err_code in WRONG_LAST_SEQUENCE:
+                raise Conflict(key, revision or None) from exc
+            raise
+        seq: int = ack.seq
+        return seq
 
     async def write(self, key: str, value: BaseModel, revision: int | None) -> int:
         """Create when ``revision`` is None, else CAS-update from ``revision``.

@@ -40,7 +40,7 @@ from jetloop.consumers.calls import (
 )
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.followers import call_done
-from jetloop.consumers.join import join_calls
+from jetloop.consumers.join import outcome_told_and_joined
 from jetloop.consumers.liveness import holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import record_loss, tell_resumed
@@ -77,9 +77,10 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
         # always, whatever the turn's state now (the audit stream and the read model need
         # every outcome); then the join, which moves the turn only while it is at this step
         # and publishes what follows again if it moved (the dead worker's move, maybe).
-        await call_done(turn, rec_v.value).publish(rt.bus)
         if current or turn.model_step == n + 1:
-            await join_calls(d, sid, tid, n, first=False)
+            await outcome_told_and_joined(d, turn, rec_v.value, n, first=False)
+        else:
+            await call_done(turn, rec_v.value).publish(rt.bus)
         return
     if not current:
         # The turn moved on, ended or was cancelled: nothing to make.
@@ -229,8 +230,7 @@ async def run(env: CallEnv) -> None:
     env = await write(env, done)
     log.debug("call.recorded", state=outcome.state.value, attempts=attempt.no)
     await rt.faults.point("call_tool.after_commit")
-    await call_done(env.turn, done).publish(rt.bus)
-    await join_calls(env.d, env.turn.session_id, env.turn.turn_id, env.n, first=True)
+    await outcome_told_and_joined(env.d, env.turn, done, env.n)
 
 
 async def _resume_settlement(env: CallEnv, effect: Effect, args: BaseModel) -> str:

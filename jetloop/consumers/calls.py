@@ -16,8 +16,7 @@ from pydantic import BaseModel
 
 from jetloop.agents import Agent, Tool
 from jetloop.consumers import metrics
-from jetloop.consumers.followers import call_done
-from jetloop.consumers.join import join_calls
+from jetloop.consumers.join import outcome_told_and_joined
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.schemas import (
     CallOutcome,
@@ -129,8 +128,7 @@ async def settle(env: CallEnv, outcome: CallOutcome, settlement: str, **extra: A
     if outcome.state == CallState.OUTCOME_UNKNOWN:
         metrics.OUTCOME_UNKNOWN.inc()
     log.info("call.recorded", state=outcome.state.value, settlement=settlement)
-    await call_done(env.turn, done).publish(env.rt.bus)
-    await join_calls(env.d, env.turn.session_id, env.turn.turn_id, env.n, first=True)
+    await outcome_told_and_joined(env.d, env.turn, done, env.n)
 
 
 async def settle_record(
@@ -147,8 +145,7 @@ async def settle_record(
     done = _done(rec, outcome, settlement, {})
     await d.claim(call_state_key(rec.key), done, rev)
     log.info("call.recorded", state=outcome.state.value, settlement=settlement)
-    await call_done(turn, done).publish(d.rt.bus)
-    await join_calls(d, turn.session_id, turn.turn_id, n, first=True)
+    await outcome_told_and_joined(d, turn, done, n)
 
 
 def _done(

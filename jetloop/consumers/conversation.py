@@ -54,10 +54,13 @@ async def conversation(
     session_id: str,
     upto: int | None = None,
     session: Versioned[SessionRecord] | Literal["read"] | None = "read",
+    history: list[HistoryEntry] | None = None,
 ) -> list[Message]:
     """What the model sees: the stored summary, then the entries it does not cover.
-    ``session`` is the session record when the caller read it already."""
-    history = await rt.history.read(session_id)
+    ``session`` is the session record and ``history`` the session's history when the
+    caller read them already."""
+    if history is None:
+        history = await rt.history.read(session_id)
     if session == "read":
         session = await rt.state.session(session_id)
     summary = session.value.summary if session else None

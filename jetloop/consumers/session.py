@@ -8,6 +8,7 @@ duplicate request is dropped however late it comes. ``turn_done`` moves the sess
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import datetime
 
@@ -58,24 +59,19 @@ async def on_turn_request(d: Delivery) -> None:
         raise DeadLetter(f"unknown agent {agent_name!r}")
     bind_step(session=sid)
 
-    # FIFO: accept only the first stored request of this session.
-    seq = d.msg.metadata.sequence.stream
-    try:
-        first = await rt.js.get_msg(
-            TURNS_STREAM, seq=1, subject=session_turns_filter(sid), next=True
-        )
-        if first.seq is not None and first.seq < seq:
-            raise RetryLater(0.1, f"an earlier request of session {sid} is not accepted yet")
-    except NotFoundError:
-        pass
-
     tid = turn_id_for(sid, request_id)
     bind_step(turn=tid)
-    cur = await rt.state.session(sid)
+    # Asked together (independent reads, one round trip): the session's first stored
+    # request, and the turn and session records.
+    first_seq, (turn, cur) = await asyncio.gather(
+        _first_request(rt, sid), rt.state.turn_view(sid, tid)
+    )
+    # FIFO: accept only the first stored request of this session.
+    if first_seq is not None and first_seq < d.msg.metadata.sequence.stream:
+        raise RetryLater(0.1, f"an earlier request of session {sid} is not accepted yet")
     if cur is not None and cur.value.agent != agent_name:
         raise DeadLetter(f"session {sid} belongs to agent {cur.value.agent!r}, not {agent_name!r}")
 
-    turn = await rt.state.turn(sid, tid)
     if turn is None:
         text, text_ref = req.text, req.text_ref
         if text_ref is None and rt.blobs.too_big(text.encode()):
@@ -129,6 +125,17 @@ async def on_turn_request(d: Delivery) -> None:
     if session.active == tid and turn_rec.status == TurnStatus.QUEUED:
         out = out + turn_start(turn_rec)
     await out.publish(rt.bus)
+
+
+async def _first_request(rt: Runtime, sid: str) -> int | None:
+    """The stream sequence of the first request of session ``sid`` still in ``JL_TURNS``."""
+    try:
+        first = await rt.js.get_msg(
+            TURNS_STREAM, seq=1, subject=session_turns_filter(sid), next=True
+        )
+    except NotFoundError:
+        return None
+    return first.seq
 
 
 def _request_id(d: Delivery, session_id: str) -> str:

@@ -218,8 +218,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "no-outcome-event-once-the-turn-moved-on",
         "jetloop/consumers/call_tool.py",
-        "        await call_done(turn, rec_v.value).publish(rt.bus)\n",
-        "        if current:\n            await call_done(turn, rec_v.value).publish(rt.bus)\n",
+        "        if current or turn.model_step == n + 1:\n"
+        "            await outcome_told_and_joined(d, turn, rec_v.value, n, i, first=False)\n"
+        "        else:\n"
+        "            await call_done(turn, rec_v.value).publish(rt.bus)\n",
+        "        if current:\n"
+        "            await outcome_told_and_joined(d, turn, rec_v.value, n, i, first=False)\n",
         "a redelivered call whose outcome is committed re-emits nothing once the turn moved on",
         (
             "tests/test_resume.py::"

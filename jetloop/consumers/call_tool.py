@@ -78,7 +78,7 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
         # every outcome); then the join, which moves the turn only while it is at this step
         # and publishes what follows again if it moved (the dead worker's move, maybe).
         if current or turn.model_step == n + 1:
-            await outcome_told_and_joined(d, turn, rec_v.value, n, first=False)
+            await outcome_told_and_joined(d, turn, rec_v.value, n, i, first=False)
         else:
             await call_done(turn, rec_v.value).publish(rt.bus)
         return
@@ -230,7 +230,7 @@ async def run(env: CallEnv) -> None:
     env = await write(env, done)
     log.debug("call.recorded", state=outcome.state.value, attempts=attempt.no)
     await rt.faults.point("call_tool.after_commit")
-    await outcome_told_and_joined(env.d, env.turn, done, env.n)
+    await outcome_told_and_joined(env.d, env.turn, done, env.n, env.call.index)
 
 
 async def _resume_settlement(env: CallEnv, effect: Effect, args: BaseModel) -> str:

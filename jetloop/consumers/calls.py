@@ -128,7 +128,7 @@ async def settle(env: CallEnv, outcome: CallOutcome, settlement: str, **extra: A
     if outcome.state == CallState.OUTCOME_UNKNOWN:
         metrics.OUTCOME_UNKNOWN.inc()
     log.info("call.recorded", state=outcome.state.value, settlement=settlement)
-    await outcome_told_and_joined(env.d, env.turn, done, env.n)
+    await outcome_told_and_joined(env.d, env.turn, done, env.n, env.call.index)
 
 
 async def settle_record(
@@ -145,7 +145,7 @@ async def settle_record(
     done = _done(rec, outcome, settlement, {})
     await d.claim(call_state_key(rec.key), done, rev)
     log.info("call.recorded", state=outcome.state.value, settlement=settlement)
-    await outcome_told_and_joined(d, turn, done, n)
+    await outcome_told_and_joined(d, turn, done, n, index)
 
 
 def _done(

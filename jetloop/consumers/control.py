@@ -33,6 +33,7 @@ from jetloop.schemas import (
     SessionRecord,
     StepKind,
     StepMessage,
+    TurnPhase,
     TurnRecord,
     TurnStatus,
     validate_name,
@@ -286,8 +287,30 @@ class Control:
                     ),
                 ]
             )
+            await self._join_after_reconcile(call_key)
             return done
         raise ControlError(409, "call kept changing", call_key)
+
+    async def _join_after_reconcile(self, call_key: str) -> None:
+        """A reconciled record is written after its step's join elected the call committed
+        last (``consumers.join``): while the turn still waits at that step (other calls
+        open), a join message of this call makes sure the last outcome in moves it on."""
+        sid, tid, n, i = call_key.split(".")[:4]
+        found = await self.state.turn(sid, tid)
+        if found is None:
+            return
+        turn = found.value
+        if turn.status.terminal or turn.phase != TurnPhase.CALLS or str(turn.model_step) != n:
+            return
+        join = StepMessage(
+            kind=StepKind.JOIN,
+            agent=turn.agent,
+            session_id=sid,
+            turn_id=tid,
+            model_step=turn.model_step,
+            call_index=int(i),
+        )
+        await self.bus.publish([step_out(join)])
 
     @refuses_untrusted
     async def set_approval(

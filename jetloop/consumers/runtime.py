@@ -27,7 +27,7 @@ from jetloop.agents import App
 from jetloop.consumers.conversation import MessageCache
 from jetloop.consumers.errors import TakenOver
 from jetloop.consumers.faults import Faults
-from jetloop.schemas import Attempt
+from jetloop.schemas import Attempt, CallRecord
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus
 from jetloop.streams.history import HistoryReader
@@ -214,6 +214,10 @@ class Delivery:
         writing it would undo that commit."""
         async with self._lock:
             if self.lost or self.fence_key is None or self.fence_value is None:
+                return
+            if isinstance(self.fence_value, CallRecord) and self.fence_value.done:
+                # A call's outcome is its step's last write of the record: the join elects
+                # the call committed last by the records' revisions (``consumers.join``).
                 return
             try:
                 rev = await self.rt.state.write(self.fence_key, self.fence_value, self.fence_rev)

@@ -27,15 +27,24 @@ from jetloop.streams.bus import Bus, Outgoing, event_out, history_out, step_out
 
 @dataclass
 class Followers:
-    """Records (history, events) go out and are confirmed before the steps that read them."""
+    """Records (history, events) go out and are confirmed before the steps that read them —
+    unless the step checks for them itself (``restorable``): then all go out together, one
+    round trip, and the step that reads them restores what it misses from state
+    (``expected_history`` and ``restore_history``)."""
 
     records: list[Outgoing] = field(default_factory=list)
     steps: list[Outgoing] = field(default_factory=list)
+    restorable: bool = False
 
     def __add__(self, other: Followers) -> Followers:
-        return Followers(self.records + other.records, self.steps + other.steps)
+        # Together only if neither side has steps that need their records first.
+        restorable = (self.restorable or not self.steps) and (other.restorable or not other.steps)
+        return Followers(self.records + other.records, self.steps + other.steps, restorable)
 
     async def publish(self, bus: Bus) -> None:
+        if self.restorable:
+            await bus.publish(self.records + self.steps)
+            return
         await bus.publish(self.records)
         await bus.publish(self.steps)
 
@@ -67,7 +76,10 @@ def turn_start(turn: TurnRecord) -> Followers:
         turn_id=turn.turn_id,
         model_step=0,
     )
-    return Followers([history_out(turn.session_id, user), event_out(started)], [step_out(first)])
+    # RunModel 0 restores the user's entry from the turn record if it is not in yet.
+    return Followers(
+        [history_out(turn.session_id, user), event_out(started)], [step_out(first)], True
+    )
 
 
 def _assistant_entry(turn: TurnRecord) -> HistoryEntry:
@@ -253,4 +265,17 @@ def joined(turn: TurnRecord, results: list[CallRecord]) -> Followers:
         turn_id=turn.turn_id,
         model_step=turn.model_step,
     )
-    return Followers(records, [step_out(step)])
+    # RunModel n+1 restores the results from the call records if they are not in yet.
+    return Followers(records, [step_out(step)], True)
+
+
+def expected_history(turn: TurnRecord) -> list[str]:
+    """The history entries RunModel ``turn.model_step`` needs that the step before it
+    published together with its message (``restorable``): the user's message for step 0,
+    the previous step's tool results after that. (The previous step's answer went out, and
+    was confirmed, before its calls.)"""
+    base = _base(turn)
+    n = turn.model_step
+    if n == 0:
+        return [f"{base}.user"]
+    return [f"{base}.m{n - 1}.c{c.index}.result" for c in turn.calls]

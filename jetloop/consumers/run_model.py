@@ -23,13 +23,14 @@ from jetloop.consumers import metrics
 from jetloop.consumers.compact import compact_first, compaction_needed
 from jetloop.consumers.conversation import conversation
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
-from jetloop.consumers.followers import answer
+from jetloop.consumers.followers import answer, expected_history, joined, turn_start
 from jetloop.consumers.liveness import holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import loss_id, lost_event, lost_reason, tell_resumed
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.session import end_turn
 from jetloop.schemas import (
+    HistoryEntry,
     PlannedCall,
     StepMessage,
     TurnPhase,
@@ -72,6 +73,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     if agent is None:
         raise RetryLater(5.0, f"agent {turn.agent!r} is not served by this worker")
 
+    history = await _with_its_inputs(rt, turn, history)
     now = time.time()
     limits = agent.limits
     resumed = turn.attempt
@@ -195,6 +197,42 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         await end_turn(rt, committed)
     else:
         await answer(committed).publish(rt.bus)
+
+
+async def _with_its_inputs(
+    rt: Runtime, turn: TurnRecord, history: list[HistoryEntry]
+) -> list[HistoryEntry]:
+    """The history with the entries this step's predecessor published beside its message
+    (``followers.expected_history``): read again if one was still on its way, published
+    again from state (same message ids) if it was lost with a publish that failed."""
+    want = expected_history(turn)
+
+    def missing(entries: list[HistoryEntry]) -> list[str]:
+        have = {e.key for e in entries}
+        return [k for k in want if k not in have]
+
+    if not missing(history):
+        return history
+    sid, tid, n = turn.session_id, turn.turn_id, turn.model_step
+    history = await rt.history.read(sid)
+    lost = missing(history)
+    if not lost:
+        return history
+    if n == 0:
+        records = turn_start(turn).records
+    else:
+        _, calls = await rt.state.join_view(sid, tid, n - 1)
+        results = [v.value for v in calls if v is not None and v.value.done]
+        if len(results) != len(turn.calls):
+            raise RetryLater(0.2, f"the results of model step {n - 1} are not all recorded")
+        records = joined(turn, results).records
+    log.warning("history.restored", missing=lost)
+    await rt.bus.publish(records)
+    history = await rt.history.read(sid)
+    lost = missing(history)
+    if lost:
+        raise RetryLater(0.2, f"history entries {lost} are not stored yet")
+    return history
 
 
 async def _complete(

@@ -121,7 +121,7 @@ async def on_turn_request(d: Delivery) -> None:
         turn_id=tid,
         data={"request_id": request_id, "queued": session.active != tid},
     )
-    out = Followers([event_out(accepted)])
+    out = Followers([event_out(accepted)], restorable=True)
     if session.active == tid and turn_rec.status == TurnStatus.QUEUED:
         out = out + turn_start(turn_rec)
     await out.publish(rt.bus)

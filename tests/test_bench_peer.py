@@ -95,3 +95,15 @@ def test_the_restate_target_is_judged() -> None:
     (target,) = judge(rep)
     assert "0.40× steps/s" in target.measured
     assert not target.met
+
+
+def test_jetloop_on_several_workers_is_named_in_the_table_and_the_target() -> None:
+    """``jetloop bench peer --workers 2``: the row, the notes and the verdict say so."""
+    from dataclasses import replace
+
+    result = replace(_result(), workers=2)
+    text = render(result)
+    assert "| **jetloop**, 2 workers | 20.0 |" in text
+    assert "through 2 worker processes." in text
+    (target,) = judge(BenchReport(machine={}, peer=result))
+    assert target.measured.endswith("; jetloop on 2 workers")

@@ -225,12 +225,18 @@ def trials(
     "--quick", is_flag=True, help="small samples: a smoke run (about 30 s on 2 idle cores)"
 )
 @click.option("--waiting-sessions", type=int)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 16),
+    help="peer: jetloop's worker processes beside the peers (default 1)",
+)
 @click.option("--json", "out_json", type=click.Path(dir_okay=False))
 @click.option("--keep", type=click.Path(file_okay=False))
 def bench(
     which: tuple[str, ...],
     quick: bool,
     waiting_sessions: int | None,
+    workers: int | None,
     out_json: str | None,
     keep: str | None,
 ) -> None:
@@ -248,6 +254,7 @@ def bench(
             out_json,
             Path(keep) if keep else None,
             waiting_sessions,
+            workers,
         )
     )
 

@@ -134,6 +134,7 @@ class PeerResult:
     cores: int
     chunks: int  # batches of each system per load, alternating
     steps_per_turn: int = STEPS
+    workers: int = 1  # jetloop's worker processes
 
 
 @dataclass
@@ -240,15 +241,17 @@ async def peer_side_by_side(
     chunks: int = 4,
     peers: list[str] | None = None,
     skipped: list[str] | None = None,
+    workers: int = 1,
 ) -> PeerResult:
-    """The 7-step turn on jetloop (one worker) and on each installed peer (Restate, DBOS),
+    """The 7-step turn on jetloop (``workers`` worker processes) and on each installed peer
+    (Restate, DBOS),
     sequential and ``in_flight`` at once, their batches alternating in ``chunks``; each
     system is warmed up first, and the jetloop side is quiet (every trailing step acked)
     before each batch of any system."""
     if peers is None:
         peers, skipped = available()
     load_before = os.getloadavg()
-    await r.start_workers(1)
+    await r.start_workers(workers)
     restate = restate_side.RestateSide(r.base / "restate") if RESTATE in peers else None
     dbos = DbosPeer(r.base / "dbos.log") if DBOS in peers else None
     versions: dict[str, str] = {}
@@ -322,6 +325,7 @@ async def peer_side_by_side(
         load_after=os.getloadavg(),
         cores=os.cpu_count() or 0,
         chunks=chunks,
+        workers=workers,
     )
 
 
@@ -350,7 +354,10 @@ def format_peer(result: PeerResult) -> str:
             for w in result.rows
         )
         turns = "+".join(str(w.systems[name].latency.n) for w in result.rows)
-        lines.append(f"| {'**jetloop**' if name == JETLOOP else name} | {cells} | {turns} |")
+        label = name
+        if name == JETLOOP:
+            label = "**jetloop**" + (f", {result.workers} workers" if result.workers > 1 else "")
+        lines.append(f"| {label} | {cells} | {turns} |")
     lines += [
         "",
         f"| jetloop ÷ | {header} |",
@@ -365,7 +372,8 @@ def format_peer(result: PeerResult) -> str:
         f"Latencies in ms; {result.steps_per_turn} steps per turn; each system's batches"
         f" alternate in {result.chunks} chunks per load, jetloop's quiet (every trailing step"
         " acked) before each batch of any system. A jetloop turn runs from a client's publish"
-        " to its turn.completed event, through one worker."
+        " to its turn.completed event, through"
+        + (" one worker." if result.workers == 1 else f" {result.workers} worker processes.")
     ]
     if RESTATE in systems:
         per = result.restate_journal_per_turn or {}

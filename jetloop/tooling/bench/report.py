@@ -118,7 +118,8 @@ def judge(rep: BenchReport) -> list[Target]:
             Target(
                 "jetloop against Restate (issue 15)",
                 "≥ 0.6× its steps/s, ≤ 1.5× its p50, ≤ 2× its p99",
-                f"{steps:.2f}× steps/s ({wide.load}), {p50:.2f}× p50, {p99:.2f}× p99 ({seq.load})",
+                f"{steps:.2f}× steps/s ({wide.load}), {p50:.2f}× p50, {p99:.2f}× p99 ({seq.load})"
+                + (f"; jetloop on {rep.peer.workers} workers" if rep.peer.workers > 1 else ""),
                 steps >= 0.6 and p50 <= 1.5 and p99 <= 2.0,
             )
         )

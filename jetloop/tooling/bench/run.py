@@ -462,6 +462,7 @@ class Sizes:
     op_turns: int = 20
     chunks: int = 4
     throughput_workers: tuple[int, ...] = (1, 2, 4)
+    peer_workers: int = 1  # jetloop's worker processes beside the peers
 
 
 # A smoke run: every benchmark on small numbers, well under a minute on 2 idle cores.
@@ -575,6 +576,7 @@ async def _run_one(
                 chunks=sizes.chunks,
                 peers=peers,
                 skipped=skipped,
+                workers=sizes.peer_workers,
             )
         else:
             # Kept after the run (the report names it): the text tree and pstats.
@@ -594,6 +596,7 @@ def main(
     out_json: Path | str | None = None,
     work_dir: Path | None = None,
     waiting_sessions: int | None = None,
+    workers: int | None = None,
 ) -> int:
     """What ``jetloop bench`` runs: prints the tables; 0 if every measured target is met,
     1 if one is not, 2 if a benchmark could not run (each said in one line on stderr)."""
@@ -605,6 +608,8 @@ def main(
     sizes = QUICK if quick else Sizes()
     if waiting_sessions is not None:
         sizes = replace(sizes, waiting_sessions=waiting_sessions)
+    if workers is not None:
+        sizes = replace(sizes, peer_workers=workers)
     try:
         rep = asyncio.run(run_benchmarks(which, sizes=sizes, out_json=out_json, work_dir=work_dir))
     except ValueError as exc:

@@ -155,8 +155,8 @@ async def dead_letter(rt: Runtime, msg: Msg, reason: str) -> None:
 
 
 async def _heartbeats(d: Delivery, every: float) -> None:
+    """Beat now, then every ``every`` seconds, until the lease is found lost."""
     while True:
-        await asyncio.sleep(every)
         try:
             await d.heartbeat()
         except Exception as exc:  # an outage: the next beat tries again
@@ -164,6 +164,27 @@ async def _heartbeats(d: Delivery, every: float) -> None:
         if d.lost:
             log.warning("step.lease_lost")
             return
+        await asyncio.sleep(every)
+
+
+class Beats:
+    """The heartbeat of a delivery, every ``every`` seconds while its handler runs. Its task
+    is made when the first beat is due, not per delivery: most steps end well before."""
+
+    def __init__(self, d: Delivery, every: float) -> None:
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(every, self._start, d, every)
+
+    def _start(self, d: Delivery, every: float) -> None:
+        self._task = asyncio.create_task(_heartbeats(d, every))
+
+    async def stop(self) -> None:
+        self._timer.cancel()
+        task = self._task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
@@ -183,14 +204,12 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
         metrics.REDELIVERIES.labels(kind).inc()
     started = time.perf_counter()
     outcome = "error"
-    beat = asyncio.create_task(_heartbeats(d, rt.lease_seconds / 3))
+    beat = Beats(d, rt.lease_seconds / 3)
     try:
         try:
             await handler(d)
         finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            await beat.stop()
         if d.lost:
             raise TakenOver(d.fence_key or "?")
         await _let_go(rt, msg)

@@ -317,6 +317,40 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_recovery.py::test_restarted_worker_hands_on_what_its_predecessor_held",
         ),
     ),
+    Mutation(
+        "join-unelected",
+        "jetloop/consumers/join.py",
+        "    if first and own is not None and not _elected(calls, own):\n",
+        "    if False:\n",
+        "every call that finds all outcomes in races the turn's CAS (a lost write and a read "
+        "each), not only the one committed last",
+        ("tests/test_join_election.py::test_only_the_call_committed_last_moves_the_turn",),
+    ),
+    Mutation(
+        "reconcile-without-join",
+        "jetloop/consumers/control.py",
+        "            await self._join_after_reconcile(call_key)\n",
+        "",
+        "a reconcile that lands after the last commit and before its join leaves the turn "
+        "unmoved for ever",
+        (
+            "tests/test_join_election.py::"
+            "test_a_reconcile_after_the_last_commit_still_moves_the_turn",
+        ),
+    ),
+    Mutation(
+        "history-not-restored",
+        "jetloop/consumers/run_model.py",
+        "    await rt.bus.publish(records)\n",
+        "",
+        "a history entry lost with the publish beside its RunModel is never sent again: the "
+        "model is asked without it, or the step waits for ever",
+        (
+            "tests/test_history_inputs.py::test_the_users_message_is_restored_for_model_step_0",
+            "tests/test_history_inputs.py::"
+            "test_the_previous_steps_results_are_restored_from_the_call_records",
+        ),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails
@@ -339,6 +373,9 @@ CI_SUBSET: tuple[str, ...] = (
     "only-checkpoints-sealed",
     "live-holder-taken-over",
     "heartbeat-rewrites-a-value-read-before-the-lock",
+    "join-unelected",
+    "reconcile-without-join",
+    "history-not-restored",
 )
 
 BY_NAME = {m.name: m for m in MUTATIONS}

@@ -30,7 +30,7 @@ class Followers:
     """Records (history, events) go out and are confirmed before the steps that read them —
     unless the step checks for them itself (``restorable``): then all go out together, one
     round trip, and the step that reads them restores what it misses from state
-    (``expected_history`` and ``restore_history``)."""
+    (``expected_history`` here, ``run_model._with_its_inputs``)."""
 
     records: list[Outgoing] = field(default_factory=list)
     steps: list[Outgoing] = field(default_factory=list)

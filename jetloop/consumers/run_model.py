@@ -49,9 +49,8 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     rt = d.rt
     sid, tid, n = step.session_id, step.turn_id, step.model_step
     # The session's history is read with the turn, not after it: one round trip less on
-    # every model step. (What this step needs of it was confirmed before its message went
-    # out, so a read made after the delivery has it; a step that turns out to have nothing
-    # to do wasted one read.)
+    # every model step (a step that turns out to have nothing to do wasted one read). The
+    # entries it needs are checked below (``_with_its_inputs``).
     (cur, session), history = await asyncio.gather(
         rt.state.turn_view(sid, tid), rt.history.read(sid)
     )

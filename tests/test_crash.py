@@ -7,8 +7,6 @@ ARCHITECTURE.md's failure table: the resumed worker must write, publish and ack 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from jetloop.streams.state import StateStore, session_key
 from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import WorkerFactory, body, call, script, until
 from tests.fakes import FakeOpenAIChat, Reply, Stall
+from tests.paused import paused
 from tests.test_models_engine import model_env
 
 
@@ -237,17 +236,13 @@ async def test_write_whose_reply_was_lost_is_read_back(nats_ready: EmbeddedServe
         first = await store.write(key, SessionRecord(session_id="lr", agent="tester"), None)
         moved = SessionRecord(session_id="lr", agent="tester", turns_done=1)
         assert nats_ready.proc is not None
-        os.kill(nats_ready.proc.pid, signal.SIGSTOP)
-        try:
-            with structlog.testing.capture_logs() as logs:
-                write = asyncio.create_task(store.write(key, moved, first))
+        with paused(nats_ready.proc.pid), structlog.testing.capture_logs() as logs:
+            write = asyncio.create_task(store.write(key, moved, first))
 
-                async def timed_out_twice() -> bool:
-                    return sum(1 for e in logs if e["event"] == "nats.retry") >= 2
+            async def timed_out_twice() -> bool:
+                return sum(1 for e in logs if e["event"] == "nats.retry") >= 2
 
-                await until(timed_out_twice, timeout=20)
-        finally:
-            os.kill(nats_ready.proc.pid, signal.SIGCONT)
+            await until(timed_out_twice, timeout=20)
         rev = await asyncio.wait_for(write, 30)
         entry = await kv.get(key)
         assert rev == entry.revision and rev > first

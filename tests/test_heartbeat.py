@@ -4,15 +4,14 @@ A heartbeat writes the claimed record again (jetloop/consumers/runtime.py). When
 the server stalls, as through a restart — the heartbeat waits for the delivery's lock behind
 it; what it then writes must be the record as the commit left it, not the one it saw before
 waiting. (In a kill trial, a value read before the wait put a call back "in doubt" after its
-outcome was committed, and the turn never ended.) The server is paused with SIGSTOP here so
-the commit is in flight for as long as the test wants; everything is real.
+outcome was committed, and the turn never ended.) The server is paused with SIGSTOP here, and
+found stopped before anything is sent (``tests.paused``), so the commit is in flight for as
+long as the test wants; everything is real.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from collections.abc import AsyncIterator
 
 import pytest
@@ -27,6 +26,7 @@ from jetloop.streams.connection import connect
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.state import StateStore
 from tests.apps import app as test_app
+from tests.paused import paused
 
 
 class Note(BaseModel):
@@ -62,14 +62,14 @@ async def test_a_heartbeat_behind_a_slow_commit_writes_the_commit(
     key = "test.beat.claim"
     await delivery.claim(key, Note(text="claimed"), None)
     assert nats_ready.proc is not None
-    os.kill(nats_ready.proc.pid, signal.SIGSTOP)
-    try:
+    with paused(nats_ready.proc.pid):
         commit = asyncio.create_task(delivery.commit(Note(text="committed")))
         await asyncio.sleep(0.2)  # the commit holds the lock, its request unanswered
+        assert not commit.done(), "the paused server answered the commit"
+        assert delivery.fence_value == Note(text="claimed")
         beat = asyncio.create_task(delivery.heartbeat())
         await asyncio.sleep(0.2)  # the heartbeat waits for the lock
-    finally:
-        os.kill(nats_ready.proc.pid, signal.SIGCONT)
+        assert not commit.done() and not beat.done()
     rev = await asyncio.wait_for(commit, 20)
     await asyncio.wait_for(beat, 20)
     assert not delivery.lost
@@ -90,16 +90,13 @@ async def test_a_read_the_server_does_not_answer_gives_up_at_the_read_timeout(
     await state.write(key, Note(text="x"), None)
     state.read_timeout = 0.3
     assert nats_ready.proc is not None
-    os.kill(nats_ready.proc.pid, signal.SIGSTOP)
-    try:
+    with paused(nats_ready.proc.pid):
         started = asyncio.get_running_loop().time()
         with pytest.raises(TimeoutError):
             await state.revision(key)
         with pytest.raises(TimeoutError):
             await state.step_view("s", "t", "c")
         waited = asyncio.get_running_loop().time() - started
-    finally:
-        os.kill(nats_ready.proc.pid, signal.SIGCONT)
     assert waited < 2.0, f"two reads waited {waited:.1f}s"
     assert await state.revision(key) is not None
 
@@ -113,13 +110,11 @@ async def test_a_claim_is_held_while_its_write_is_unanswered(
     its own live attempt and charge a loss)."""
     key = "test.beat.pending-claim"
     assert nats_ready.proc is not None
-    os.kill(nats_ready.proc.pid, signal.SIGSTOP)
-    try:
+    with paused(nats_ready.proc.pid):
         claim = asyncio.create_task(delivery.claim(key, Note(text="claimed"), None))
         await asyncio.sleep(0.2)
+        assert not claim.done(), "the paused server answered the claim"
         assert key in delivery.rt.holding, "held while the claim's write is unanswered"
-    finally:
-        os.kill(nats_ready.proc.pid, signal.SIGCONT)
     await asyncio.wait_for(claim, 20)
     assert key in delivery.rt.holding
     delivery.release()

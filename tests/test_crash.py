@@ -16,12 +16,12 @@ import pytest
 import structlog
 
 from jetloop.demo.vendor import Vendor
-from jetloop.schemas import CallState, SessionRecord
+from jetloop.schemas import CallState, SessionRecord, call_key
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams import topology
 from jetloop.streams.connection import connect
-from jetloop.streams.state import StateStore, session_key
+from jetloop.streams.state import StateStore, call_state_key, session_key
 from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import WorkerFactory, body, call, script, until
 from tests.fakes import FakeOpenAIChat, Reply, Stall
@@ -249,6 +249,57 @@ async def test_write_whose_reply_was_lost_is_read_back(nats_ready: EmbeddedServe
         assert entry.value == store._encode(key, moved)
     finally:
         await nc.close()
+
+
+async def test_a_read_commits_its_outcome_as_its_first_write(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A read on its first delivery writes no ``running`` claim: the call record's one
+    version is its outcome."""
+    workers.start()
+    h = await client.send("tester", "ur1", script([call("read", name="r")]))
+    await client.wait(h, timeout=30)
+    kv = await client.js.key_value(topology.STATE_BUCKET)
+    versions = await kv.history(call_state_key(call_key("ur1", h.turn_id, 0, 0)))
+    assert len(versions) == 1
+    rec = await client.call("ur1", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == "succeeded" and rec.attempts == 1
+    assert await count_of(vendor, "read") == 1
+
+
+async def test_stalled_unclaimed_read_commits_nothing_after_a_takeover(
+    client: Client, workers: WorkerFactory, tap: AckTap, vendor: Vendor, tmp_path: Path
+) -> None:
+    """A worker paused past its lease while it makes a read (first delivery: no claim),
+    resumed once another worker made the read again and finished the turn: its outcome,
+    a create, finds the taker's record, so it writes, publishes and acks nothing. The
+    redelivery counted the unclaimed delivery as an attempt."""
+    release = tmp_path / "release"
+    stalled = workers.start("stalled", hold="call_tool.before_commit", release_file=release)
+    h = await client.send("tester", "ur2", script([call("read", name="r")]))
+    held = await stalled.wait_for("fault.hold", point="call_tool.before_commit")
+    seq, delivery = held["seq"], held["delivery"]
+    assert delivery == 1
+    stalled.pause()
+    workers.start("taker")
+    await client.wait(h, timeout=30)
+    rec = await client.call("ur2", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == "succeeded" and rec.attempts == 2
+    before = await last_seqs(client, "ur2")
+
+    stalled.resume()
+    release.touch()
+    await handled(stalled, held)
+    await tap.nc.flush()
+    assert stalled.find("step.taken_over", seq=seq, delivery=delivery)
+    assert tap.settled(seq, delivery) == [], "the stale delivery must not be settled"
+    assert await last_seqs(client, "ur2") == before, "nothing new in the streams"
+    assert await client.call("ur2", h.turn_id, 0, 0) == rec
+    assert await count_of(vendor, "read") == 2, "each delivery made the read once"
+
+
+async def count_of(vendor: Vendor, op: str) -> int:
+    return sum((await vendor.request_counts(op)).values())
 
 
 async def test_stalled_worker_makes_no_model_call_after_a_takeover(

@@ -11,8 +11,10 @@ firing, a poll) comes here; what happens is read from the record, never from the
     task_running         → poll the task
     in_doubt, attempt    → a lost attempt: settle (ARCHITECTURE.md settlement table)
 
-The claim of a write is its in-doubt mark, written just before the tool is made; a read is
-never marked. A lost CAS anywhere is a takeover: nothing more is written, published or acked.
+The claim of a write is its in-doubt mark, written just before the tool is made. A read on
+its first delivery writes no claim: its outcome is the call's first record, a create (a read
+delivered again claims, as ``running``, so that losing it is seen and counted). A lost CAS
+anywhere is a takeover: nothing more is written, published or acked.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from jetloop.consumers.calls import (
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.followers import call_done
 from jetloop.consumers.join import outcome_told_and_joined
-from jetloop.consumers.liveness import holder_lost
+from jetloop.consumers.liveness import H_HOLDER_LOST, holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import record_loss, tell_resumed
 from jetloop.consumers.runtime import Delivery
@@ -157,6 +159,11 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
             await run(env)
 
 
+def _delivered_before(d: Delivery) -> bool:
+    """A redelivery, or the copy a rescuer published of a message a dead process held."""
+    return d.num_delivered > 1 or H_HOLDER_LOST in (d.msg.headers or {})
+
+
 async def run(env: CallEnv) -> None:
     """Make the call (or start the task) at most as often as its effect class allows."""
     rt, rec, tool = env.rt, env.rec, env.tool
@@ -177,6 +184,16 @@ async def run(env: CallEnv) -> None:
         if how != "made again":
             return
 
+    unclaimed = effect == Effect.READ and tool.kind == ToolKind.CALL and env.rev is None
+    if unclaimed and _delivered_before(env.d):
+        # Delivered before (or a rescuer's copy), with nothing in state: that delivery may
+        # have made the read unclaimed and died. Counted as an attempt (a read has at most
+        # ``max_attempts``, lost ones included); this one claims, so losing it is seen and
+        # charged like any claimed attempt's loss.
+        unclaimed = False
+        rec = rec.model_copy(update={"attempts": max(rec.attempts, 1)})
+        log.info("call.read_delivered_again", delivery=env.d.num_delivered)
+
     if rec.attempts >= tool.max_attempts or window_passed(rec, tool):
         await settle(env, exhausted(rec, effect.is_write), "attempts_exhausted")
         return
@@ -192,7 +209,13 @@ async def run(env: CallEnv) -> None:
             "first_attempt_at": rec.first_attempt_at or attempt.started_at,
         }
     )
-    env = await write(env, marked)
+    if unclaimed:
+        # A read on its first delivery runs without a claim: its one write is the outcome,
+        # a create, which fails if another attempt claimed the call meanwhile (a takeover:
+        # nothing is published or acked). Running twice is what a read may do.
+        env = env.with_rec(marked, None)
+    else:
+        env = await write(env, marked)
     bind_step(attempt=attempt.no)
 
     await rt.faults.point("call_tool.in_tool")

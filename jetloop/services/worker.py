@@ -12,7 +12,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 
 import structlog
 from nats.aio.client import Client
@@ -335,7 +335,7 @@ class Worker(Service):
                 if msgs and not self._stopping.is_set():
                     for m in msgs:
                         holds.add(m)
-                    await _quietly(holds.publish(), "worker.holds_failed")
+                    await holds.sent()
                 for m in msgs:
                     if self._stopping.is_set():
                         # Not started: hand it back now, it costs no attempt.
@@ -395,13 +395,6 @@ async def _first(*aws: object) -> None:
     finally:
         for t in tasks:
             t.cancel()
-
-
-async def _quietly(op: Awaitable[None], event: str) -> None:
-    try:
-        await op
-    except Exception as exc:
-        log.warning(event, error=str(exc))
 
 
 async def _nak_quietly(m: object) -> None:

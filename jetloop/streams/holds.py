@@ -6,15 +6,18 @@ answer (a core publish into the bucket's stream: no round trip on the step's pat
 the worker fetches, each time it lets a message go — *before* the ack, nak or term, so the
 list never names a message this process already settled (``JL_STEPS`` keeps acked messages:
 a rescuer could not tell them apart) — and again with each presence refresh, so the bucket's
-TTL keeps it only while the process lives. A process that dies between the update and the
-settle leaves that one message to its lease. Whoever reads the list still checks that each
-message is in its stream (``JL_TURNS`` is a work queue and deletes what was acked).
+TTL keeps it only while the process lives. Changes made in the same pass of the event loop
+(under load, several steps settling at once) go out as one list (``Holds.sent``). A process
+that dies between the update and the settle leaves that one message to its lease. Whoever
+reads the list still checks that each message is in its stream (``JL_TURNS`` is a work queue
+and deletes what was acked).
 
 Who reads it: ``jetloop.services.rescue``, when the server says the process's connection closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 
@@ -34,6 +37,7 @@ class Holds:
     incarnation: str
     worker_id: str
     _held: dict[tuple[str, int], None] = field(default_factory=dict)
+    _sending: asyncio.Future[None] | None = field(default=None, repr=False)
 
     def add(self, msg: Msg) -> None:
         self._held[(msg.metadata.stream, msg.metadata.sequence.stream)] = None
@@ -44,9 +48,26 @@ class Holds:
     async def let_go(self, msg: Msg) -> None:
         """The message is about to be settled: say so first (never raises)."""
         self.drop(msg)
+        await self.sent()
+
+    async def sent(self) -> None:
+        """Return once a list made after this call has gone out (never raises).
+
+        Changes made in the same pass of the event loop share one list: the first schedules
+        its publish for the next pass, the others wait for that one. Under load many steps
+        settle at once, and each list is a stream write naming every held message; alone,
+        a step waits one pass more. A lost list only means a rescuer copies a settled step
+        (state decides) or a dead process's step waits for its lease."""
+        sending = self._sending
+        if sending is None:
+            sending = self._sending = asyncio.ensure_future(self._send())
+        await asyncio.shield(sending)
+
+    async def _send(self) -> None:
+        self._sending = None  # what changes from here on needs a list of its own
         try:
             await self.publish()
-        except Exception:  # a lost update: a rescuer copies a settled step, state decides
+        except Exception:
             pass
 
     def __len__(self) -> int:

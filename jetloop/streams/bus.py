@@ -2,12 +2,11 @@
 
 One place builds headers and publishes steps, events and history entries, so there is one
 way to publish a step (STYLE: no second copy of a mechanism). Pipelined publishes go out
-together and are awaited with a timeout (``publish_async`` has none of its own).
+together and their answers are awaited together, under one timeout (``streams.replies``).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from jetloop.schemas import (
     encode,
 )
 from jetloop.streams.connection import retrying
+from jetloop.streams.replies import connection_of, js_publish_all
 from jetloop.streams.topology import (
     MODEL_POOL,
     SESSION_POOL,
@@ -122,11 +122,8 @@ class Bus:
         await retrying(lambda: self._publish(out), self.retry_for, "publish")
 
     async def _publish(self, out: Sequence[Outgoing]) -> None:
-        if len(out) == 1:
-            o = out[0]
-            await self.js.publish(o.subject, o.body, headers=dict(o.headers), timeout=self.timeout)
-            return
-        futures = [
-            await self.js.publish_async(o.subject, o.body, headers=dict(o.headers)) for o in out
-        ]
-        await asyncio.wait_for(asyncio.gather(*futures), timeout=self.timeout)
+        await js_publish_all(
+            connection_of(self.js),
+            [(o.subject, o.body, dict(o.headers)) for o in out],
+            self.timeout,
+        )

@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -163,17 +165,62 @@ def message_size(payload: bytes, headers: dict[str, str] | None) -> int:
     return block + len(payload)
 
 
+# What an inline subscription is handed for each message: its subject and reply subject (as
+# read), its body, and its headers (None without; a status line reads as ``Status``).
+Inline = Callable[[bytes, bytes, bytes, "dict[str, str] | None"], None]
+
+
 class SizedClient(Client):
-    """A nats-py client that checks headers plus body against ``max_payload``, and reads
-    header blocks with ``parse_header_lines``.
+    """A nats-py client that checks headers plus body against ``max_payload``, reads header
+    blocks with ``parse_header_lines``, and hands the messages of inline subscriptions to
+    their handler as they are read.
 
     nats-py compares only the body; the server counts the headers too and closes the
     connection on a message that passes the limit (NATS-NOTES). Every publish goes through
     ``publish`` (requests, JetStream publishes, KV and object-store writes), so this is the
     one place a message too big is refused, as a ``PayloadTooLarge`` on that call.
+
+    nats-py passes every message of a subscription with a callback through a queue to a
+    task of its own, and builds a ``Msg`` for it: for the answers a step waits for (its
+    writes' acks, its reads) that is a task switch and two objects per message on the
+    worker's CPU budget. An inline subscription (``subscribe_inline``) skips both: its
+    handler runs in the reading task, at once, and must not block or raise.
     """
 
     _parse_header_lines = staticmethod(parse_header_lines)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._inline: dict[int, Inline] = {}
+
+    async def subscribe_inline(self, subject: str, handler: Inline) -> Subscription:
+        """A subscription whose messages go to ``handler`` in the task that reads them.
+
+        It is a subscription like any other to the server and to nats-py (sent again after
+        a reconnect, ended by ``unsubscribe_inline``); only its messages take the short way.
+        """
+        sub = await self.subscribe(subject)
+        self._inline[sub._id] = handler
+        return sub
+
+    async def unsubscribe_inline(self, sub: Subscription) -> None:
+        self._inline.pop(sub._id, None)
+        await sub.unsubscribe()
+
+    async def _process_msg(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
+    ) -> None:
+        handler = self._inline.get(sid)
+        if handler is None:
+            await super()._process_msg(sid, subject, reply, data, headers)
+            return
+        self.stats["in_msgs"] += 1
+        self.stats["in_bytes"] += len(data)
+        hdr = await self._process_headers(headers) if headers else None
+        try:
+            handler(subject, reply, data, hdr)
+        except Exception as exc:  # a handler's bug must not end the connection's reader
+            log.error("nats.inline_handler_failed", error=repr(exc))
 
     async def publish(
         self,
@@ -186,6 +233,25 @@ class SizedClient(Client):
         if size > self.max_payload:
             raise PayloadTooLarge(subject, size, self.max_payload)
         await super().publish(subject, payload, reply=reply, headers=headers)
+
+
+async def subscribe_inline(nc: Client, subject: str, handler: Inline) -> Subscription:
+    """``SizedClient.subscribe_inline`` where ``nc`` is one, else a plain subscription whose
+    callback hands each message to ``handler`` (a client not made by ``connect``)."""
+    if isinstance(nc, SizedClient):
+        return await nc.subscribe_inline(subject, handler)
+
+    async def relay(msg: Msg) -> None:
+        handler(msg.subject.encode(), msg.reply.encode(), msg.data, msg.headers)
+
+    return await nc.subscribe(subject, cb=relay)
+
+
+async def unsubscribe_inline(nc: Client, sub: Subscription) -> None:
+    if isinstance(nc, SizedClient):
+        await nc.unsubscribe_inline(sub)
+    else:
+        await sub.unsubscribe()
 
 
 T = TypeVar("T")

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+
+from jetloop.streams.connection import subscribe_inline
 
 
 class DirectGetFailed(Exception):
@@ -35,59 +36,98 @@ class Stored:
     headers: dict[str, str]
 
 
+class _Batch:
+    """One batched direct get's answers as they come, and the future its end resolves."""
+
+    __slots__ = ("found", "future", "heard", "stream")
+
+    def __init__(self, stream: str, future: asyncio.Future[tuple[list[Stored], int]]) -> None:
+        self.stream = stream
+        self.found: list[Stored] = []
+        self.future = future
+        self.heard = 0.0
+
+    def take(self, data: bytes, hdrs: dict[str, str], now: float) -> None:
+        self.heard = now
+        status = hdrs.get("Status")
+        if status == "404":
+            self.future.set_result((self.found, 0))
+        elif status == "204":
+            self.future.set_result((self.found, int(hdrs.get("Nats-Num-Pending", "0"))))
+        elif status:
+            self.future.set_exception(
+                DirectGetFailed(f"direct get on {self.stream} failed: {status} {hdrs}")
+            )
+        else:
+            self.found.append(Stored(hdrs["Nats-Subject"], int(hdrs["Nats-Sequence"]), data, hdrs))
+
+
 class DirectGets:
-    """Batched direct gets over one connection, through one long-lived inbox subscription:
-    a request per batch, and no subscribe/unsubscribe of its own (each a message more)."""
+    """Batched direct gets over one connection, through one long-lived inline inbox
+    subscription (``SizedClient.subscribe_inline``): a request per batch, no subscribe or
+    unsubscribe of its own (each a message more), and each answer taken as it is read."""
 
     def __init__(self, nc: Client) -> None:
         self.nc = nc
         self._sub: Subscription | None = None
         self._inbox = ""
+        self._prefix = 0
         self._next = 0
-        self._waiting: dict[str, asyncio.Queue[Msg]] = {}
+        self._waiting: dict[bytes, _Batch] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def _route(self, msg: Msg) -> None:
-        q = self._waiting.get(msg.subject.rsplit(".", 1)[-1])
-        if q is not None:  # else: the answer to a request that already gave up
-            q.put_nowait(msg)
+    def _on(self, subject: bytes, reply: bytes, data: bytes, hdr: dict[str, str] | None) -> None:
+        batch = self._waiting.get(subject[self._prefix :])
+        if batch is None or batch.future.done():
+            return  # the answer to a request that already gave up
+        assert self._loop is not None
+        try:
+            batch.take(data, hdr or {}, self._loop.time())
+        except (KeyError, ValueError) as exc:
+            batch.future.set_exception(
+                DirectGetFailed(f"direct get on {batch.stream}: unreadable answer ({exc!r})")
+            )
 
     async def batch(
         self, stream: str, request: dict[str, Any], timeout: float = 5.0
     ) -> tuple[list[Stored], int]:
-        """The messages one batched direct get returns, and how many more matched after them."""
+        """The messages one batched direct get returns, and how many more matched after them.
+
+        ``timeout`` bounds the wait for each message (a long batch is not cut short)."""
+        loop = self._loop = asyncio.get_running_loop()
         if self._sub is None:
-            self._inbox = self.nc.new_inbox()
-            self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._route)
+            inbox = self.nc.new_inbox()
+            self._sub = await subscribe_inline(self.nc, f"{inbox}.*", self._on)
+            self._inbox, self._prefix = inbox + ".", len(inbox) + 1
         self._next += 1
         token = str(self._next)
-        q: asyncio.Queue[Msg] = asyncio.Queue()
-        self._waiting[token] = q
-        out: list[Stored] = []
+        key = token.encode()
+        batch = _Batch(stream, loop.create_future())
+        self._waiting[key] = batch
+
+        timers: list[asyncio.TimerHandle] = []
+
+        def check() -> None:
+            if batch.future.done():
+                return
+            quiet = loop.time() - batch.heard
+            if quiet >= timeout:
+                batch.future.set_exception(TimeoutError())
+            else:
+                timers[0] = loop.call_later(timeout - quiet, check)
+
+        timers.append(loop.call_later(timeout, check))
         try:
+            batch.heard = loop.time()
             await self.nc.publish(
                 f"$JS.API.DIRECT.GET.{stream}",
                 json.dumps(request).encode(),
-                reply=f"{self._inbox}.{token}",
+                reply=self._inbox + token,
             )
-            loop = asyncio.get_running_loop()
-            # ``timeout`` for each message (not a task per wait, as ``wait_for`` makes).
-            async with asyncio.timeout(timeout) as deadline:
-                while True:
-                    msg = await q.get()
-                    deadline.reschedule(loop.time() + timeout)
-                    hdrs = msg.headers or {}
-                    status = hdrs.get("Status")
-                    if status == "404":
-                        return out, 0
-                    if status:
-                        if status != "204":
-                            raise DirectGetFailed(f"direct get on {stream} failed: {status} {hdrs}")
-                        return out, int(hdrs.get("Nats-Num-Pending", "0"))
-                    out.append(
-                        Stored(hdrs["Nats-Subject"], int(hdrs["Nats-Sequence"]), msg.data, hdrs)
-                    )
+            return await batch.future
         finally:
-            del self._waiting[token]
+            timers[0].cancel()
+            del self._waiting[key]
 
 
 _BY_CONNECTION: weakref.WeakKeyDictionary[Client, DirectGets] = weakref.WeakKeyDictionary()

@@ -36,6 +36,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 
+from jetloop.streams.connection import subscribe_inline, unsubscribe_inline
+
 STATUS = "Status"
 PENDING = "Nats-Pending-Messages"
 HEARTBEAT = "100"
@@ -91,14 +93,15 @@ class Intake:
 
     async def start(self) -> None:
         self._inbox = self.nc.new_inbox()
-        self._sub = await self.nc.subscribe(f"{self._inbox}.>", cb=self._on)
+        # Inline: a delivery goes to the taker's queue as it is read, not through a task.
+        self._sub = await subscribe_inline(self.nc, f"{self._inbox}.>", self._on)
 
     async def stop(self) -> list[Msg]:
         """No more requests and no more messages; returns those that came and were not
         taken (the caller hands them back)."""
         if self._sub is not None:
             sub, self._sub = self._sub, None
-            await sub.unsubscribe()
+            await unsubscribe_inline(self.nc, sub)
         left = []
         while not self._ready.empty():
             left.append(self._ready.get_nowait())
@@ -156,12 +159,13 @@ class Intake:
         self._heard = time.monotonic()
         await self.nc.publish(self.subject, json.dumps(body).encode(), reply=reply)
 
-    async def _on(self, msg: Msg) -> None:
+    def _on(self, subject: bytes, reply: bytes, data: bytes, hdr: dict[str, str] | None) -> None:
         self._heard = time.monotonic()
-        status = (msg.headers or {}).get(STATUS)
+        status = hdr.get(STATUS) if hdr else None
         if not status:
             # A message names its stream subject, not its request: it counts off the total.
             self.asked = max(0, self.asked - 1)
+            msg = Msg(self.nc, subject.decode(), reply.decode(), data, hdr)
             self._ready.put_nowait(msg)
             self._woken.set()
             return
@@ -169,7 +173,7 @@ class Intake:
             return
         # The request ended unfilled: 408 (expired) and 409 (cut short) say what it still
         # owed; a request refused outright (409 with no count) owed all it asked.
-        owed = (msg.headers or {}).get(PENDING) or msg.subject.rsplit(".", 1)[-1]
+        owed = (hdr or {}).get(PENDING) or subject.decode().rsplit(".", 1)[-1]
         self.asked = max(0, self.asked - int(owed)) if owed.isdigit() else 0
         if status == EXPIRED:
             # Ask again now, not at the taker's next turn: no request is open meanwhile.

@@ -35,6 +35,7 @@ from jetloop.schemas import (
 from jetloop.schemas.codec import DecodeError, decode_map
 from jetloop.streams.connection import TRANSIENT, retrying
 from jetloop.streams.direct import direct_batch
+from jetloop.streams.replies import connection_of, js_publish
 from jetloop.streams.seal import SEAL_FIELD, SealBroken, Sealer
 from jetloop.streams.topology import STATE_BUCKET
 
@@ -134,6 +135,7 @@ class StateStore:
         allow_direct: bool = False,
     ) -> None:
         self.js = js
+        self._nc = connection_of(js)
         self.kv = kv
         self.allow_direct = allow_direct
         self.sealer = sealer
@@ -316,15 +318,12 @@ class StateStore:
         layers: a step makes several of these, each on the worker's CPU budget)."""
         headers = {EXPECTED_LAST: str(revision)}
         try:
-            ack = await self.js.publish(
-                self._prefix + key, data, timeout=self.write_timeout, headers=headers
-            )
+            ack = await js_publish(self._nc, self._prefix + key, data, headers, self.write_timeout)
         except APIError as exc:
             if exc.err_code in WRONG_LAST_SEQUENCE:
                 raise Conflict(key, revision or None) from exc
             raise
-        seq: int = ack.seq
-        return seq
+        return ack.seq
 
     async def write(self, key: str, value: BaseModel, revision: int | None) -> int:
         """Create when ``revision`` is None, else CAS-update from ``revision``.

@@ -1,0 +1,104 @@
+"""The short way answers come back (``streams.replies``, inline subscriptions, batched direct
+gets), against a real server: the errors nats-py gives, timeouts, and nothing left waiting."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import StreamConfig
+from nats.js.errors import APIError, NoStreamResponseError
+
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.streams.connection import SizedClient, connect
+from jetloop.streams.direct import direct_batch
+from jetloop.streams.replies import js_publish, js_publish_all, replies_of
+from tests.paused import paused
+
+
+async def _stream(nc: SizedClient) -> None:
+    js = nc.jetstream()
+    await js.add_stream(
+        StreamConfig(name="R", subjects=["r.>"], allow_direct=True, max_msgs_per_subject=1)
+    )
+
+
+async def test_a_publish_is_answered_with_where_it_landed_and_dedupe_is_reported(
+    server: EmbeddedServer,
+) -> None:
+    await server.wait_jetstream()
+    nc = await connect([server.url], "test-replies")
+    try:
+        assert isinstance(nc, SizedClient)
+        await _stream(nc)
+        first = await js_publish(nc, "r.a", b"1", {"Nats-Msg-Id": "m1"}, 2.0)
+        again = await js_publish(nc, "r.a", b"1", {"Nats-Msg-Id": "m1"}, 2.0)
+        assert (first.stream, first.seq, first.duplicate) == ("R", 1, False)
+        assert (again.seq, again.duplicate) == (1, True)
+        # In order, all answered: sequences follow the order sent.
+        many = await js_publish_all(nc, [(f"r.b{i}", b"x", None) for i in range(20)], 2.0)
+        assert [p.seq for p in many] == list(range(2, 22))
+        # The server's refusal is nats-py's APIError, with its code (a CAS from a stale
+        # revision: what StateStore reads as a conflict).
+        with pytest.raises(APIError) as refused:
+            await js_publish(nc, "r.a", b"2", {"Nats-Expected-Last-Subject-Sequence": "9"}, 2.0)
+        assert refused.value.err_code == 10071
+        # Nobody stores the subject: nats-py's NoStreamResponseError (a transient error).
+        with pytest.raises(NoStreamResponseError):
+            await js_publish(nc, "nowhere.a", b"x", None, 2.0)
+        assert replies_of(nc)._waiting == {}
+    finally:
+        await nc.close()
+
+
+async def test_an_unanswered_request_times_out_and_leaves_nothing_waiting(
+    server: EmbeddedServer,
+) -> None:
+    await server.wait_jetstream()
+    nc = await connect([server.url], "test-replies")
+    try:
+        await _stream(nc)
+        await js_publish(nc, "r.a", b"0", None, 2.0)
+        assert server.proc is not None
+        with paused(server.proc.pid):
+            with pytest.raises(NatsTimeoutError):
+                await js_publish_all(nc, [("r.a", b"1", None), ("r.b", b"2", None)], 0.3)
+            with pytest.raises(TimeoutError):
+                await direct_batch(nc, "R", {"multi_last": ["r.>"], "batch": 10}, 0.3)
+        assert replies_of(nc)._waiting == {}
+        # Answers that come after their request gave up are dropped; new requests work.
+        await asyncio.sleep(0.2)
+        found, left = await direct_batch(nc, "R", {"multi_last": ["r.>"], "batch": 10}, 2.0)
+        assert {m.subject for m in found} >= {"r.a"} and left == 0
+        assert (await js_publish(nc, "r.c", b"3", None, 2.0)).seq > 0
+    finally:
+        await nc.close()
+
+
+async def test_inline_subscriptions_are_sent_again_after_a_reconnect(
+    server: EmbeddedServer,
+) -> None:
+    await server.wait_jetstream()
+    nc = await connect([server.url], "test-replies")
+    try:
+        await _stream(nc)
+        await js_publish(nc, "r.a", b"0", None, 2.0)
+        server.restart()
+        await server.wait_jetstream()
+
+        async def answered() -> int:
+            return (await js_publish(nc, "r.a", b"1", None, 1.0)).seq
+
+        for _ in range(100):
+            try:
+                assert await answered() > 0
+                break
+            except (NatsTimeoutError, NoStreamResponseError):
+                await asyncio.sleep(0.1)
+        else:
+            pytest.fail("no answer after the server came back")
+        found, _ = await direct_batch(nc, "R", {"multi_last": ["r.a"], "batch": 1}, 2.0)
+        assert [m.data for m in found] == [b"1"]
+    finally:
+        await nc.close()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from nats.aio.client import Client
+from nats.errors import BadHeaderError, BadSubjectError
 
-from jetloop.streams.connection import SizedClient
+from jetloop.streams.connection import SizedClient, header_block, message_size
 from jetloop.streams.headers import parse_header_lines
 
 BLOCKS = [
@@ -39,3 +41,39 @@ def test_the_same_headers_for_random_blocks() -> None:
 
 def test_the_worker_connection_parses_with_it() -> None:
     assert SizedClient._parse_header_lines is parse_header_lines
+
+
+async def _sent(client: Client, headers: dict[str, str] | None) -> bytes:
+    """The command a client queues to publish ``headers`` (no server: captured, not sent)."""
+    sent: list[bytes] = []
+
+    async def capture(cmd: bytes, priority: bool = False) -> None:
+        sent.append(cmd)
+
+    client._send_command = capture  # type: ignore[method-assign]
+    client._status = Client.CONNECTED
+    client._flush_queue = None
+    client._max_payload = 1 << 20
+    await client.publish("s.a", b"body", reply="_INBOX.x.1", headers=headers)
+    return b"".join(sent)
+
+
+async def test_a_publish_with_headers_is_the_command_nats_py_sends() -> None:
+    rng = random.Random(11)
+    names = ["Nats-Msg-Id", " Padded ", "", "Jl-Kind", "x", "Nats-Expected-Last-Subject-Sequence"]
+    values = ["v", " spaced ", "new\r\nline", "", "ünï", "a:b"]
+    for _ in range(300):
+        hdrs = {rng.choice(names): rng.choice(values) for _ in range(rng.randrange(0, 5))}
+        ours = await _sent(SizedClient(), hdrs)
+        assert ours == await _sent(Client(), hdrs), hdrs
+        if hdrs:
+            # What the size check counts is what goes on the wire.
+            assert message_size(b"body", hdrs) == len(header_block(hdrs)) + len(b"body")
+    for bad in ("Bad Name", "tab\tname", "ünï"):
+        with pytest.raises(BadHeaderError):
+            await _sent(SizedClient(), {bad: "v"})
+        with pytest.raises(BadHeaderError):
+            await _sent(Client(), {bad: "v"})
+    for subject in ("", "a b", "a\r\nb"):
+        with pytest.raises(BadSubjectError):
+            await SizedClient().publish(subject, b"", headers={"A": "b"})

@@ -12,8 +12,8 @@ from nats.js.errors import APIError, NoStreamResponseError
 
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams.connection import SizedClient, connect
-from jetloop.streams.direct import direct_batch
-from jetloop.streams.replies import js_publish, js_publish_all, replies_of
+from jetloop.streams.direct import direct_batch, direct_get
+from jetloop.streams.replies import first_seq, js_publish, js_publish_all, replies_of
 from tests.paused import paused
 
 
@@ -47,6 +47,13 @@ async def test_a_publish_is_answered_with_where_it_landed_and_dedupe_is_reported
         # Nobody stores the subject: nats-py's NoStreamResponseError (a transient error).
         with pytest.raises(NoStreamResponseError):
             await js_publish(nc, "nowhere.a", b"x", None, 2.0)
+        # The first message on a filter, asked of the leader: its sequence, or None.
+        assert await first_seq(nc, "R", "r.b1", 2.0) == 3
+        assert await first_seq(nc, "R", "r.none", 2.0) is None
+        # One key by a direct get: the message, or None.
+        got = await direct_get(nc, "R", "r.b2", 2.0)
+        assert got is not None and (got.seq, got.data) == (4, b"x")
+        assert await direct_get(nc, "R", "r.none", 2.0) is None
         assert replies_of(nc)._waiting == {}
     finally:
         await nc.close()

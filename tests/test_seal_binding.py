@@ -269,6 +269,10 @@ async def test_a_record_is_verified_once_and_an_edit_of_it_still_is_refused(
     assert first is not None and again is not None
     assert sealer.verified == 1
     assert first.value == again.value and first.value is not again.value
+    # Remembered decoded, but a reader's change to its copy is not what the next reads.
+    first.value.active = "changed by a reader"
+    third = await store.session("memo")
+    assert third is not None and third.value.active is None and sealer.verified == 1
     edited = msgpack.unpackb(await raw(client, key))
     edited["turns_done"] = 99
     await put(client, key, msgpack.packb(edited))

@@ -13,7 +13,6 @@ import json
 from datetime import datetime
 
 import structlog
-from nats.js.errors import NotFoundError
 
 from jetloop.consumers.errors import DeadLetter, RetryLater
 from jetloop.consumers.followers import Followers, finished, turn_start
@@ -34,6 +33,7 @@ from jetloop.schemas import (
 )
 from jetloop.schemas.codec import DecodeError, decode_map
 from jetloop.streams.bus import event_out
+from jetloop.streams.replies import first_seq
 from jetloop.streams.state import Conflict, session_key, turn_key
 from jetloop.streams.topology import TURNS_STREAM, session_turns_filter
 
@@ -129,13 +129,7 @@ async def on_turn_request(d: Delivery) -> None:
 
 async def _first_request(rt: Runtime, sid: str) -> int | None:
     """The stream sequence of the first request of session ``sid`` still in ``JL_TURNS``."""
-    try:
-        first = await rt.js.get_msg(
-            TURNS_STREAM, seq=1, subject=session_turns_filter(sid), next=True
-        )
-    except NotFoundError:
-        return None
-    return first.seq
+    return await first_seq(rt.nc, TURNS_STREAM, session_turns_filter(sid), rt.state.read_timeout)
 
 
 def _request_id(d: Delivery, session_id: str) -> str:

@@ -21,7 +21,7 @@ from jetloop.schemas import (
     encode,
 )
 from jetloop.streams.connection import retrying
-from jetloop.streams.replies import connection_of, js_publish_all
+from jetloop.streams.replies import connection_of, replies_of
 from jetloop.streams.topology import (
     MODEL_POOL,
     SESSION_POOL,
@@ -108,6 +108,7 @@ class Bus:
 
     def __init__(self, js: JetStreamContext, timeout: float = 5.0, retry_for: float = 10.0) -> None:
         self.js = js
+        self._replies = replies_of(connection_of(js))
         self.timeout = timeout
         self.retry_for = retry_for
 
@@ -122,8 +123,6 @@ class Bus:
         await retrying(lambda: self._publish(out), self.retry_for, "publish")
 
     async def _publish(self, out: Sequence[Outgoing]) -> None:
-        await js_publish_all(
-            connection_of(self.js),
-            [(o.subject, o.body, dict(o.headers)) for o in out],
-            self.timeout,
+        await self._replies.publish_all(
+            [(o.subject, o.body, dict(o.headers)) for o in out], self.timeout
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
@@ -12,8 +13,16 @@ from typing import TypeVar
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import (
+    BadHeaderError,
+    BadSubjectError,
+    ConnectionClosedError,
+    ConnectionDrainingError,
+    MaxPayloadError,
+    NoRespondersError,
+    OutboundBufferLimitError,
+)
 from nats.errors import Error as NatsError
-from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
@@ -155,7 +164,7 @@ _HDR_LINE = len(b"NATS/1.0\r\n")
 def message_size(payload: bytes, headers: dict[str, str] | None) -> int:
     """What the server counts against ``max_payload``: the header block nats-py writes
     (``NATS/1.0``, one ``key: value`` line each, a blank line) plus the body."""
-    if not headers:
+    if headers is None:
         return len(payload)
     block = _HDR_LINE + 2
     for k, v in headers.items():
@@ -229,10 +238,87 @@ class SizedClient(Client):
         reply: str = "",
         headers: dict[str, str] | None = None,
     ) -> None:
-        size = message_size(payload, headers)
+        if headers is None:
+            if len(payload) > self.max_payload:
+                raise PayloadTooLarge(subject, len(payload), self.max_payload)
+            await super().publish(subject, payload, reply=reply)
+            return
+        # The header block is built once, here, and sized and sent as built (nats-py would
+        # build it again, checking each name with a regular expression every time).
+        block = header_block(headers)
+        size = len(block) + len(payload)
         if size > self.max_payload:
             raise PayloadTooLarge(subject, size, self.max_payload)
-        await super().publish(subject, payload, reply=reply, headers=headers)
+        # nats-py's checks before a publish, in its order.
+        if not self._skip_subject_validation:
+            check_subject(subject)
+            if reply:
+                check_subject(reply)
+        if self.is_closed:
+            raise ConnectionClosedError
+        if self.is_draining_pubs:
+            raise ConnectionDrainingError
+        if not self.is_connected and (
+            self._max_pending_size <= 0
+            or len(payload) + self._pending_data_size > self._max_pending_size
+        ):
+            raise OutboundBufferLimitError  # no buffering while it reconnects, or it is full
+        command = b"".join(
+            (f"HPUB {subject} {reply} {len(block)} {size}\r\n".encode(), block, payload, _CRLF)
+        )
+        self.stats["out_msgs"] += 1
+        self.stats["out_bytes"] += len(payload)
+        await self._send_command(command)
+        if self._flush_queue is not None and self._flush_queue.empty():
+            await self._flush_pending()
+
+
+_CRLF = b"\r\n"
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
+_SUBJECT_INVALID = re.compile(r"[ \t\r\n]")
+# Header names seen before, as they go on the wire (a worker uses a few dozen).
+_NAMES: dict[str, bytes | None] = {}
+
+
+def _name_bytes(name: str) -> bytes | None:
+    """A header name as sent (stripped), None for an empty one (skipped, as nats-py does);
+    a name that is not an RFC 7230 token is refused (``BadHeaderError``)."""
+    try:
+        return _NAMES[name]
+    except KeyError:
+        pass
+    key = name.strip()
+    if not key:
+        out = None
+    elif _HEADER_NAME.fullmatch(key):
+        out = key.encode() + b": "
+    else:
+        raise BadHeaderError(key)
+    if len(_NAMES) < 1024:
+        _NAMES[name] = out
+    return out
+
+
+def header_block(headers: dict[str, str]) -> bytes:
+    """The header block nats-py writes for ``headers``: ``NATS/1.0``, one ``name: value``
+    line each (values stripped, CR and LF made spaces), a blank line."""
+    parts = [b"NATS/1.0\r\n"]
+    for k, v in headers.items():
+        name = _name_bytes(k)
+        if name is not None:
+            value = v.strip()
+            if "\r" in value or "\n" in value:
+                value = value.translate(_VALUE_NEWLINES)
+            parts.append(name + value.encode() + _CRLF)
+    parts.append(_CRLF)
+    return b"".join(parts)
+
+
+def check_subject(subject: str) -> None:
+    """nats-py's check of a subject on the publish path: not empty, no whitespace."""
+    if not subject or _SUBJECT_INVALID.search(subject):
+        raise BadSubjectError
 
 
 async def subscribe_inline(nc: Client, subject: str, handler: Inline) -> Subscription:

@@ -7,7 +7,8 @@ behind, and readers fall back to gets the stream leader answers.
 One request, ``$JS.API.DIRECT.GET.<stream>``, is answered by one message per stored message
 found and an end-of-batch status (204, with ``Nats-Num-Pending`` for what is left), or by a
 404 when nothing matched. Round trips are what a step costs (docs/performance.md), so a
-handler that needs several keys asks once.
+handler that needs several keys asks once. A request without ``batch`` (``last_by_subj``
+alone: one key) is answered by the one message or a 404 (``direct_get``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
 
 from jetloop.streams.connection import subscribe_inline
+
+NO_RESPONDERS = "503"
 
 
 class DirectGetFailed(Exception):
@@ -39,13 +43,16 @@ class Stored:
 class _Batch:
     """One batched direct get's answers as they come, and the future its end resolves."""
 
-    __slots__ = ("found", "future", "heard", "stream")
+    __slots__ = ("found", "future", "heard", "single", "stream")
 
-    def __init__(self, stream: str, future: asyncio.Future[tuple[list[Stored], int]]) -> None:
+    def __init__(
+        self, stream: str, future: asyncio.Future[tuple[list[Stored], int]], single: bool
+    ) -> None:
         self.stream = stream
         self.found: list[Stored] = []
         self.future = future
         self.heard = 0.0
+        self.single = single  # answered by one message, with no end-of-batch status
 
     def take(self, data: bytes, hdrs: dict[str, str], now: float) -> None:
         self.heard = now
@@ -54,12 +61,16 @@ class _Batch:
             self.future.set_result((self.found, 0))
         elif status == "204":
             self.future.set_result((self.found, int(hdrs.get("Nats-Num-Pending", "0"))))
+        elif status == NO_RESPONDERS:  # between leaders (a transient error, tried again)
+            self.future.set_exception(NoRespondersError())
         elif status:
             self.future.set_exception(
                 DirectGetFailed(f"direct get on {self.stream} failed: {status} {hdrs}")
             )
         else:
             self.found.append(Stored(hdrs["Nats-Subject"], int(hdrs["Nats-Sequence"]), data, hdrs))
+            if self.single:
+                self.future.set_result((self.found, 0))
 
 
 class DirectGets:
@@ -102,7 +113,7 @@ class DirectGets:
         self._next += 1
         token = str(self._next)
         key = token.encode()
-        batch = _Batch(stream, loop.create_future())
+        batch = _Batch(stream, loop.create_future(), "batch" not in request)
         self._waiting[key] = batch
 
         timers: list[asyncio.TimerHandle] = []
@@ -129,6 +140,11 @@ class DirectGets:
             timers[0].cancel()
             del self._waiting[key]
 
+    async def last(self, stream: str, subject: str, timeout: float = 5.0) -> Stored | None:
+        """The last message stored on ``subject`` (None when there is none)."""
+        found, _ = await self.batch(stream, {"last_by_subj": subject}, timeout)
+        return found[0] if found else None
+
 
 _BY_CONNECTION: weakref.WeakKeyDictionary[Client, DirectGets] = weakref.WeakKeyDictionary()
 
@@ -146,3 +162,9 @@ async def direct_batch(
 ) -> tuple[list[Stored], int]:
     """The messages one batched direct get returns, and how many more matched after them."""
     return await direct_gets(nc).batch(stream, request, timeout)
+
+
+async def direct_get(nc: Client, stream: str, subject: str, timeout: float = 5.0) -> Stored | None:
+    """The last message stored on ``subject`` (None when there is none), by a direct get."""
+    found, _ = await direct_gets(nc).batch(stream, {"last_by_subj": subject}, timeout)
+    return found[0] if found else None

@@ -129,6 +129,21 @@ class Replies:
         for key in [k for k, f in self._waiting.items() if f in gone]:
             del self._waiting[key]
 
+    async def publish(
+        self, subject: str, payload: bytes, headers: dict[str, str] | None, timeout: float
+    ) -> Published:
+        """One JetStream publish, its answer awaited (``JetStreamContext.publish``)."""
+        (answer,) = await self.wait([await self.send(subject, payload, headers)], timeout)
+        return stored(answer)
+
+    async def publish_all(
+        self, messages: Sequence[tuple[str, bytes, dict[str, str] | None]], timeout: float
+    ) -> list[Published]:
+        """Several JetStream publishes sent together, in order, all answers awaited at once;
+        the first error among them is raised after every answer is in."""
+        futures = [await self.send(s, p, h) for s, p, h in messages]
+        return [stored(a) for a in await self.wait(futures, timeout)]
+
     async def request(
         self, subject: str, payload: bytes, headers: dict[str, str] | None, timeout: float
     ) -> Answer:
@@ -157,9 +172,7 @@ async def js_publish(
     timeout: float,
 ) -> Published:
     """``JetStreamContext.publish`` without its layers: one message, its answer awaited."""
-    replies = replies_of(nc)
-    (answer,) = await replies.wait([await replies.send(subject, payload, headers)], timeout)
-    return stored(answer)
+    return await replies_of(nc).publish(subject, payload, headers, timeout)
 
 
 async def js_publish_all(
@@ -167,11 +180,29 @@ async def js_publish_all(
     messages: Sequence[tuple[str, bytes, dict[str, str] | None]],
     timeout: float,
 ) -> list[Published]:
-    """Several JetStream publishes sent together, in order, all answers awaited at once;
-    the first error among them is raised after every answer is in."""
-    replies = replies_of(nc)
-    futures = [await replies.send(s, p, h) for s, p, h in messages]
-    return [stored(a) for a in await replies.wait(futures, timeout)]
+    """Several JetStream publishes sent together (``Replies.publish_all``)."""
+    return await replies_of(nc).publish_all(messages, timeout)
+
+
+NO_MESSAGE = 10037  # JetStream's err_code for a get that found no message
+
+
+async def first_seq(nc: Client, stream: str, subject: str, timeout: float) -> int | None:
+    """The sequence of the first message on ``subject`` (a filter) still in ``stream``, asked
+    of the stream's leader (``$JS.API.STREAM.MSG.GET``), or None when there is none. Only the
+    sequence is read: the message's body is not decoded."""
+    answer = await replies_of(nc).request(
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        json.dumps({"seq": 1, "next_by_subj": subject}).encode(),
+        None,
+        timeout,
+    )
+    resp = json.loads(answer.data)
+    if "error" in resp:
+        if resp["error"].get("err_code") == NO_MESSAGE:
+            return None
+        raise APIError.from_error(resp["error"])
+    return int(resp["message"]["seq"])
 
 
 def connection_of(js: JetStreamContext) -> Client:

@@ -34,15 +34,16 @@ from jetloop.schemas import (
 )
 from jetloop.schemas.codec import DecodeError, decode_map
 from jetloop.streams.connection import TRANSIENT, retrying
-from jetloop.streams.direct import direct_batch
-from jetloop.streams.replies import connection_of, js_publish
+from jetloop.streams.direct import DirectGets, direct_gets
+from jetloop.streams.replies import connection_of, replies_of
 from jetloop.streams.seal import SEAL_FIELD, SealBroken, Sealer
 from jetloop.streams.topology import STATE_BUCKET
 
 R = TypeVar("R", bound=BaseModel)
 
-# How many verified records a store remembers (``StateStore._decode``): a turn reads the same
-# few records ~5 times each (every call step and join reads its turn, session and calls).
+# How many verified records a store remembers, decoded (``StateStore._decode``): a turn reads
+# the same few records ~5 times each (every call step and join reads its turn, session and
+# calls).
 VERIFIED_MEMO = 4096
 
 
@@ -110,8 +111,20 @@ def stored_time(headers: dict[str, str] | None) -> float:
     if not text:
         return 0.0
     head, _, frac = text.rstrip("Z").partition(".")
-    seconds = datetime.fromisoformat(head + "+00:00").timestamp()
+    # The minute is parsed once a minute, not once a read: ``YYYY-MM-DDTHH:MM:SS``.
+    minute = _MINUTES.get(head[:16]) if len(head) == 19 and head[16] == ":" else None
+    if minute is not None and head[17:].isdigit():
+        seconds = minute + int(head[17:])
+    else:
+        seconds = datetime.fromisoformat(head + "+00:00").timestamp()
+        if len(head) == 19 and head[16] == ":" and head[17:].isdigit():
+            if len(_MINUTES) > 64:
+                _MINUTES.clear()
+            _MINUTES[head[:16]] = seconds - int(head[17:])
     return seconds + (float(f"0.{frac}") if frac.isdigit() else 0.0)
+
+
+_MINUTES: dict[str, float] = {}
 
 
 class StateStore:
@@ -135,7 +148,8 @@ class StateStore:
         allow_direct: bool = False,
     ) -> None:
         self.js = js
-        self._nc = connection_of(js)
+        self._replies = replies_of(connection_of(js))
+        self._gets = direct_gets(direct) if direct is not None else None
         self.kv = kv
         self.allow_direct = allow_direct
         self.sealer = sealer
@@ -152,9 +166,9 @@ class StateStore:
         self.read_timeout = 5.0
         self._stream = f"KV_{bucket}"
         self._prefix = f"$KV.{bucket}."
-        # Records whose seal verified, by what the verdict depends on and nothing else: the
-        # key, the stored bytes and the time the server stored them (``_decode``).
-        self._verified: OrderedDict[tuple[str, bytes, float], None] = OrderedDict()
+        # Records whose seal verified, as decoded, by what the verdict depends on and nothing
+        # else: the key, the stored bytes and the time the server stored them (``_decode``).
+        self._verified: OrderedDict[tuple[str, bytes, float], BaseModel] = OrderedDict()
 
     @classmethod
     async def open(cls, nc: Client, sealer: Sealer | None = None) -> StateStore:
@@ -177,38 +191,48 @@ class StateStore:
     def _decode(self, model: type[R], key: str, raw: Stored, verify: bool) -> R:
         if self.sealer is None or not verify:
             return decode(model, raw.data)
+        # A seal's verdict is a function of the key, the bytes and the stored time under this
+        # store's keys, and so is the record they decode to: the same three read again (a
+        # turn's record is read by every call step and join of the turn) are neither
+        # verified nor validated a second time. Only verified records are remembered, and
+        # every reader gets a copy of its own (records are never changed in place: a change
+        # is a ``model_copy`` with its update, written back).
+        seen = (key, raw.data, raw.stored_at)
+        known = self._verified.get(seen)
+        if known is not None and type(known) is model:
+            return known.model_copy()
         try:
             data = msgpack.unpackb(raw.data, raw=False)
         except Exception as exc:
             raise SealBroken(key, f"it is not msgpack ({exc})") from exc
         if not isinstance(data, dict):
             raise SealBroken(key, "it is not a record")
-        # A seal's verdict is a function of the key, the bytes and the stored time under this
-        # store's keys: the same three verified once need no second HMAC. Only verified
-        # records are remembered, and every read still decodes and validates its own copy
-        # (a record is never shared between readers).
-        seen = (key, raw.data, raw.stored_at)
-        if seen not in self._verified:
+        if known is None:
             why = self.sealer.verify(key, data, raw.stored_at)
             if why is not None:
                 raise SealBroken(key, why)
-            if len(self._verified) >= VERIFIED_MEMO:
-                self._verified.popitem(last=False)  # the oldest
-            self._verified[seen] = None
         try:
-            return decode_map(model, data)
+            record = decode_map(model, data)
         except DecodeError as exc:
             raise SealBroken(key, str(exc)) from exc
+        if len(self._verified) >= VERIFIED_MEMO:
+            self._verified.popitem(last=False)  # the oldest
+        self._verified[seen] = record
+        return record.model_copy()
 
     async def _get(self, model: type[R], key: str, verify: bool = True) -> Versioned[R] | None:
         return self._typed(model, key, await self._raw(key), verify)
 
     async def _raw(self, key: str) -> Stored | None:
+        subject = self._prefix + key
+        if self._gets is not None:
+            found = await self._gets.last(self._stream, subject, self.read_timeout)
+            if found is None or found.headers.get("KV-Operation") in ("DEL", "PURGE"):
+                return None
+            return Stored(found.data, found.seq, stored_time(found.headers))
         try:
             async with asyncio.timeout(self.read_timeout):
-                msg = await self.js.get_msg(
-                    self._stream, subject=self._prefix + key, direct=self.allow_direct
-                )
+                msg = await self.js.get_msg(self._stream, subject=subject, direct=self.allow_direct)
         except NotFoundError:
             return None
         if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or msg.data is None:
@@ -218,17 +242,17 @@ class StateStore:
 
     async def _raw_many(self, keys: Sequence[str]) -> dict[str, Stored]:
         """The current value and revision of every key that has one, in one request."""
-        if self.direct is None or len(keys) < 2:
+        if self._gets is None or len(keys) < 2:
             got = await asyncio.gather(*(self._raw(k) for k in keys))
             return {k: r for k, r in zip(keys, got, strict=True) if r is not None}
-        return await self._direct_last(self.direct, keys, len(keys))
+        return await self._direct_last(self._gets, keys, len(keys))
 
     async def _direct_last(
-        self, nc: Client, patterns: Sequence[str], most: int
+        self, gets: DirectGets, patterns: Sequence[str], most: int
     ) -> dict[str, Stored]:
         """One batched direct get of the last value of every key matching ``patterns``."""
         req = {"multi_last": [self._prefix + k for k in patterns], "batch": most}
-        found, _ = await direct_batch(nc, self._stream, req, self.read_timeout)
+        found, _ = await gets.batch(self._stream, req, self.read_timeout)
         out: dict[str, Stored] = {}
         for m in found:
             if m.headers.get("KV-Operation") in ("DEL", "PURGE"):
@@ -274,7 +298,7 @@ class StateStore:
         """A turn and the records of its step's calls (one per planned call, None where
         there is none yet), in one request where direct gets are allowed."""
         tk = turn_key(session_id, turn_id)
-        if self.direct is None:
+        if self._gets is None:
             turn = await self.turn(session_id, turn_id)
             if turn is None:
                 return None, []
@@ -283,7 +307,7 @@ class StateStore:
             ]
             return turn, await self.calls(keys)
         step = call_state_key(f"{session_id}.{turn_id}.{model_step}")
-        raw = await self._direct_last(self.direct, [tk, f"{step}.*"], most_calls + 1)
+        raw = await self._direct_last(self._gets, [tk, f"{step}.*"], most_calls + 1)
         turn = self._typed(TurnRecord, tk, raw.get(tk))
         if turn is None:
             return None, []
@@ -318,7 +342,7 @@ class StateStore:
         layers: a step makes several of these, each on the worker's CPU budget)."""
         headers = {EXPECTED_LAST: str(revision)}
         try:
-            ack = await js_publish(self._nc, self._prefix + key, data, headers, self.write_timeout)
+            ack = await self._replies.publish(self._prefix + key, data, headers, self.write_timeout)
         except APIError as exc:
             if exc.err_code in WRONG_LAST_SEQUENCE:
                 raise Conflict(key, revision or None) from exc
@@ -390,9 +414,9 @@ class StateStore:
         """The current value of up to ``most`` keys matching ``pattern`` (``turn.s1.*``), and
         how many more match: one batched direct get where the bucket allows them, else the
         keys (read server-side filtered) and a get each. Decode each with ``typed``."""
-        if self.direct is not None:
+        if self._gets is not None:
             req = {"multi_last": [self._prefix + pattern], "batch": most}
-            found, left = await direct_batch(self.direct, self._stream, req, self.read_timeout)
+            found, left = await self._gets.batch(self._stream, req, self.read_timeout)
             out: dict[str, Stored] = {}
             for m in found:
                 if m.headers.get("KV-Operation") not in ("DEL", "PURGE"):

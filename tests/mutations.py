@@ -309,7 +309,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "holds-not-published",
         "jetloop/streams/holds.py",
-        "        await self.nc.publish(subject, json.dumps(body).encode())\n",
+        "        await self.nc.publish(subject, body.encode())\n",
         "        return\n",
         "nobody knows what a worker held: its steps wait for their leases when it dies",
         (

@@ -19,7 +19,7 @@ from jetloop.schemas import Event, SessionRecord, StepKind, StepMessage
 from jetloop.services.client import Client, TurnFailed
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams.bus import Bus, step_out
-from jetloop.streams.seal import SealBroken, Sealer, key_bytes
+from jetloop.streams.seal import SEAL_FIELD, SealBroken, Sealer, canonical, key_bytes, with_seal
 from jetloop.streams.state import StateStore, approval_key, call_state_key, session_key, turn_key
 from tests.conftest import SEAL_KEY, WorkerFactory, call, script, until
 from tests.test_resume import pending_approval
@@ -279,3 +279,14 @@ async def test_a_record_is_verified_once_and_an_edit_of_it_still_is_refused(
     with pytest.raises(SealBroken):
         await store.session("memo")
     assert sealer.verified == 2
+
+
+def test_a_seal_added_to_packed_bytes_is_what_packing_the_sealed_record_makes() -> None:
+    """``with_seal`` appends the seal to a record packed once; a reader unpacks the same map
+    (fixmap and map16 headers, the growth from 15 keys to 16 included)."""
+    for entries in (0, 1, 5, 14, 15, 16, 40):
+        data: dict[str, Any] = {f"k{i}": [i, "x" * i, {"n": None}] for i in range(entries)}
+        body = msgpack.packb(data, use_bin_type=True)
+        sealed = with_seal(body, len(data), "v2.1.abc")
+        assert sealed == msgpack.packb({**data, SEAL_FIELD: "v2.1.abc"}, use_bin_type=True)
+        assert canonical(msgpack.unpackb(sealed)) == body

@@ -255,8 +255,7 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
         d.release()
         if outcome != "error":
             FAILURES.forget(key)
-        metrics.STEPS.labels(kind, outcome).inc()
-        metrics.STEP_SECONDS.labels(kind).observe(time.perf_counter() - started)
+        metrics.step_done(kind, outcome, time.perf_counter() - started)
         end_step(ids)
 
 

@@ -39,6 +39,21 @@ CONSUMER_REDELIVERED = Gauge(
 )
 
 
+def step_done(kind: str, outcome: str, seconds: float) -> None:
+    """Count one handled step and its time (the labelled children looked up once each:
+    ``labels`` costs a lock and a tuple per call, on every step)."""
+    pair = _STEP_CHILDREN.get((kind, outcome))
+    if pair is None:
+        pair = (STEPS.labels(kind, outcome), STEP_SECONDS.labels(kind))
+        if len(_STEP_CHILDREN) < 256:  # kinds come from message headers: bounded
+            _STEP_CHILDREN[(kind, outcome)] = pair
+    pair[0].inc()
+    pair[1].observe(seconds)
+
+
+_STEP_CHILDREN: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+
+
 async def watch_lag(
     js: JetStreamContext,
     stop: asyncio.Event,

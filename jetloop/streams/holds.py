@@ -36,11 +36,13 @@ class Holds:
     nc: Client
     incarnation: str
     worker_id: str
-    _held: dict[tuple[str, int], None] = field(default_factory=dict)
+    # Each held message as it goes into the list (JSON), encoded once, when it is fetched.
+    _held: dict[tuple[str, int], str] = field(default_factory=dict)
     _sending: asyncio.Future[None] | None = field(default=None, repr=False)
 
     def add(self, msg: Msg) -> None:
-        self._held[(msg.metadata.stream, msg.metadata.sequence.stream)] = None
+        held = (msg.metadata.stream, msg.metadata.sequence.stream)
+        self._held[held] = json.dumps(held)
 
     def drop(self, msg: Msg) -> None:
         self._held.pop((msg.metadata.stream, msg.metadata.sequence.stream), None)
@@ -76,9 +78,11 @@ class Holds:
     async def publish(self) -> None:
         """Send the list as it is now (not confirmed: a list lost with its process only
         means that process's steps wait for their leases, as they would without it)."""
-        body = {"worker": self.worker_id, "held": [[s, q] for s, q in self._held]}
+        # {"worker": …, "held": [[stream, sequence], …]}, the entries joined as encoded.
+        held = ", ".join(self._held.values())
+        body = f'{{"worker": {json.dumps(self.worker_id)}, "held": [{held}]}}'
         subject = f"$KV.{WORKERS_BUCKET}.{held_key(self.incarnation)}"
-        await self.nc.publish(subject, json.dumps(body).encode())
+        await self.nc.publish(subject, body.encode())
 
 
 async def read_holds(js: JetStreamContext, incarnation: str) -> list[tuple[str, int]]:

@@ -48,6 +48,21 @@ def canonical(data: dict[str, Any]) -> bytes:
     return packed
 
 
+def with_seal(body: bytes, entries: int, seal: str) -> bytes:
+    """The packed map ``body`` (``entries`` keys, packed by msgpack without a seal) with
+    ``seal`` added as its last key: the bytes ``packb`` makes of the sealed map, without
+    packing the record a second time."""
+    if entries < 15:  # fixmap: the count is in the first byte
+        head, rest = bytes((0x80 | (entries + 1),)), body[1:]
+    elif entries < 0xFFFF:  # map16 (a fixmap of 15 grows into one)
+        skip = 1 if entries == 15 else 3
+        head, rest = b"\xde" + (entries + 1).to_bytes(2, "big"), body[skip:]
+    else:
+        raise ValueError(f"a record of {entries} keys")
+    tail: bytes = msgpack.packb(SEAL_FIELD) + msgpack.packb(seal)
+    return head + rest + tail
+
+
 def sealed_message(key: str, at_ms: int, body: bytes) -> bytes:
     """What the HMAC covers: a domain tag, the record's key, its seal time, its bytes."""
     return DOMAIN + key.encode() + b"\n" + str(at_ms).encode() + b"\n" + body
@@ -72,8 +87,12 @@ class Sealer:
 
     def seal(self, key: str, data: dict[str, Any]) -> str:
         """``v2.<unix ms>.<hex HMAC>`` for the record ``data`` stored at ``key``, sealed now."""
+        return self.seal_packed(key, canonical(data))
+
+    def seal_packed(self, key: str, body: bytes) -> str:
+        """``seal`` of a record already packed without its seal (``canonical``'s bytes)."""
         at_ms = int(self.clock() * 1000)
-        mac = hmac.new(self.keys[0], sealed_message(key, at_ms, canonical(data)), hashlib.sha256)
+        mac = hmac.new(self.keys[0], sealed_message(key, at_ms, body), hashlib.sha256)
         return f"{SEAL_VERSION}.{at_ms}.{mac.hexdigest()}"
 
     def verify(self, key: str, data: dict[str, Any], stored_at: float) -> str | None:

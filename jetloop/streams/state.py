@@ -36,7 +36,7 @@ from jetloop.schemas.codec import DecodeError, decode_map
 from jetloop.streams.connection import TRANSIENT, retrying
 from jetloop.streams.direct import DirectGets, direct_gets
 from jetloop.streams.replies import connection_of, replies_of
-from jetloop.streams.seal import SEAL_FIELD, SealBroken, Sealer
+from jetloop.streams.seal import SEAL_FIELD, SealBroken, Sealer, with_seal
 from jetloop.streams.topology import STATE_BUCKET
 
 R = TypeVar("R", bound=BaseModel)
@@ -184,9 +184,8 @@ class StateStore:
             return encode(value)
         data = value.model_dump(mode="json", exclude_none=True)
         data.pop(SEAL_FIELD, None)
-        data[SEAL_FIELD] = self.sealer.seal(key, data)
-        packed: bytes = msgpack.packb(data, use_bin_type=True)
-        return packed
+        body: bytes = msgpack.packb(data, use_bin_type=True)  # what the seal covers
+        return with_seal(body, len(data), self.sealer.seal_packed(key, body))
 
     def _decode(self, model: type[R], key: str, raw: Stored, verify: bool) -> R:
         if self.sealer is None or not verify:

@@ -146,6 +146,21 @@ async def flaky(args: Named, ctx: ToolContext) -> dict[str, Any]:
     return await vendor().write("flaky", ctx.idempotency_key, {"name": args.name})
 
 
+class Bag(BaseModel):
+    data: Any = None
+
+
+@tool(effect=Effect.READ)
+async def meddler(args: Bag, ctx: ToolContext) -> dict[str, Any]:
+    """Changes its arguments in place and fails the first time; says what it was given."""
+    given = json.loads(json.dumps(args.data))
+    if isinstance(args.data, dict):
+        args.data["meddled"] = ctx.attempt
+    if ctx.attempt < 2:
+        raise RetryableToolError("fails once, after changing its arguments")
+    return {"given": given}
+
+
 @tool(effect=Effect.READ)
 async def broken_read(args: Named, ctx: ToolContext) -> dict[str, Any]:
     """A read that always fails."""
@@ -280,6 +295,7 @@ async def whoami(args: Named, ctx: ToolContext) -> dict[str, Any]:
 
 
 TOOLS = (
+    meddler,
     whoami,
     write,
     once,

@@ -318,6 +318,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "tool-args-shared",
+        "jetloop/consumers/calls.py",
+        "        return self.tool.args_model.model_validate(copy.deepcopy(self.call.args))\n",
+        "        return self.tool.args_model.model_validate(self.call.args)\n",
+        "a tool that changes its arguments in place changes what its retry is given (records "
+        "are remembered decoded)",
+        ("tests/test_steps.py::test_a_retry_is_given_the_checkpointed_arguments",),
+    ),
+    Mutation(
         "join-unelected",
         "jetloop/consumers/join.py",
         "    if first and own is not None and not _elected(calls, own):\n",
@@ -368,6 +377,7 @@ MUTATIONS: tuple[Mutation, ...] = (
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails
 # early (the others wait out a timeout), so the subset costs about a minute on two cores.
 CI_SUBSET: tuple[str, ...] = (
+    "tool-args-shared",
     "dispatch-acks-when-lost",
     "dispatch-settles-taken-over",
     "no-fence-check-before-the-tool",

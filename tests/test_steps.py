@@ -425,3 +425,17 @@ async def _events_to_end(client: Client, session: str) -> AsyncIterator[Any]:
         yield ev
         if ev.type in ("turn.completed", "turn.failed"):
             return
+
+
+async def test_a_retry_is_given_the_checkpointed_arguments(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """A tool that changes its arguments in place and fails: the next attempt is given the
+    arguments as the model asked for them (records are remembered decoded by the worker;
+    a tool gets a copy of its own)."""
+    workers.start()
+    h = await client.send("tester", "meddle", script([call("meddler", data={"x": [1]})]))
+    res = await client.wait(h, timeout=60)
+    (seen,) = body(res.text)["seen"]
+    assert seen["status"] == "ok"
+    assert seen["result"] == {"given": {"x": [1]}}

@@ -43,7 +43,7 @@ async def required(env: CallEnv) -> bool:
     override = session.approval_overrides.get(env.tool.name) if session else None
     if override is not None:
         return override
-    return env.tool.needs_approval(env.tool.args_model.model_validate(env.call.args))
+    return env.tool.needs_approval(env.tool_args())
 
 
 async def gate(env: CallEnv) -> Gate | CallEnv:

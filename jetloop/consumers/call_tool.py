@@ -169,7 +169,7 @@ async def run(env: CallEnv) -> None:
     rt, rec, tool = env.rt, env.rec, env.tool
     # A call once marked as a write stays a write: the checkpointed effect decides.
     effect = Effect(env.call.effect)
-    args = tool.args_model.model_validate(env.call.args)
+    args = env.tool_args()
 
     if rec.attempt is not None and rec.state in LOSABLE:
         # An attempt was lost (its holder is gone, on_call checked): a takeover of the turn,

@@ -6,6 +6,7 @@ an outcome without making the call, fenced like any write: a CAS from the revisi
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass, replace
@@ -61,6 +62,13 @@ class CallEnv:
 
     def with_rec(self, rec: CallRecord, rev: int | None) -> CallEnv:
         return replace(self, rec=rec, rev=rev)
+
+    def tool_args(self) -> BaseModel:
+        """The call's arguments as the tool's model, built from a copy of the checkpointed
+        ones: the state store remembers records decoded, and their nested values are shared
+        with the next reader, so what a tool (or its approval predicate) changes in place
+        must not be what a retry of the call is given."""
+        return self.tool.args_model.model_validate(copy.deepcopy(self.call.args))
 
 
 class ToolCtx:

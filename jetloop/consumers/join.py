@@ -15,11 +15,10 @@ version published.
 
 from __future__ import annotations
 
-import asyncio
-
 from jetloop.consumers.errors import DeadLetter, RetryLater
 from jetloop.consumers.followers import call_done, joined
 from jetloop.consumers.runtime import Delivery
+from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import CallRecord, StepMessage, TurnPhase, TurnRecord
 from jetloop.streams.state import Conflict, Versioned, turn_key
 
@@ -114,16 +113,13 @@ async def outcome_told_and_joined(
 ) -> None:
     """A call's outcome is committed: tell the log and join, at the same time.
 
-    The event is sent first (so it is in the log before anything the join publishes) but
-    not waited for before the join reads: nothing the join does depends on it, and both are
-    confirmed before this returns, so before the step is acked. Either failing fails the
+    The event's publish is started first and goes out before anything the join publishes
+    (which waits for the join's read), so it is in the log first; it is not waited for
+    before the join reads: nothing the join does depends on it, and both are confirmed
+    before this returns, so before the step is acked. Either failing fails the
     step; its redelivery finds the outcome committed and does both again (message ids make
     the repeats land once). A takeover found by the join is what the step reports."""
-    told, join = await asyncio.gather(
+    await side_by_side(
         call_done(turn, rec).publish(d.rt.bus),
         join_calls(d, turn.session_id, turn.turn_id, n, first=first, own=index),
-        return_exceptions=True,
     )
-    for result in (join, told):
-        if isinstance(result, BaseException):
-            raise result

@@ -10,7 +10,6 @@ publish, ack.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -29,6 +28,7 @@ from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import loss_id, lost_event, lost_reason, tell_resumed
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.session import end_turn
+from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import (
     HistoryEntry,
     PlannedCall,
@@ -51,9 +51,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     # The session's history is read with the turn, not after it: one round trip less on
     # every model step (a step that turns out to have nothing to do wasted one read). The
     # entries it needs are checked below (``_with_its_inputs``).
-    (cur, session), history = await asyncio.gather(
-        rt.state.turn_view(sid, tid), rt.history.read(sid)
-    )
+    history, (cur, session) = await side_by_side(rt.history.read(sid), rt.state.turn_view(sid, tid))
     if cur is None:
         raise DeadLetter(f"run_model for turn {tid} of session {sid}, which has no record")
     turn = cur.value

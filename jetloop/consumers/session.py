@@ -8,7 +8,6 @@ duplicate request is dropped however late it comes. ``turn_done`` moves the sess
 
 from __future__ import annotations
 
-import asyncio
 import json
 from datetime import datetime
 
@@ -18,6 +17,7 @@ from jetloop.consumers.errors import DeadLetter, RetryLater
 from jetloop.consumers.followers import Followers, finished, turn_start
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.runtime import Delivery, Runtime
+from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import (
     Event,
     EventType,
@@ -63,7 +63,7 @@ async def on_turn_request(d: Delivery) -> None:
     bind_step(turn=tid)
     # Asked together (independent reads, one round trip): the session's first stored
     # request, and the turn and session records.
-    first_seq, (turn, cur) = await asyncio.gather(
+    first_seq, (turn, cur) = await side_by_side(
         _first_request(rt, sid), rt.state.turn_view(sid, tid)
     )
     # FIFO: accept only the first stored request of this session.

@@ -8,6 +8,7 @@ between two polls the message waits in JetStream and no worker holds anything.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import structlog
@@ -75,7 +76,8 @@ async def poll(env: CallEnv) -> None:
     await env.rt.faults.point("poll_tool_task.in_poll")
     ctx = ToolCtx(env.d, env.turn, env.n, env.call, env.rec.attempts)
     try:
-        result = await tool.poll(env.rec.task_handle, ctx)
+        # A copy: the handle read is shared with the next reader of the record (StateStore).
+        result = await tool.poll(copy.deepcopy(env.rec.task_handle), ctx)
     except Exception as exc:
         log.warning("task.poll_failed", error=str(exc))
         raise RetryLater(max(tool.poll_interval, 1.0), f"poll failed: {exc}") from exc

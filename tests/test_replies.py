@@ -13,7 +13,14 @@ from nats.js.errors import APIError, NoStreamResponseError
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams.connection import SizedClient, connect
 from jetloop.streams.direct import direct_batch, direct_get
-from jetloop.streams.replies import first_seq, js_publish, js_publish_all, replies_of
+from jetloop.streams.replies import (
+    Answer,
+    first_seq,
+    js_publish,
+    js_publish_all,
+    replies_of,
+    stored,
+)
 from tests.paused import paused
 
 
@@ -57,6 +64,24 @@ async def test_a_publish_is_answered_with_where_it_landed_and_dedupe_is_reported
         assert replies_of(nc)._waiting == {}
     finally:
         await nc.close()
+
+
+def test_a_pub_ack_is_read_as_json_reads_it() -> None:
+    """The PubAck shapes read without a JSON parse, and the ones left to ``json.loads``."""
+    for data, want in (
+        (b'{"stream":"R","seq":1}', ("R", 1, False)),
+        (b'{"stream":"KV_jl_state","seq":12345,"duplicate":true}', ("KV_jl_state", 12345, True)),
+        (b'{"stream":"R","domain":"hub","seq":3}', ("R", 3, False)),
+        (b'{"stream":"R","seq":4,"val":"9"}', ("R", 4, False)),  # a counter's: json.loads
+        (b'{"stream": "R", "seq": 5}', ("R", 5, False)),  # spaced: json.loads
+    ):
+        got = stored(Answer(data, None))
+        assert (got.stream, got.seq, got.duplicate) == want, data
+    with pytest.raises(APIError) as refused:
+        stored(Answer(b'{"error":{"code":400,"err_code":10071,"description":"x"}}', None))
+    assert refused.value.err_code == 10071
+    with pytest.raises(NoStreamResponseError):
+        stored(Answer(b"", {"Status": "503"}))
 
 
 async def test_an_unanswered_request_times_out_and_leaves_nothing_waiting(

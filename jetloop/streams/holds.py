@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _string
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -42,7 +43,7 @@ class Holds:
 
     def add(self, msg: Msg) -> None:
         held = (msg.metadata.stream, msg.metadata.sequence.stream)
-        self._held[held] = json.dumps(held)
+        self._held[held] = f"[{_string(held[0])}, {held[1]}]"
 
     def drop(self, msg: Msg) -> None:
         self._held.pop((msg.metadata.stream, msg.metadata.sequence.stream), None)

@@ -4,6 +4,9 @@ gets), against a real server: the errors nats-py gives, timeouts, and nothing le
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -11,7 +14,7 @@ from nats.js.api import StreamConfig
 from nats.js.errors import APIError, NoStreamResponseError
 
 from jetloop.services.embedded import EmbeddedServer
-from jetloop.streams.connection import SizedClient, connect
+from jetloop.streams.connection import AnswerLost, SizedClient, connect
 from jetloop.streams.direct import direct_batch, direct_get
 from jetloop.streams.replies import (
     Answer,
@@ -21,7 +24,7 @@ from jetloop.streams.replies import (
     replies_of,
     stored,
 )
-from tests.paused import paused
+from tests.paused import paused, wait_stopped
 
 
 async def _stream(nc: SizedClient) -> None:
@@ -132,5 +135,33 @@ async def test_inline_subscriptions_are_sent_again_after_a_reconnect(
             pytest.fail("no answer after the server came back")
         found, _ = await direct_batch(nc, "R", {"multi_last": ["r.a"], "batch": 1}, 2.0)
         assert [m.data for m in found] == [b"1"]
+    finally:
+        await nc.close()
+
+
+async def test_a_request_waiting_when_the_link_is_lost_fails_at_once(
+    server: EmbeddedServer,
+) -> None:
+    """The server dies under requests waiting for answers: they fail at once with
+    ``AnswerLost`` (a timeout, so they are asked again), not after their whole timeout."""
+    await server.wait_jetstream()
+    nc = await connect([server.url], "test-replies")
+    try:
+        await _stream(nc)
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        wait_stopped(server.proc.pid)
+        write = asyncio.ensure_future(js_publish_all(nc, [("r.a", b"1", None)] * 3, 30.0))
+        read = asyncio.ensure_future(direct_batch(nc, "R", {"multi_last": ["r.>"], "batch": 9}, 30))
+        await asyncio.sleep(0.2)
+        server.kill()
+        started = time.monotonic()
+        with pytest.raises(AnswerLost):
+            await write
+        with pytest.raises(AnswerLost):
+            await read
+        assert time.monotonic() - started < 5.0
+        assert replies_of(nc)._waiting == {}
+        assert isinstance(AnswerLost(), NatsTimeoutError)  # what retries treat as transient
     finally:
         await nc.close()

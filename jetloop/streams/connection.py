@@ -62,6 +62,9 @@ async def connect(
     closing: list[Client] = []
 
     async def on_disconnect() -> None:
+        # What was waiting for an answer on this link will not get one (the inboxes are
+        # subscribed again only on the next link): said now, so it is asked again then.
+        nc.link_lost()
         if closing and (closing[0].is_closed or closing[0].is_draining):
             return  # our own close, not an outage
         note("nats.disconnected")
@@ -201,6 +204,19 @@ class SizedClient(Client):
     def __init__(self) -> None:
         super().__init__()
         self._inline: dict[int, Inline] = {}
+        self._on_link_lost: list[Callable[[], None]] = []
+
+    def when_link_lost(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` each time the connection to the server is lost (``connect``'s
+        disconnect callback), before it is made again."""
+        self._on_link_lost.append(callback)
+
+    def link_lost(self) -> None:
+        for callback in self._on_link_lost:
+            try:
+                callback()
+            except Exception as exc:
+                log.error("nats.link_lost_callback_failed", error=repr(exc))
 
     async def subscribe_inline(self, subject: str, handler: Inline) -> Subscription:
         """A subscription whose messages go to ``handler`` in the task that reads them.
@@ -331,6 +347,20 @@ async def subscribe_inline(nc: Client, subject: str, handler: Inline) -> Subscri
         handler(msg.subject.encode(), msg.reply.encode(), msg.data, msg.headers)
 
     return await nc.subscribe(subject, cb=relay)
+
+
+class AnswerLost(NatsTimeoutError):
+    """The connection was lost while a request waited for its answer: the answer will not
+    come (a timeout early, so callers treat it as one: asked again once connected)."""
+
+    def __str__(self) -> str:
+        return "nats: the connection was lost before the answer came"
+
+
+def when_link_lost(nc: Client, callback: Callable[[], None]) -> None:
+    """``SizedClient.when_link_lost`` where ``nc`` is one (else: such waits time out)."""
+    if isinstance(nc, SizedClient):
+        nc.when_link_lost(callback)
 
 
 async def unsubscribe_inline(nc: Client, sub: Subscription) -> None:

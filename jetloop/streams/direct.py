@@ -24,7 +24,7 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 
-from jetloop.streams.connection import subscribe_inline
+from jetloop.streams.connection import AnswerLost, subscribe_inline, when_link_lost
 
 NO_RESPONDERS = "503"
 
@@ -112,6 +112,11 @@ class DirectGets:
                 DirectGetFailed(f"direct get on {batch.stream}: unreadable answer ({exc!r})")
             )
 
+    def _link_lost(self) -> None:
+        for batch in self._waiting.values():
+            if not batch.future.done():
+                batch.future.set_exception(AnswerLost())
+
     async def batch(
         self, stream: str, request: dict[str, Any], timeout: float = 5.0
     ) -> tuple[list[Stored], int]:
@@ -123,6 +128,7 @@ class DirectGets:
             inbox = self.nc.new_inbox()
             self._sub = await subscribe_inline(self.nc, f"{inbox}.*", self._on)
             self._inbox, self._prefix = inbox + ".", len(inbox) + 1
+            when_link_lost(self.nc, self._link_lost)
         self._next += 1
         token = str(self._next)
         key = token.encode()

@@ -27,7 +27,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.client import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError
 
-from jetloop.streams.connection import subscribe_inline
+from jetloop.streams.connection import AnswerLost, subscribe_inline, when_link_lost
 
 NO_RESPONDERS = "503"
 
@@ -68,6 +68,7 @@ class Replies:
         inbox = self.nc.new_inbox()
         try:
             self._sub = await subscribe_inline(self.nc, f"{inbox}.*", self._on)
+            when_link_lost(self.nc, self._link_lost)
         except BaseException:
             self._starting = None  # the next request tries again
             raise
@@ -78,6 +79,12 @@ class Replies:
         future = self._waiting.pop(subject[len(self._prefix) :], None)
         if future is not None and not future.done():  # else: it gave up already
             future.set_result(Answer(data, hdr))
+
+    def _link_lost(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(AnswerLost())
 
     async def send(
         self, subject: str, payload: bytes, headers: dict[str, str] | None
@@ -122,6 +129,8 @@ class Replies:
             for f in futures:
                 if not f.done():
                     f.cancel()
+                elif not f.cancelled():
+                    f.exception()  # seen: an answer lost with the link is not "never retrieved"
             if expired or any(f.cancelled() for f in futures):
                 self._forget(futures)
 

@@ -26,8 +26,9 @@ from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
-from jetloop.streams.headers import parse_header_lines
+from jetloop.streams.headers import parse_header_lines, read_header_block
 from jetloop.streams.liblog import LibraryLogger
+from jetloop.streams.protocol import FastParser
 
 log = LibraryLogger("jetloop.nats")
 
@@ -183,9 +184,9 @@ Inline = Callable[[bytes, bytes, bytes, "dict[str, str] | None"], None]
 
 
 class SizedClient(Client):
-    """A nats-py client that checks headers plus body against ``max_payload``, reads header
-    blocks with ``parse_header_lines``, and hands the messages of inline subscriptions to
-    their handler as they are read.
+    """A nats-py client that checks headers plus body against ``max_payload``, reads the
+    protocol with ``FastParser`` and header blocks with ``parse_header_lines``, and hands
+    the messages of inline subscriptions to their handler as they are read.
 
     nats-py compares only the body; the server counts the headers too and closes the
     connection on a message that passes the limit (NATS-NOTES). Every publish goes through
@@ -203,6 +204,7 @@ class SizedClient(Client):
 
     def __init__(self) -> None:
         super().__init__()
+        self._ps = FastParser(self)
         self._inline: dict[int, Inline] = {}
         self._on_link_lost: list[Callable[[], None]] = []
 
@@ -239,11 +241,17 @@ class SizedClient(Client):
         if handler is None:
             await super()._process_msg(sid, subject, reply, data, headers)
             return
+        self.hand_inline(handler, subject, reply, data, headers)
+
+    def hand_inline(
+        self, handler: Inline, subject: bytes, reply: bytes, data: bytes, block: bytes | None
+    ) -> None:
+        """Give one message of an inline subscription to its handler (``FastParser`` calls
+        this for each such message it reads)."""
         self.stats["in_msgs"] += 1
         self.stats["in_bytes"] += len(data)
-        hdr = await self._process_headers(headers) if headers else None
         try:
-            handler(subject, reply, data, hdr)
+            handler(subject, reply, data, read_header_block(block) if block else None)
         except Exception as exc:  # a handler's bug must not end the connection's reader
             log.error("nats.inline_handler_failed", error=repr(exc))
 

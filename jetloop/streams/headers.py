@@ -46,3 +46,42 @@ def parse_header_lines(raw: bytes) -> dict[str, str]:
         if key is not None:
             out[key] = value.strip().decode("utf-8", "replace")
     return out
+
+
+_STATUS = "Status"
+_DESCRIPTION = "Description"
+
+
+def read_header_block(block: bytes) -> dict[str, str] | None:
+    """The headers of a whole block (``NATS/1.0`` line included) as nats-py's
+    ``Client._process_headers`` reads them, status line and all, without a coroutine.
+
+    A status line (``NATS/1.0 404 No Messages``) gives ``Status`` and ``Description``; the
+    steps below are nats-py's, in its order, so that every block reads the same
+    (``tests/test_protocol.py`` compares the two over random blocks).
+    """
+    hdr: dict[str, str] | None = None
+    rest = block[8:]  # after "NATS/1.0"
+    if rest[:1] == b" ":
+        line = block[9:]
+        status = line[:3].strip().decode()
+        desc = line[4 : len(line) - 4]
+        hdr = {}
+        if status.isdigit():
+            hdr[_STATUS] = status
+        rest = rest[rest.find(_CRLF) + 2 :]
+        if desc:
+            i = desc.find(_CRLF)
+            if i > 0:
+                hdr[_DESCRIPTION] = desc[:i].decode()
+                hdr.update(parse_header_lines(desc[i + 2 :]))
+            else:
+                hdr[_DESCRIPTION] = desc.decode()
+    if len(rest) <= 2:
+        return hdr
+    parsed = parse_header_lines(block[10:])
+    if hdr:
+        hdr.update(parsed)
+    else:
+        hdr = parsed
+    return hdr or None

@@ -4,6 +4,8 @@ gets), against a real server: the errors nats-py gives, timeouts, and nothing le
 from __future__ import annotations
 
 import asyncio
+import collections
+import gc
 import os
 import signal
 import time
@@ -163,5 +165,37 @@ async def test_a_request_waiting_when_the_link_is_lost_fails_at_once(
         assert time.monotonic() - started < 5.0
         assert replies_of(nc)._waiting == {}
         assert isinstance(AnswerLost(), NatsTimeoutError)  # what retries treat as transient
+    finally:
+        await nc.close()
+
+
+async def test_reads_and_writes_leave_no_reference_cycles(server: EmbeddedServer) -> None:
+    """What a step's reads and writes allocate is freed by reference counting: a cycle left
+    per read (a timer's closure that re-armed itself) made the collector run every few
+    thousand reads, a twentieth of the worker's time (docs/performance.md)."""
+    await server.wait_jetstream()
+    nc = await connect([server.url], "test-replies-gc")
+    try:
+        assert isinstance(nc, SizedClient)
+        await _stream(nc)
+        await js_publish_all(nc, [(f"r.g{i}", b"x", None) for i in range(5)], 2.0)
+        await direct_get(nc, "R", "r.g0")  # the inboxes are subscribed before counting
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for i in range(100):
+                await js_publish(nc, f"r.g{i % 5}", b"y", None, 2.0)
+                assert await direct_get(nc, "R", f"r.g{i % 5}") is not None
+                assert await direct_get(nc, "R", "r.none") is None
+                found, _ = await direct_batch(nc, "R", {"multi_last": ["r.g*"], "batch": 10})
+                assert len(found) == 5
+            gc.collect()
+            left = collections.Counter(type(o).__name__ for o in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert not left, left  # 100 rounds of four reads and writes: not one cycle
     finally:
         await nc.close()

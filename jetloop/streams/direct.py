@@ -56,7 +56,7 @@ class Stored:
 class _Batch:
     """One batched direct get's answers as they come, and the future its end resolves."""
 
-    __slots__ = ("found", "future", "heard", "single", "stream")
+    __slots__ = ("found", "future", "heard", "single", "stream", "timer")
 
     def __init__(
         self, stream: str, future: asyncio.Future[tuple[list[Stored], int]], single: bool
@@ -66,6 +66,27 @@ class _Batch:
         self.future = future
         self.heard = 0.0
         self.single = single  # answered by one message, with no end-of-batch status
+        self.timer: asyncio.TimerHandle | None = None
+
+    def arm(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        """Fail the batch once ``timeout`` seconds pass without an answer; ``disarm`` when
+        it ends (the timer holds the batch: the two are let go of together then)."""
+        self.heard = loop.time()
+        self.timer = loop.call_later(timeout, self._check, loop, timeout)
+
+    def _check(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        if self.future.done():
+            return
+        quiet = loop.time() - self.heard
+        if quiet >= timeout:
+            self.future.set_exception(TimeoutError())
+        else:
+            self.timer = loop.call_later(timeout - quiet, self._check, loop, timeout)
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     def take(self, data: bytes, hdrs: dict[str, str], now: float) -> None:
         self.heard = now
@@ -123,32 +144,26 @@ class DirectGets:
         """The messages one batched direct get returns, and how many more matched after them.
 
         ``timeout`` bounds the wait for each message (a long batch is not cut short)."""
-        loop = self._loop = asyncio.get_running_loop()
         if self._sub is None:
+            # The connection's loop, kept: asking for the running loop costs a getpid()
+            # system call each time on Python 3.11.
+            self._loop = asyncio.get_running_loop()
             inbox = self.nc.new_inbox()
             self._sub = await subscribe_inline(self.nc, f"{inbox}.*", self._on)
             self._inbox, self._prefix = inbox + ".", len(inbox) + 1
             when_link_lost(self.nc, self._link_lost)
+        loop = self._loop
+        assert loop is not None
         self._next += 1
         token = str(self._next)
         key = token.encode()
         batch = _Batch(stream, loop.create_future(), "batch" not in request)
         self._waiting[key] = batch
-
-        timers: list[asyncio.TimerHandle] = []
-
-        def check() -> None:
-            if batch.future.done():
-                return
-            quiet = loop.time() - batch.heard
-            if quiet >= timeout:
-                batch.future.set_exception(TimeoutError())
-            else:
-                timers[0] = loop.call_later(timeout - quiet, check)
-
-        timers.append(loop.call_later(timeout, check))
+        # No closure here: a timer calling a function that re-arms itself is a reference
+        # cycle, freed only by the garbage collector — one per read, which was all of the
+        # worker's cyclic garbage and most of its collections.
+        batch.arm(loop, timeout)
         try:
-            batch.heard = loop.time()
             await self.nc.publish(
                 f"$JS.API.DIRECT.GET.{stream}",
                 request_body(request),
@@ -156,7 +171,7 @@ class DirectGets:
             )
             return await batch.future
         finally:
-            timers[0].cancel()
+            batch.disarm()
             del self._waiting[key]
 
     async def last(self, stream: str, subject: str, timeout: float = 5.0) -> Stored | None:

@@ -45,6 +45,7 @@ def test_the_worker_connection_parses_with_it() -> None:
 
 async def _sent(client: Client, headers: dict[str, str] | None) -> bytes:
     """The command a client queues to publish ``headers`` (no server: captured, not sent)."""
+    client._pending = []
     sent: list[bytes] = []
 
     async def capture(cmd: bytes, priority: bool = False) -> None:
@@ -55,7 +56,8 @@ async def _sent(client: Client, headers: dict[str, str] | None) -> bytes:
     client._flush_queue = None
     client._max_payload = 1 << 20
     await client.publish("s.a", b"body", reply="_INBOX.x.1", headers=headers)
-    return b"".join(sent)
+    # nats-py queues through _send_command; SizedClient appends to the same pending list.
+    return b"".join(sent) + b"".join(client._pending)
 
 
 async def test_a_publish_with_headers_is_the_command_nats_py_sends() -> None:

@@ -207,6 +207,7 @@ class SizedClient(Client):
         self._ps = FastParser(self)
         self._inline: dict[int, Inline] = {}
         self._on_link_lost: list[Callable[[], None]] = []
+        self._kick: asyncio.Future[None] | None = None
 
     def when_link_lost(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` each time the connection to the server is lost (``connect``'s
@@ -292,9 +293,27 @@ class SizedClient(Client):
         )
         self.stats["out_msgs"] += 1
         self.stats["out_bytes"] += len(payload)
-        await self._send_command(command)
-        if self._flush_queue is not None and self._flush_queue.empty():
-            await self._flush_pending()
+        # nats-py's _send_command and _flush_pending, without their coroutines and the
+        # future made per kick (a publish is the worker's most frequent call).
+        self._pending.append(command)
+        self._pending_data_size += len(command)
+        if 0 < self._max_pending_size < self._pending_data_size:
+            await self._flush_pending(force_flush=True)  # over the limit: wait for the write
+            return
+        queue = self._flush_queue
+        if queue is None or not queue.empty():
+            return  # a write is already due, and takes this command with it
+        flusher = self._flusher_task
+        if not self.is_connected or flusher is None or flusher.done():
+            await self._flush_pending()  # nats-py's way: queued or written inline
+            return
+        kick = self._kick
+        if kick is None:
+            # The flusher sets a result on what it is woken with unless it has one: a
+            # future done from the start serves every kick.
+            kick = self._kick = asyncio.get_running_loop().create_future()
+            kick.set_result(None)
+        queue.put_nowait(kick)
 
 
 _CRLF = b"\r\n"

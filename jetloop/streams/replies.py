@@ -58,6 +58,9 @@ class Replies:
         self._next = 0
         self._waiting: dict[bytes, asyncio.Future[Answer]] = {}
         self._starting: asyncio.Future[None] | None = None
+        # The connection's loop, kept: asking for the running loop costs a getpid() system
+        # call each time on Python 3.11.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def _start(self) -> None:
         if self._starting is None:
@@ -65,6 +68,7 @@ class Replies:
         await asyncio.shield(self._starting)
 
     async def _subscribe(self) -> None:
+        self._loop = asyncio.get_running_loop()
         inbox = self.nc.new_inbox()
         try:
             self._sub = await subscribe_inline(self.nc, f"{inbox}.*", self._on)
@@ -94,7 +98,8 @@ class Replies:
             await self._start()
         self._next += 1
         token = str(self._next)
-        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        assert self._loop is not None
+        future: asyncio.Future[Answer] = self._loop.create_future()
         key = token.encode()
         self._waiting[key] = future
         try:
@@ -107,7 +112,8 @@ class Replies:
     async def wait(self, futures: Sequence[asyncio.Future[Answer]], timeout: float) -> list[Answer]:
         """The answers of requests sent with ``send``, in order; ``nats.errors.TimeoutError``
         when they are not all in within ``timeout`` seconds (one timer for them all)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None  # set by the first send
         expired = False
 
         def expire() -> None:

@@ -32,6 +32,7 @@ from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.holds import Holds
+from jetloop.streams.loops import running_loop
 from jetloop.streams.state import Conflict, StateStore
 
 log = structlog.get_logger("jetloop.fence")
@@ -180,7 +181,7 @@ class Delivery:
         lost cancels it at once; the block then raises ``TakenOver``, so the step commits,
         publishes and acks nothing. It only arms the cancel: check the fence right before
         (``still_ours``), since a loss found before the block does not cancel it."""
-        task = asyncio.current_task()
+        task = asyncio.current_task(running_loop())
         assert task is not None, "cancelled_when_lost outside a task"
         self._paid = task
         try:

@@ -14,13 +14,15 @@ import contextlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from jetloop.streams.loops import running_loop
+
 A = TypeVar("A")
 B = TypeVar("B")
 
 
 async def side_by_side(first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
     """Run ``first`` (started first, in a task) and ``second`` (here) at the same time."""
-    task = asyncio.ensure_future(first)
+    task = asyncio.ensure_future(first, loop=running_loop())
     try:
         b = await second
     except BaseException as exc:

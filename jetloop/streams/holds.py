@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from jetloop.streams.loops import running_loop
 from jetloop.streams.topology import WORKERS_BUCKET, held_key
 
 
@@ -63,7 +64,7 @@ class Holds:
         (state decides) or a dead process's step waits for its lease."""
         sending = self._sending
         if sending is None:
-            sending = self._sending = asyncio.ensure_future(self._send())
+            sending = self._sending = asyncio.ensure_future(self._send(), loop=running_loop())
         await asyncio.shield(sending)
 
     async def _send(self) -> None:

@@ -37,6 +37,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 
 from jetloop.streams.connection import subscribe_inline, unsubscribe_inline
+from jetloop.streams.loops import running_loop
 
 STATUS = "Status"
 PENDING = "Nats-Pending-Messages"
@@ -124,7 +125,7 @@ class Intake:
         did); ``room`` is how many the taker can start now, and so how many are asked for.
         Everything that arrived is returned, also past ``room`` after a lost request turned
         up: a message left here would wait unstarted while its lease runs."""
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         deadline = loop.time() + timeout
         while True:
             if self.asked and time.monotonic() - self._heard > 2 * self.heartbeat:

@@ -16,7 +16,6 @@ async def _both() -> tuple[asyncio.AbstractEventLoop, asyncio.AbstractEventLoop]
 
 
 def test_each_loop_in_turn_and_in_each_thread_is_the_running_one() -> None:
-
     for _ in range(3):  # a loop closed and a new one made: the new one
         mine, theirs = asyncio.run(_both())
         assert mine is theirs

@@ -20,7 +20,14 @@ from jetloop.services.client import Client, TurnFailed
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams.bus import Bus, step_out
 from jetloop.streams.seal import SEAL_FIELD, SealBroken, Sealer, canonical, key_bytes, with_seal
-from jetloop.streams.state import StateStore, approval_key, call_state_key, session_key, turn_key
+from jetloop.streams.state import (
+    StateStore,
+    _copy_of,
+    approval_key,
+    call_state_key,
+    session_key,
+    turn_key,
+)
 from tests.conftest import SEAL_KEY, WorkerFactory, call, script, until
 from tests.test_resume import pending_approval
 
@@ -279,6 +286,21 @@ async def test_a_record_is_verified_once_and_an_edit_of_it_still_is_refused(
     with pytest.raises(SealBroken):
         await store.session("memo")
     assert sealer.verified == 2
+
+
+def test_a_remembered_record_is_handed_out_as_model_copy_would() -> None:
+    """The copy each reader gets (``_copy_of``) is ``model_copy()``'s: equal, its own fields
+    and fields-set, nested values shared; a change to it leaves the remembered one alone."""
+    rec = SessionRecord(session_id="s", agent="a", turns_done=3)
+    for record in (rec, rec.model_copy(update={"active": "t1"})):
+        mine, theirs = _copy_of(record), record.model_copy()
+        assert mine == theirs == record and mine is not record
+        assert mine.__pydantic_fields_set__ == theirs.__pydantic_fields_set__
+        assert mine.__pydantic_fields_set__ is not record.__pydantic_fields_set__
+        assert mine.__pydantic_private__ == theirs.__pydantic_private__
+        assert mine.__pydantic_extra__ == theirs.__pydantic_extra__
+        mine.turns_done = 9
+        assert record.turns_done == 3 and mine.model_dump() != record.model_dump()
 
 
 def test_a_seal_added_to_packed_bytes_is_what_packing_the_sealed_record_makes() -> None:

@@ -126,6 +126,23 @@ def stored_time(headers: dict[str, str] | None) -> float:
 
 _MINUTES: dict[str, float] = {}
 
+_set = object.__setattr__
+
+
+def _copy_of(record: R) -> R:
+    """``record.model_copy()`` (a shallow copy: its own fields, shared nested values) for a
+    record with no private attributes or extras, as jetloop's records are, without
+    pydantic's generic ``copy.copy`` of each part (a worker copies ~50 records a turn)."""
+    if record.__pydantic_extra__ is not None or getattr(record, "__pydantic_private__", None):
+        return record.model_copy()
+    cls = type(record)
+    new = cls.__new__(cls)
+    _set(new, "__dict__", record.__dict__.copy())
+    _set(new, "__pydantic_extra__", None)
+    _set(new, "__pydantic_fields_set__", set(record.__pydantic_fields_set__))
+    _set(new, "__pydantic_private__", None)
+    return new
+
 
 class StateStore:
     """The state bucket, with one typed accessor per record kind.
@@ -199,7 +216,7 @@ class StateStore:
         seen = (key, raw.data, raw.stored_at)
         known = self._verified.get(seen)
         if known is not None and type(known) is model:
-            return known.model_copy()
+            return _copy_of(known)
         try:
             data = msgpack.unpackb(raw.data, raw=False)
         except Exception as exc:
@@ -217,7 +234,7 @@ class StateStore:
         if len(self._verified) >= VERIFIED_MEMO:
             self._verified.popitem(last=False)  # the oldest
         self._verified[seen] = record
-        return record.model_copy()
+        return _copy_of(record)
 
     async def _get(self, model: type[R], key: str, verify: bool = True) -> Versioned[R] | None:
         return self._typed(model, key, await self._raw(key), verify)

@@ -43,7 +43,7 @@ def test_the_worker_connection_parses_with_it() -> None:
     assert SizedClient._parse_header_lines is parse_header_lines
 
 
-async def _sent(client: Client, headers: dict[str, str] | None) -> bytes:
+async def _sent(client: Client, headers: dict[str, str] | None, reply: str = "_INBOX.x.1") -> bytes:
     """The command a client queues to publish ``headers`` (no server: captured, not sent)."""
     client._pending = []
     sent: list[bytes] = []
@@ -55,7 +55,7 @@ async def _sent(client: Client, headers: dict[str, str] | None) -> bytes:
     client._status = Client.CONNECTED
     client._flush_queue = None
     client._max_payload = 1 << 20
-    await client.publish("s.a", b"body", reply="_INBOX.x.1", headers=headers)
+    await client.publish("s.a", b"body", reply=reply, headers=headers)
     # nats-py queues through _send_command; SizedClient appends to the same pending list.
     return b"".join(sent) + b"".join(client._pending)
 
@@ -71,6 +71,11 @@ async def test_a_publish_with_headers_is_the_command_nats_py_sends() -> None:
         if hdrs:
             # What the size check counts is what goes on the wire.
             assert message_size(b"body", hdrs) == len(header_block(hdrs)) + len(b"body")
+    for reply in ("_INBOX.x.1", ""):  # and without headers: an ack, a held list
+        assert await _sent(SizedClient(), None, reply) == await _sent(Client(), None, reply)
+        assert await _sent(SizedClient(), {"A": "b"}, reply) == await _sent(
+            Client(), {"A": "b"}, reply
+        )
     for bad in ("Bad Name", "tab\tname", "ünï"):
         with pytest.raises(BadHeaderError):
             await _sent(SizedClient(), {bad: "v"})

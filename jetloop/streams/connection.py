@@ -265,14 +265,9 @@ class SizedClient(Client):
         reply: str = "",
         headers: dict[str, str] | None = None,
     ) -> None:
-        if headers is None:
-            if len(payload) > self.max_payload:
-                raise PayloadTooLarge(subject, len(payload), self.max_payload)
-            await super().publish(subject, payload, reply=reply)
-            return
         # The header block is built once, here, and sized and sent as built (nats-py would
         # build it again, checking each name with a regular expression every time).
-        block = header_block(headers)
+        block = b"" if headers is None else header_block(headers)
         size = len(block) + len(payload)
         if size > self.max_payload:
             raise PayloadTooLarge(subject, size, self.max_payload)
@@ -281,6 +276,8 @@ class SizedClient(Client):
             check_subject(subject)
             if reply:
                 check_subject(reply)
+        elif not subject:
+            raise BadSubjectError
         if self.is_closed:
             raise ConnectionClosedError
         if self.is_draining_pubs:
@@ -290,9 +287,12 @@ class SizedClient(Client):
             or len(payload) + self._pending_data_size > self._max_pending_size
         ):
             raise OutboundBufferLimitError  # no buffering while it reconnects, or it is full
-        command = b"".join(
-            (f"HPUB {subject} {reply} {len(block)} {size}\r\n".encode(), block, payload, _CRLF)
-        )
+        if headers is None:  # nats-py's PUB command (an ack, a held list)
+            command = b"".join((f"PUB {subject} {reply} {size}\r\n".encode(), payload, _CRLF))
+        else:
+            command = b"".join(
+                (f"HPUB {subject} {reply} {len(block)} {size}\r\n".encode(), block, payload, _CRLF)
+            )
         self.stats["out_msgs"] += 1
         self.stats["out_bytes"] += len(payload)
         # nats-py's _send_command and _flush_pending, without their coroutines and the

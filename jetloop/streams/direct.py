@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import weakref
-from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _string
-from typing import Any
+from typing import Any, NamedTuple
 
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
@@ -45,8 +44,7 @@ class DirectGetFailed(Exception):
     """The server answered a batched direct get with an error status."""
 
 
-@dataclass(frozen=True)
-class Stored:
+class Stored(NamedTuple):
     subject: str
     seq: int
     data: bytes

@@ -18,7 +18,7 @@ import json
 import re
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
@@ -32,14 +32,12 @@ from jetloop.streams.connection import AnswerLost, subscribe_inline, when_link_l
 NO_RESPONDERS = "503"
 
 
-@dataclass(frozen=True)
-class Answer:
+class Answer(NamedTuple):
     data: bytes
     headers: dict[str, str] | None
 
 
-@dataclass(frozen=True)
-class Published:
+class Published(NamedTuple):
     """Where a JetStream publish put its message (what nats-py's ``PubAck`` says)."""
 
     stream: str

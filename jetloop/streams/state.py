@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import msgpack
 from nats.aio.client import Client
@@ -96,8 +96,7 @@ EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
-@dataclass(frozen=True)
-class Stored:
+class Stored(NamedTuple):
     """A key's current value as the server stored it."""
 
     data: bytes

@@ -15,8 +15,11 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+import structlog
+from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import BaseModel
 
+from jetloop.consumers.dispatch import dispatch
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams import topology
@@ -129,3 +132,26 @@ def _decoded(data: bytes | None) -> dict[str, object]:
     assert isinstance(out, dict)
     out.pop("seal", None)
     return out
+
+
+async def test_a_transient_failure_is_logged_as_a_warning_and_a_bug_as_an_error(
+    delivery: Delivery,
+) -> None:
+    """A step that fails on an outage (a NATS timeout, as through a server restart) is tried
+    again and logged as a warning without a traceback; any other exception is an error with
+    its traceback. Both keep the event name ``step.error``."""
+
+    async def outage(d: Delivery) -> None:
+        raise NatsTimeoutError
+
+    async def bug(d: Delivery) -> None:
+        raise ValueError("a bug")
+
+    rt, msg = delivery.rt, delivery.msg
+    with structlog.testing.capture_logs() as logs:
+        await dispatch(rt, msg, outage)
+        await dispatch(rt, msg, bug)
+    errors = [e for e in logs if e["event"] == "step.error"]
+    assert [e["log_level"] for e in errors] == ["warning", "error"], errors
+    assert errors[0].get("transient") is True and "exc_info" not in errors[0]
+    assert errors[1].get("exc_info") is True and errors[1]["retry_in"] > 0

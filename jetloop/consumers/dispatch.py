@@ -248,7 +248,12 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
             log.exception("step.error", error=reason, retry=False)
             await _dead_letter(rt, msg, reason)
         else:
-            log.exception("step.error", error=reason, retry_in=delay)
+            if isinstance(exc, TRANSIENT_ERRORS):
+                # An outage or a lost race, tried again: a server restart makes a few of
+                # these in every worker; not an error of the step (nor its traceback).
+                log.warning("step.error", error=reason, retry_in=delay, transient=True)
+            else:
+                log.exception("step.error", error=reason, retry_in=delay)
             await _let_go(rt, msg)
             await _quietly(msg.nak(delay=delay))
     finally:

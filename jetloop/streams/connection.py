@@ -133,7 +133,8 @@ class NotAuthorized(NatsError):
     def __str__(self) -> str:
         return (
             "wrong or missing credentials (set JETLOOP_NATS_USER and JETLOOP_NATS_PASSWORD, "
-            "or run in the directory of `jetloop up`, which keeps them in its store)"
+            "or run in the directory of `jetloop up`, which keeps them in its store: "
+            "set JETLOOP_STORE_DIR too if `up` was given --store-dir)"
         )
 
 

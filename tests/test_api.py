@@ -227,3 +227,35 @@ async def test_the_client_prints_nothing_when_nats_goes_away(tmp_path: Path) -> 
     stdout, stderr = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, stderr.decode()
     assert (stdout.decode(), stderr.decode()) == ("", "")
+
+
+async def test_a_client_closed_in_an_outage_stops_reconnecting_even_if_the_cancel_is_lost(
+    tmp_path: Path,
+) -> None:
+    """``close()`` during an outage ends nats-py's reconnect loop, and the client never
+    connects again. nats-py ends that loop by cancelling its task; on Python 3.11 the cancel
+    is lost when it lands as a refused connection completes (``asyncio.wait_for``), and the
+    loop then went on for ever (a program's ``asyncio.run`` hung at exit: seen in CI). Here
+    the loop is made to miss the cancel for certain: ``close()`` is shown another task."""
+    srv = EmbeddedServer(tmp_path / "store", port=0, log_file=tmp_path / "nats.log")
+    srv.start()
+    client = await Client.connect(srv.url)
+    try:
+        srv.kill()
+        for _ in range(200):
+            if client.nc.is_reconnecting:
+                break
+            await asyncio.sleep(0.02)
+        reconnecting = client.nc._reconnection_task
+        assert reconnecting is not None and not reconnecting.done()
+        decoy = asyncio.ensure_future(asyncio.sleep(60))
+        client.nc._reconnection_task = decoy  # close() cancels this one, not the loop
+        await client.close()
+        assert decoy.cancelled() or decoy.cancelling()
+        # The loop's next attempt (after the 0.5 s reconnect wait) sees the client closed.
+        await asyncio.wait_for(asyncio.shield(reconnecting), 5)
+        srv.start()  # the server back on the same port: the closed client stays closed
+        await asyncio.sleep(1.5)
+        assert client.nc.is_closed and not client.nc.is_connected
+    finally:
+        srv.kill()

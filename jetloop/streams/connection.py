@@ -10,7 +10,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from nats.aio.client import Client
+from nats.aio.client import Client, Srv
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import (
@@ -211,6 +211,25 @@ class SizedClient(Client):
         self._on_link_lost: list[Callable[[], None]] = []
         self._kick: asyncio.Future[None] | None = None
         self._kick_due = False
+        self._ended = False  # closed for good (see _close)
+
+    async def _close(self, status: int, do_cbs: bool = True) -> None:
+        # CLOSED is the end (close(), drain, given up); nats-py's first connect also calls
+        # this between failed attempts, with DISCONNECTED, and its status then reads closed.
+        if status == Client.CLOSED:
+            self._ended = True
+        await super()._close(status, do_cbs)
+
+    async def _connect_to_server(self, s: Srv) -> None:
+        # A client that was closed connects no more. nats-py's reconnect loop ends only when
+        # its task is cancelled, and on Python 3.11 that cancel is lost when it lands as a
+        # refused connection completes (``asyncio.wait_for`` then raises the refusal, which
+        # the loop takes for one more failed attempt): the loop went on for ever after
+        # ``close()`` — ``asyncio.run`` hung at exit cancelling it, and the closed client
+        # would have connected again when the server came back. Its next attempt ends it.
+        if self._ended:
+            raise asyncio.CancelledError
+        await super()._connect_to_server(s)
 
     def when_link_lost(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` each time the connection to the server is lost (``connect``'s

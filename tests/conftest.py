@@ -194,3 +194,20 @@ async def until(check: Any, timeout: float = 30.0, every: float = 0.05) -> Any:
         if time.monotonic() > deadline:
             raise TimeoutError(f"condition not met within {timeout}s")
         await asyncio.sleep(every)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The soak of ``up`` (tests/test_up_soak.py) starts now, when it is to run, and runs
+    beside the other tests until its own test asks it to end."""
+    from tests import test_up_soak
+
+    if any(item.nodeid == test_up_soak.NODE_ID for item in session.items):
+        test_up_soak.running.append(test_up_soak.Soak())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A soak its test never asked to end (the run stopped early) is stopped."""
+    from tests import test_up_soak
+
+    while test_up_soak.running:
+        test_up_soak.running.pop().close()

@@ -5,8 +5,12 @@ the gateway) with idle gaps of 20+ s between them; at the end up is alive, every
 answered, no component failed, and the memory of its process tree (python and nats-server,
 read from /proc) has not grown past a bound.
 
-Marked ``slow``; CI runs it at a reduced length (``JETLOOP_UP_SOAK_SECONDS``, default 180).
-For the long run: ``JETLOOP_UP_SOAK_SECONDS=900 .venv/bin/pytest -m slow tests/test_up_soak.py``.
+The soak itself is ``tests/soak.py``. It runs in a process of its own, started when the
+suite collects this test (tests/conftest.py), beside every other test, for at least
+``JETLOOP_UP_SOAK_SECONDS`` (default 180) and on until this test runs: in a whole-suite run
+it lasts the suite (20-odd minutes, dozens of idle gaps) and costs it no time. Marked
+``slow``. For a long run on its own: ``JETLOOP_UP_SOAK_SECONDS=900 .venv/bin/pytest -m slow
+tests/test_up_soak.py``.
 
 Memory bounds, from measurements here (2 cores, the demo agent; tree = python + nats-server):
 the tree starts at ~82 MB after the first burst. Memory grows with the turns, by design:
@@ -22,120 +26,89 @@ was measured).
 
 from __future__ import annotations
 
-import asyncio
+import json
 import os
-import signal
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-import aiohttp
 import pytest
 
-from jetloop.services.client import Client
-from jetloop.services.embedded import free_port
-from jetloop.services.natsauth import url_as
-from tests.test_up import alive, events, field, start_up, wait_ready
+from jetloop.services.embedded import die_with_parent
+from tests.soak import BURST
+from tests.test_up import alive
 
 SECONDS = float(os.environ.get("JETLOOP_UP_SOAK_SECONDS", "180"))
-BURST = 5  # turns in a burst
-EVERY = 3.0  # seconds between the turns of a burst
-IDLE = 25.0  # seconds of nothing between bursts
 IDLE_GROWTH_MB = 4.0  # all idle gaps together
 BASE_GROWTH_MB = 10.0  # over the run, past the first burst ...
 PER_TURN_MB = 0.4  # ... plus this per turn after it
+NODE_ID = "tests/test_up_soak.py::test_up_stays_up_with_bursts_and_idle_gaps"
 
 
-def tree(pid: int) -> list[int]:
-    """``pid`` and its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+class Soak:
+    """The soak's process (``python -m tests.soak``) and its directory."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="jetloop-up-soak-"))
+        self.log = open(self.dir / "soak.log", "wb")  # open while it runs
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.soak", str(self.dir), str(SECONDS)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).parent.parent,
+            preexec_fn=die_with_parent(),  # and its `up` dies with it
+        )
+
+    def finish(self, timeout: float) -> dict[str, object]:
+        """Ask it to stop (it has run at least SECONDS by then) and read what it saw."""
+        (self.dir / "stop").touch()
         try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
+            self.proc.wait(timeout)
+        finally:
+            self.close()
+        result = self.dir / "result.json"
+        assert result.exists(), (self.dir / "soak.log").read_text()[-3000:]
+        out: dict[str, object] = json.loads(result.read_text())
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of the process tree of ``pid``, in MB."""
-    total = 0
-    for p in tree(pid):
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total / 1024
+# Started by tests/conftest.py when this test is collected.
+running: list[Soak] = []
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(SECONDS + 180)
-async def test_up_stays_up_with_bursts_and_idle_gaps(tmp_path: Path) -> None:
+@pytest.mark.timeout(SECONDS + 240)
+def test_up_stays_up_with_bursts_and_idle_gaps() -> None:
     """Up answers every turn of bursts separated by idle gaps, for the whole run; nothing
     fails, nothing leaks, and Ctrl-C still stops it cleanly."""
-    nats_port, gateway_port = free_port(), free_port()
-    log = tmp_path / "up.log"
-    proc = start_up(tmp_path, nats_port, "--gateway-port", str(gateway_port))
-    turns = answered = 0
-    samples: list[tuple[int, float, float]] = []  # turns so far, MB before and after a gap
-    try:
-        await asyncio.to_thread(wait_ready, proc, log)
-        c = await Client.connect(url_as(f"nats://127.0.0.1:{nats_port}", tmp_path / "store"))
-        began = time.monotonic()
-        try:
-            async with aiohttp.ClientSession(f"http://127.0.0.1:{gateway_port}") as http:
-                while time.monotonic() - began < SECONDS:
-                    for _ in range(BURST):
-                        session = f"s{turns % 4}"
-                        text = f"create ticket soak {turns}; list tickets"
-                        if turns % 2:
-                            async with http.post(
-                                f"/v1/agents/demo/sessions/{session}/messages",
-                                params={"wait": "true"},
-                                json={"text": text},
-                            ) as resp:
-                                assert resp.status == 200, await resp.text()
-                                got = await resp.json()
-                            assert got["status"] == "completed", got
-                            reply = got["text"]
-                        else:
-                            h = await c.send("demo", session, text)
-                            reply = (await c.wait(h, timeout=60)).text
-                        turns += 1
-                        assert reply and "T-" in reply, reply
-                        answered += 1
-                        await asyncio.sleep(EVERY)  # the pace of a person typing
-                    before = rss_mb(proc.pid)
-                    assert proc.poll() is None, log.read_text()[-3000:]
-                    await asyncio.sleep(IDLE)  # idle: the fetches come back empty
-                    samples.append((turns, before, rss_mb(proc.pid)))
-        finally:
-            await c.close()
-        assert proc.poll() is None, log.read_text()[-3000:]
-        print("turns, MB before and after each idle gap:", samples)
-        assert answered == turns and turns >= BURST * 2
-        assert events(log, "component.failed") == [], events(log, "component.failed")
-        idle_growth = sum(max(0.0, after - before) for _, before, after in samples)
-        assert idle_growth <= IDLE_GROWTH_MB, samples
-        first_turns, first, _ = samples[0]
-        growth = max(after for _, _, after in samples) - first
-        allowed = BASE_GROWTH_MB + PER_TURN_MB * (turns - first_turns)
-        assert growth <= allowed, (growth, allowed, samples)
-        server = int(field(events(log, "nats.started")[-1], "pid"))
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0, log.read_text()[-3000:]
-        assert not alive(server)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    soak = running.pop() if running else Soak()
+    started = time.monotonic()
+    r = soak.finish(timeout=SECONDS + 180)
+    print(f"waited {time.monotonic() - started:.0f} s for the soak; it ran {r['seconds']:.0f} s")
+    up_log = (soak.dir / "up.log").read_text()[-3000:]
+    assert r["failure"] == "", (r["failure"], up_log)
+    assert r["alive_at_end"], up_log
+    samples = [tuple(s) for s in r["samples"]]  # type: ignore[attr-defined]
+    turns = r["turns"]
+    assert isinstance(turns, int)
+    print("turns, MB before and after each idle gap:", samples)
+    assert r["answered"] == turns and turns >= BURST * 2
+    assert r["component_failed"] == [], r["component_failed"]
+    idle_growth = sum(max(0.0, after - before) for _, before, after in samples)
+    assert idle_growth <= IDLE_GROWTH_MB, samples
+    first_turns, first, _ = samples[0]
+    growth = max(after for _, _, after in samples) - first
+    allowed = BASE_GROWTH_MB + PER_TURN_MB * (turns - first_turns)
+    assert growth <= allowed, (growth, allowed, samples)
+    assert r["exit_code"] == 0, up_log  # Ctrl-C stopped it cleanly ...
+    assert not alive(int(r["server_pid"])), "nats-server outlived up"  # type: ignore[call-overload]
+    shutil.rmtree(soak.dir, ignore_errors=True)

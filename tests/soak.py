@@ -31,6 +31,7 @@ from tests.test_up import events, field, up_command, up_env, wait_ready
 BURST = 5  # turns in a burst
 EVERY = 3.0  # seconds between the turns of a burst
 IDLE = 25.0  # seconds of nothing between bursts
+SETTLE = 4.0  # ... of which the first are not measured
 LONGEST = 3600.0  # it stops by itself after this, asked or not
 
 
@@ -54,17 +55,36 @@ def tree(pid: int) -> list[int]:
     return out
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of the process tree of ``pid``, in MB."""
-    total = 0
+def status_kb(pid: int, field: str) -> int:
+    """One field of ``/proc/<pid>/status`` in kB (0 once the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def is_nats_server(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "nats-server"
+    except OSError:
+        return False
+
+
+def memory_mb(pid: int) -> tuple[float, float, float]:
+    """Memory of the process tree of ``pid``, in MB: the whole tree's resident set, the
+    anonymous memory (heap, not mapped files) of its Python processes, and nats-server's
+    resident set."""
+    tree_kb = python_kb = server_kb = 0
     for p in tree(pid):
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total / 1024
+        tree_kb += status_kb(p, "VmRSS")
+        if is_nats_server(p):
+            server_kb += status_kb(p, "VmRSS")
+        else:
+            python_kb += status_kb(p, "RssAnon")
+    return tree_kb / 1024, python_kb / 1024, server_kb / 1024
 
 
 def start_up(directory: Path) -> tuple[subprocess.Popen[bytes], int, int]:
@@ -88,7 +108,8 @@ async def soak(directory: Path, seconds: float) -> dict[str, Any]:
     stop = directory / "stop"
     proc, nats_port, gateway_port = start_up(directory)
     turns = answered = 0
-    samples: list[tuple[int, float, float]] = []  # turns so far, MB before and after a gap
+    # Per idle gap: the turns so far, then memory_mb() before and after the gap.
+    samples: list[tuple[int, tuple[float, float, float], tuple[float, float, float]]] = []
     failure = ""
     exit_code: int | None = None
 
@@ -124,16 +145,21 @@ async def soak(directory: Path, seconds: float) -> dict[str, Any]:
                             raise AssertionError(f"turn {turns}: answered {reply!r}")
                         answered += 1
                         await asyncio.sleep(EVERY)  # the pace of a person typing
-                    before = rss_mb(proc.pid)
                     if proc.poll() is not None:
                         raise AssertionError(f"up exited ({proc.returncode})")
                     # Idle: the fetches come back empty. A gap ends early only when the soak
-                    # is over (it was asked to stop and has run long enough).
-                    for _ in range(int(IDLE / 0.5)):  # the stop is a file: looked at
+                    # is over (it was asked to stop and has run long enough). Its first
+                    # seconds are left out of the measure: the burst's last turn is still
+                    # being projected and its events read (the console, the client).
+                    before = None
+                    for tick in range(int(IDLE / 0.5)):  # the stop is a file: looked at
                         if done(began):
                             break
+                        if tick == int(SETTLE / 0.5):
+                            before = memory_mb(proc.pid)
                         await asyncio.sleep(0.5)
-                    samples.append((turns, before, rss_mb(proc.pid)))
+                    if before is not None:
+                        samples.append((turns, before, memory_mb(proc.pid)))
         finally:
             await c.close()
         ran = time.monotonic() - began

@@ -31,6 +31,7 @@ from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.services.natsauth import make_users, url_as, write_config
 from jetloop.services.settings import SettingsError, load_settings
+from jetloop.streams.connection import NotAuthorized
 from jetloop.streams.seal import Sealer, key_bytes
 from jetloop.streams.topology import STATE_BUCKET, STEPS_STREAM
 from jetloop.tooling.trials.harness import WorkerProcess
@@ -154,6 +155,42 @@ async def test_roles_of_the_embedded_server(up: Up) -> None:
         assert any("jl.turn.demo.s3" in e for e in errors), errors
     finally:
         await nc.close()
+
+
+PLAIN_CLIENT = """
+import asyncio, sys
+import jetloop as jl
+
+async def main() -> None:
+    async with await jl.Client.connect(sys.argv[1]) as c:
+        h = await c.send("demo", "p1", "list tickets")
+        print((await c.wait(h, timeout=30)).status)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_program_beside_up_connects_with_a_plain_url(up: Up) -> None:
+    """The README's client.py: a program run in up's directory gives a URL without a user and
+    connects as the store's worker user; one whose credentials the server refuses is told so
+    at once (before: both waited for ever, retrying in silence)."""
+    env = {k: v for k, v in env_without_key().items() if k not in NO_CREDENTIALS}
+    ran = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", PLAIN_CLIENT, up.url],
+        cwd=up.cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "completed", ran.stdout
+
+    wrong = up.url.replace("nats://", "nats://client:not-it@")
+    with pytest.raises(NotAuthorized) as refused:
+        await asyncio.wait_for(Client.connect(wrong), 10)
+    assert "JETLOOP_NATS_PASSWORD" in str(refused.value)
 
 
 def cli_elsewhere(

@@ -187,7 +187,10 @@ class Client:
 
         ``sealer`` defaults to the one the settings give (``JETLOOP_SEAL_KEY``, or the key
         of ``jetloop up`` in the store directory); ``verify`` defaults to True unless
-        ``JETLOOP_READ_UNVERIFIED`` is set (see ``Client``).
+        ``JETLOOP_READ_UNVERIFIED`` is set (see ``Client``). A URL without a user and password
+        gets the settings' (``JETLOOP_NATS_USER`` / ``JETLOOP_NATS_PASSWORD``, or the worker
+        user of ``jetloop up``'s store directory); a server that refuses them raises
+        ``NotAuthorized`` at once, naming those settings.
 
         By default the client rides out outages as a worker does. ``give_up_after``
         (seconds) is for a caller a person waits on, such as the CLI: the first connect
@@ -197,12 +200,13 @@ class Client:
         """
         if isinstance(urls, str):
             urls = [u.strip() for u in urls.split(",") if u.strip()]
-        if sealer is None or verify is None:
-            from jetloop.services.settings import load_settings
+        from jetloop.services.settings import load_settings
 
-            settings = load_settings()
-            sealer = sealer or settings.sealer()
-            verify = not settings.read_unverified if verify is None else verify
+        settings = load_settings()
+        sealer = sealer or settings.sealer()
+        verify = not settings.read_unverified if verify is None else verify
+        # A URL without a user connects as the settings' (the store's, beside `jetloop up`).
+        urls = settings.with_credentials(list(urls))
         nc = await connect(
             urls, name="jetloop-client", give_up_after=give_up_after, closed_cb=on_closed
         )

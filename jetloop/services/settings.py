@@ -231,7 +231,11 @@ class Settings(BaseSettings):
     def nats_urls(self) -> list[str]:
         """The server URLs, with the user and password in each that has none (nats-py reads
         them there); ``nats_url`` stays without them, for logs."""
-        urls = [u.strip() for u in self.nats_url.split(",") if u.strip()]
+        return self.with_credentials([u.strip() for u in self.nats_url.split(",") if u.strip()])
+
+    def with_credentials(self, urls: list[str]) -> list[str]:
+        """``urls`` with these settings' user and password in each that has none (unchanged
+        without a password: ``JETLOOP_NATS_PASSWORD``, or the store directory's)."""
         if self.nats_password is None:
             return urls
         user = urllib.parse.quote(self.nats_user or LOCAL_USER, safe="")

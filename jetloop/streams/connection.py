@@ -55,10 +55,18 @@ async def connect(
     note = log.debug if bounded else log.warning
 
     refusals: list[str] = []
+    connected: list[bool] = []
 
     async def on_error(exc: Exception) -> None:
         if "authorization violation" in str(exc).lower():
             refusals.append(str(exc))
+            if not connected:
+                # A first connect the server refused is no outage to ride out: trying again
+                # with the same credentials cannot mend it, and a caller that is not bounded
+                # would wait for ever, silently. Raised here, nats-py's connect loop ends with
+                # it. (Once connected, a refusal on a reconnect is waited out: a server
+                # restarting with its users reloaded.)
+                raise NotAuthorized()
         note("nats.error", error=str(exc))
 
     closing: list[Client] = []
@@ -109,11 +117,12 @@ async def connect(
             give_up_after,
         )
     except BaseException as exc:
-        if bounded:
+        if bounded or isinstance(exc, NotAuthorized):
             await nc.close()  # stop its reconnect attempts
         if refusals and isinstance(exc, Exception):
             raise NotAuthorized() from None
         raise
+    connected.append(True)
     closing.append(nc)
     return nc
 

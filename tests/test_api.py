@@ -259,3 +259,31 @@ async def test_a_client_closed_in_an_outage_stops_reconnecting_even_if_the_cance
         assert client.nc.is_closed and not client.nc.is_connected
     finally:
         srv.kill()
+
+
+def test_a_client_closed_in_an_outage_with_publishes_queued_closes_quietly(tmp_path: Path) -> None:
+    """``close()`` while the server is gone and publishes wait for the link (a worker's
+    heartbeats, stopped by Ctrl-C in an outage) drops them and closes: on uvloop, the loop
+    workers run on, nats-py wrote them to the dead socket and close() raised RuntimeError."""
+    import uvloop
+
+    async def outage_then_close() -> None:
+        srv = EmbeddedServer(tmp_path / "store", port=0, log_file=tmp_path / "nats.log")
+        srv.start()
+        try:
+            client = await Client.connect(srv.url)
+            srv.kill()
+            for _ in range(200):
+                if client.nc.is_reconnecting:
+                    break
+                await asyncio.sleep(0.02)
+            assert client.nc.is_reconnecting
+            await client.nc.publish("jl.test.queued", b"x" * 100)
+            assert client.nc._pending_data_size > 0  # waiting for a link
+            await asyncio.wait_for(client.close(), 5)
+            assert client.nc.is_closed
+        finally:
+            srv.kill()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(outage_then_close())

@@ -227,6 +227,13 @@ class SizedClient(Client):
         # this between failed attempts, with DISCONNECTED, and its status then reads closed.
         if status == Client.CLOSED:
             self._ended = True
+            if self._status in (Client.RECONNECTING, Client.DISCONNECTED):
+                # Closed in an outage: what was queued for the lost link will never be sent
+                # (no link follows a close). nats-py would write it to the dead socket, which
+                # uvloop refuses with a RuntimeError: Ctrl-C on a worker whose server was
+                # gone ended in a traceback.
+                self._pending = []
+                self._pending_data_size = 0
         await super()._close(status, do_cbs)
 
     async def _connect_to_server(self, s: Srv) -> None:

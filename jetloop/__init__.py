@@ -16,6 +16,7 @@ Errors (catch ``JetloopError`` for all of them)::
     │   └── UnknownTurn         no such turn in the session
     ├── ControlError            a decision refused (.status as in HTTP, .title, .detail)
     ├── TurnFailed              the turn ended failed or cancelled (.turn)
+    ├── NotAuthorized           the NATS server refused the credentials (a nats error too)
     └── SettingsError           a setting has a wrong value
 """
 
@@ -73,6 +74,7 @@ from jetloop.services.client import Client, TurnHandle, TurnResult
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.services.settings import Settings, SettingsError, load_settings
 from jetloop.services.worker import Worker
+from jetloop.streams.connection import NotAuthorized
 
 __all__ = [
     "TOOL_CALL_NOT_RUN_ERROR_PREFIX",
@@ -94,6 +96,7 @@ __all__ = [
     "ModelError",
     "ModelRequest",
     "ModelResponse",
+    "NotAuthorized",
     "NotFound",
     "ProviderError",
     "ProviderRejected",

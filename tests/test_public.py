@@ -72,6 +72,7 @@ def test_public_names_are_pinned() -> None:
             # the error tree
             "ControlError",
             "JetloopError",
+            "NotAuthorized",
             "RecordNotTrusted",
             "SealError",
             "SealKeyMissing",
@@ -111,6 +112,7 @@ def test_errors_form_one_documented_tree() -> None:
         jetloop.ControlError: jetloop.JetloopError,
         jetloop.TurnFailed: jetloop.JetloopError,
         jetloop.SettingsError: jetloop.JetloopError,
+        jetloop.NotAuthorized: jetloop.JetloopError,
     }
     for error, parent in tree.items():
         assert issubclass(error, parent), (error, parent)

@@ -26,6 +26,7 @@ from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
+from jetloop.schemas.errors import JetloopError
 from jetloop.streams.headers import parse_header_lines, read_header_block
 from jetloop.streams.liblog import LibraryLogger
 from jetloop.streams.loops import running_loop
@@ -136,8 +137,9 @@ def credentials_in(urls: Sequence[str]) -> tuple[str | None, str | None]:
     return None, None
 
 
-class NotAuthorized(NatsError):
-    """The server refused the connection's user and password (or that it had none)."""
+class NotAuthorized(JetloopError, NatsError):
+    """The server refused the connection's user and password (or that it had none): a
+    setting to fix, not an outage to wait out (also a ``nats.errors.Error``)."""
 
     def __str__(self) -> str:
         return (

@@ -10,7 +10,7 @@
 // 0 when all pass; 1 (with the reason) otherwise. tests/test_conformance.py runs it.
 
 import { decode } from "@msgpack/msgpack";
-import { jetstream } from "@nats-io/jetstream";
+import { AckPolicy, jetstream, jetstreamManager } from "@nats-io/jetstream";
 import { Kvm } from "@nats-io/kv";
 import { Objm } from "@nats-io/obj";
 import { connect, headers } from "@nats-io/transport-node";
@@ -37,6 +37,8 @@ const nc = await connect({
   user: parsed.username ? decodeURIComponent(parsed.username) : undefined,
   pass: parsed.password ? decodeURIComponent(parsed.password) : undefined,
   name: "jetloop-conformance-node",
+  // The `client` role hears only its own inboxes (docs/protocol.md, "Connecting").
+  inboxPrefix: "_INBOX_client",
 });
 const js = jetstream(nc);
 const enc = new TextEncoder();
@@ -50,12 +52,22 @@ async function send(requestId, body, msgId = `${session}.${requestId}`) {
   return js.publish(`jl.turn.${agent}.${session}`, data, { headers: h });
 }
 
-// --- Following: an ordered consumer on JL_EVENTS, filtered to jl.event.<session>.> --------
+// --- Following: an unnamed (ephemeral) consumer on JL_EVENTS, filtered to jl.event.<session>.>
 const events = []; // every event and history entry of the session, in stream order
 const waiters = [];
-const consumer = await js.consumers.get("JL_EVENTS", {
-  filter_subjects: [`jl.event.${session}.>`],
-});
+const jsm = await jetstreamManager(nc);
+// Made without a name: the `client` role may create consumers only that way.
+async function ephemeral(stream, filter) {
+  const made = await jsm.consumers.add(stream, {
+    filter_subjects: [filter],
+    ack_policy: AckPolicy.None,
+    inactive_threshold: 30_000_000_000,
+    mem_storage: true,
+    num_replicas: 1,
+  });
+  return js.consumers.get(stream, made.name);
+}
+const consumer = await ephemeral("JL_EVENTS", `jl.event.${session}.>`);
 const messages = await consumer.consume();
 const following = (async () => {
   for await (const m of messages) {
@@ -170,9 +182,7 @@ try {
   // very collision the scoped form prevents.
   await send("unscoped", { text: "never runs" }, `r-4-of-${session}`);
   const dead = [];
-  const deadConsumer = await js.consumers.get("JL_DEAD", {
-    filter_subjects: [`jl.dead.jl.turn.${agent}.${session}`],
-  });
+  const deadConsumer = await ephemeral("JL_DEAD", `jl.dead.jl.turn.${agent}.${session}`);
   while (dead.length < 2) {
     const m = await deadConsumer.next({ expires: Math.min(5000, left()) });
     if (m) dead.push(m);

@@ -241,8 +241,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "seal-not-bound-to-key",
         "jetloop/streams/seal.py",
-        '    return DOMAIN + key.encode() + b"\\n" + str(at_ms).encode() + b"\\n" + body\n',
-        '    return DOMAIN + b"\\n" + str(at_ms).encode() + b"\\n" + body\n',
+        '    return DOMAIN + key.encode() + b"\\n" + str(at_ms).encode()'
+        ' + b"\\n%d\\n" % replaces + body\n',
+        '    return DOMAIN + b"\\n" + str(at_ms).encode() + b"\\n%d\\n" % replaces + body\n',
         "a sealed record copied to another key (another call, another session) is trusted",
         ("tests/test_seal_binding.py::test_a_record_copied_from_another_key_is_refused",),
     ),
@@ -251,10 +252,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "jetloop/streams/seal.py",
         "        if abs(stored_at - sealed_at) > self.tolerance:\n",
         "        if False:\n",
-        "an older sealed state put back (a replay) is trusted",
+        "a record sealed far from the time it was stored (a clock off, or a state put back "
+        "over the revision it was sealed for) is trusted",
+        ("tests/test_seal_binding.py::test_seal_binds_key_and_time_and_rotates",),
+    ),
+    Mutation(
+        "seal-revision-not-checked",
+        "jetloop/streams/seal.py",
+        "        if version == SEAL_VERSION and replaced != int(replaces_text):\n",
+        "        if False:\n",
+        "an older sealed state put back inside the time tolerance is trusted",
         (
-            "tests/test_seal_binding.py::test_an_older_state_put_back_is_refused",
-            "tests/test_seal_binding.py::test_a_rejection_cannot_be_undone_by_replaying_the_pending_approval",
+            "tests/test_seal_binding.py::test_a_session_put_back_inside_the_tolerance_runs_nothing",
+            "tests/test_seal_binding.py::test_a_rejection_cannot_be_undone_inside_the_tolerance",
         ),
     ),
     Mutation(
@@ -392,6 +402,7 @@ CI_SUBSET: tuple[str, ...] = (
     "seal-not-checked",
     "seal-not-bound-to-key",
     "seal-time-not-checked",
+    "seal-revision-not-checked",
     "only-checkpoints-sealed",
     "live-holder-taken-over",
     "heartbeat-rewrites-a-value-read-before-the-lock",

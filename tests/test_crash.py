@@ -246,7 +246,7 @@ async def test_write_whose_reply_was_lost_is_read_back(nats_ready: EmbeddedServe
         rev = await asyncio.wait_for(write, 30)
         entry = await kv.get(key)
         assert rev == entry.revision and rev > first
-        assert entry.value == store._encode(key, moved)
+        assert entry.value == store._encode(key, moved, first)
     finally:
         await nc.close()
 

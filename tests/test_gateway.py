@@ -37,9 +37,9 @@ Api = TestClient[web.Request, web.Application]
 
 WHSEC = "whsec_" + base64.b64encode(b"standard-webhooks-test-key!").decode()
 GH_SECRET = "github-test-secret"
-ALL = {"Authorization": "Bearer all-token"}
-READ = {"Authorization": "Bearer read-token"}
-WRITE = {"Authorization": "Bearer write-token"}
+ALL = {"Authorization": "Bearer all-token-0123456789"}
+READ = {"Authorization": "Bearer read-token-0123456789"}
+WRITE = {"Authorization": "Bearer write-token-0123456789"}
 PROBLEM = "application/problem+json"
 
 
@@ -47,9 +47,9 @@ def make_config(tmp_path: Path, **over: Any) -> GatewayConfig:
     return GatewayConfig.model_validate(
         {
             "tokens": {
-                "all-token": {"name": "alice", "scopes": ["read", "write", "approve"]},
-                "read-token": ["read"],
-                "write-token": {"name": "wally", "scopes": ["read", "write"]},
+                "all-token-0123456789": {"name": "alice", "scopes": ["read", "write", "approve"]},
+                "read-token-0123456789": ["read"],
+                "write-token-0123456789": {"name": "wally", "scopes": ["read", "write"]},
             },
             "hooks": {
                 "std": {
@@ -306,7 +306,8 @@ async def test_auth_problems_limits_health_metrics(api: Api) -> None:
     msgs = "/v1/agents/tester/sessions/{}/messages"
     bad = await problem(await api.post(msgs.format("s1"), json={"text": 5}, headers=ALL), 422)
     assert bad["errors"][0]["loc"] == ["text"]
-    await problem(await api.post(msgs.format("s1"), data=b"{not json", headers=ALL), 422)
+    as_json = {**ALL, "Content-Type": "application/json"}
+    await problem(await api.post(msgs.format("s1"), data=b"{not json", headers=as_json), 422)
     await problem(await api.post(msgs.format("bad.name"), json={"text": "x"}, headers=ALL), 422)
     await problem(
         await api.post(
@@ -353,13 +354,13 @@ async def test_gateway_service_serves_until_stopped(
 def test_config_validates_at_start() -> None:
     """Token shorthands expand; a Standard Webhooks secret that is not whsec_<base64> and
     an unknown scope fail when the configuration is read, not on the first delivery."""
-    cfg = GatewayConfig.model_validate({"tokens": {"tok-xyzzy": ["read"]}})
-    assert cfg.tokens["tok-xyzzy"].scopes == {"read"} and "xyzzy" not in repr(cfg)
+    cfg = GatewayConfig.model_validate({"tokens": {"tok-xyzzy-0123456789": ["read"]}})
+    assert cfg.tokens["tok-xyzzy-0123456789"].scopes == {"read"} and "xyzzy" not in repr(cfg)
     hook = {"agent": "a", "session": "s", "secret": "whsec_!!not base64!!"}
     with pytest.raises(ValueError, match="whsec_<base64>"):
         GatewayConfig.model_validate({"hooks": {"h": hook}})
     with pytest.raises(ValueError, match="scopes"):
-        GatewayConfig.model_validate({"tokens": {"t": ["admin"]}})
+        GatewayConfig.model_validate({"tokens": {"tok-0123456789abcdef": ["admin"]}})
 
 
 def test_config_errors_name_the_setting_never_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -123,7 +123,7 @@ async def slow_gateway(nats_ready: EmbeddedServer, tmp_path: Path) -> AsyncItera
     port = free_port()
     env = clean_env(
         tmp_path,
-        JETLOOP_GATEWAY_TOKENS='{"tok": {"name": "t", "scopes": ["read", "write"]}}',
+        JETLOOP_GATEWAY_TOKENS='{"tok-0123456789abcdef": ["read", "write"]}',
         JETLOOP_GATEWAY_HEADER_TIMEOUT_SECONDS=str(HEADER_TIMEOUT),
         JETLOOP_GATEWAY_BODY_TIMEOUT_SECONDS=str(BODY_TIMEOUT),
         JETLOOP_GATEWAY_MAX_CONNECTIONS=str(MAX_CONNECTIONS),
@@ -197,7 +197,7 @@ async def test_dribbled_body_gets_408(slow_gateway: int) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", slow_gateway)
     writer.write(
         b"POST /v1/agents/tester/sessions/s/messages HTTP/1.1\r\nHost: x\r\n"
-        b"Authorization: Bearer tok\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer tok-0123456789abcdef\r\nContent-Type: application/json\r\n"
         b"Content-Length: 1000\r\n\r\n{"
     )
     took, got = await held_for(reader, writer)

@@ -31,7 +31,7 @@ from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.services.natsauth import make_users, url_as, write_config
 from jetloop.services.settings import SettingsError, load_settings
-from jetloop.streams.connection import NotAuthorized
+from jetloop.streams.connection import NotAuthorized, inbox_prefix
 from jetloop.streams.seal import Sealer, key_bytes
 from jetloop.streams.topology import STATE_BUCKET, STEPS_STREAM
 from jetloop.tooling.trials.harness import WorkerProcess
@@ -116,7 +116,10 @@ async def test_roles_of_the_embedded_server(up: Up) -> None:
         errors.append(str(exc))
 
     nc = await nats.connect(
-        url_as(up.url, store, "client"), error_cb=on_error, max_reconnect_attempts=0
+        url_as(up.url, store, "client"),
+        inbox_prefix=inbox_prefix("client"),  # the only inboxes this role may hear
+        error_cb=on_error,
+        max_reconnect_attempts=0,
     )
     try:
         js = nc.jetstream(timeout=2)
@@ -144,7 +147,10 @@ async def test_roles_of_the_embedded_server(up: Up) -> None:
     # The operator role reads and writes nothing.
     errors.clear()
     nc = await nats.connect(
-        url_as(up.url, store, "operator"), error_cb=on_error, max_reconnect_attempts=0
+        url_as(up.url, store, "operator"),
+        inbox_prefix=inbox_prefix("operator"),
+        error_cb=on_error,
+        max_reconnect_attempts=0,
     )
     try:
         js = nc.jetstream(timeout=2)
@@ -153,6 +159,22 @@ async def test_roles_of_the_embedded_server(up: Up) -> None:
             await js.publish("jl.turn.demo.s3", b"{}")
         await nc.flush()
         assert any("jl.turn.demo.s3" in e for e in errors), errors
+    finally:
+        await nc.close()
+
+    # Not even a worker empties a state key's history (its first sealed state could then be
+    # put back over revision 0): the purge API of the state bucket's stream is refused.
+    errors.clear()
+    nc = await nats.connect(url_as(up.url, store), error_cb=on_error, max_reconnect_attempts=0)
+    try:
+        js = nc.jetstream(timeout=2)
+        before = (await js.stream_info(f"KV_{STATE_BUCKET}")).state.messages
+        assert before > 0
+        with pytest.raises(NatsError):
+            await js.purge_stream(f"KV_{STATE_BUCKET}", subject=f"$KV.{STATE_BUCKET}.session.s1")
+        await nc.flush()
+        assert any(f"$js.api.stream.purge.kv_{STATE_BUCKET}" in e.lower() for e in errors), errors
+        assert (await js.stream_info(f"KV_{STATE_BUCKET}")).state.messages >= before
     finally:
         await nc.close()
 
@@ -228,7 +250,10 @@ async def test_a_client_without_the_seal_key_decides_through_the_workers(
         errors.append(str(exc).lower())
 
     nc = await nats.connect(
-        url_as(up.url, store, "client"), error_cb=on_error, max_reconnect_attempts=0
+        url_as(up.url, store, "client"),
+        inbox_prefix=inbox_prefix("client"),  # the only inboxes this role may hear
+        error_cb=on_error,
+        max_reconnect_attempts=0,
     )
     c = Client(nc, verify=False)  # no sealer: a program without the key reads unchecked
     try:
@@ -458,7 +483,10 @@ async def test_credentials_for_servers_started_elsewhere(tmp_path: Path) -> None
             errors.append(str(exc).lower())
 
         client_nc = await nats.connect(
-            url_as(server.url, store, "client"), error_cb=on_error, max_reconnect_attempts=0
+            url_as(server.url, store, "client"),
+            inbox_prefix=inbox_prefix("client"),
+            error_cb=on_error,
+            max_reconnect_attempts=0,
         )
         try:
             kv = await client_nc.jetstream(timeout=2).key_value(STATE_BUCKET)

@@ -248,7 +248,7 @@ def test_seal_binds_key_and_time_and_rotates() -> None:
     assert "another key" in (new.verify("turn.s.u", sealed, now) or "")
     assert "older state" in (new.verify("turn.s.t", sealed, now + 31) or "")
     assert "older state" in (new.verify("turn.s.t", sealed, now - 31) or "")
-    assert "not a v2 seal" in (new.verify("turn.s.t", {**data, "seal": "ab" * 32}, now) or "")
+    assert "not a v3 seal" in (new.verify("turn.s.t", {**data, "seal": "ab" * 32}, now) or "")
     assert "no seal" in (new.verify("turn.s.t", data, now) or "")
 
 
@@ -257,9 +257,11 @@ class CountingSealer(Sealer):
         super().__init__([key_bytes(SEAL_KEY)])
         self.verified = 0
 
-    def verify(self, key: str, data: dict[str, Any], stored_at: float) -> str | None:
+    def verify(
+        self, key: str, data: dict[str, Any], stored_at: float, replaced: int | None = 0
+    ) -> str | None:
         self.verified += 1
-        return super().verify(key, data, stored_at)
+        return super().verify(key, data, stored_at, replaced)
 
 
 async def test_a_record_is_verified_once_and_an_edit_of_it_still_is_refused(
@@ -312,3 +314,70 @@ def test_a_seal_added_to_packed_bytes_is_what_packing_the_sealed_record_makes() 
         sealed = with_seal(body, len(data), "v2.1.abc")
         assert sealed == msgpack.packb({**data, SEAL_FIELD: "v2.1.abc"}, use_bin_type=True)
         assert canonical(msgpack.unpackb(sealed)) == body
+
+
+@pytest.fixture
+async def lenient(nats_ready: EmbeddedServer) -> AsyncIterator[Client]:
+    """A client sealing with the default tolerance (30 s), as the workers started by
+    ``workers.start()`` without settings do: a replay here is well inside it."""
+    c = await Client.connect(nats_ready.url, sealer=Sealer([key_bytes(SEAL_KEY)]))
+    yield c
+    await c.close()
+
+
+async def test_a_session_put_back_inside_the_tolerance_runs_nothing(
+    lenient: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """An operator waives approval of ``pay`` in a session, then requires it again; the
+    session record as it was while waived is put back a moment later (far inside the seal's
+    time tolerance) by a raw put with worker rights. The record names the revision it was
+    written over, and the server keeps the revision the put replaced: they differ, so the
+    record is refused, the next request is dead-lettered, and no payment is made. (Before
+    the seal named that revision, the call ran without approval.)"""
+    workers.start()
+    sk = session_key("waive")
+    await lenient.set_approval("waive", "pay", False, agent="tester")
+    waived = await raw(lenient, sk)
+    await lenient.set_approval("waive", "pay", True)
+    await put(lenient, sk, waived)
+
+    await lenient.js.publish(
+        "jl.turn.tester.waive",
+        msgpack.packb({"text": script([call("pay", name="big-1")])}),
+        headers={"Nats-Msg-Id": "waive.replayed"},
+    )
+
+    async def dead() -> list[str]:
+        return [r for s, r, _ in await lenient.dead_letters() if s == "jl.turn.tester.waive"]
+
+    [reason] = await until(dead, timeout=20)
+    assert "put back" in reason and sk in reason, reason
+    assert await vendor.effect_count("pay") == 0
+
+
+async def test_a_rejection_cannot_be_undone_inside_the_tolerance(
+    lenient: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A person rejects the call; at once (inside the tolerance) the pending approval, the
+    turn and the call as they were are put back, and the approval is approved through the
+    control path: refused as put back, and the write is never made."""
+    workers.start()
+    h = await lenient.send("tester", "undo2", script([call("pay", name="big-1")]))
+    approval = await pending_approval(lenient, "undo2")
+    ak, tk = approval_key("undo2", approval), turn_key("undo2", h.turn_id)
+    ck = call_state_key(f"undo2.{h.turn_id}.0.0")
+    captured = {k: await raw(lenient, k) for k in (ak, tk, ck)}
+    await lenient.reject("undo2", approval, by="alice", reason="no")
+    await lenient.wait(h, timeout=30)
+
+    for k, v in captured.items():
+        await put(lenient, k, v)
+    with pytest.raises(ControlError, match="put back"):
+        await lenient.approve("undo2", approval, by="mallory")
+    await wake_approval(lenient, "undo2", h.turn_id, "undone")
+
+    async def rejected() -> list[str]:
+        return await rejected_reasons(lenient, "undo2")
+
+    await until(rejected, timeout=20)
+    assert await vendor.effect_count("pay") == 0

@@ -220,7 +220,8 @@ async def test_seal_bytes_are_the_stored_map_without_its_last_entry(
 ) -> None:
     """Every record the engine writes (session, turn, call) verifies by the byte recipe a
     reader in another language would use (docs/security.md), under the tests' key: the HMAC
-    covers the record's key and its seal time, and the seal time is the stored time."""
+    covers the record's key, its seal time and the revision it was written over, the seal
+    time is the stored time, and that revision is the one the server kept with the write."""
     workers.start()
     h = await client.send("tester", "sealbytes", script([call("write", name="a")]))
     await client.wait(h, timeout=30)
@@ -231,9 +232,13 @@ async def test_seal_bytes_are_the_stored_map_without_its_last_entry(
         msg = await client.js.get_msg("KV_jl_state", subject=f"$KV.jl_state.{key}")
         assert msg.data is not None and msg.time is not None
         body, seal = _sealed_bytes(msg.data)
-        version, at_ms, mac = seal.split(".")
-        assert version == "v2"
-        signed = b"jetloop-seal-v2\n" + key.encode() + b"\n" + at_ms.encode() + b"\n" + body
+        version, at_ms, replaces, mac = seal.split(".")
+        assert version == "v3"
+        # The revision the seal names is the one the server kept with the write.
+        assert msg.headers is not None
+        assert replaces == msg.headers["Nats-Expected-Last-Subject-Sequence"], key
+        signed = b"jetloop-seal-v3\n" + key.encode() + b"\n" + at_ms.encode() + b"\n"
+        signed += replaces.encode() + b"\n" + body
         want = hmac.new(bytes.fromhex(SEAL_KEY), signed, hashlib.sha256).hexdigest()
         assert hmac.compare_digest(want, mac), key
         assert abs(msg.time.timestamp() - int(at_ms) / 1000) < 5, (key, msg.time, at_ms)

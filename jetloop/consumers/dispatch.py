@@ -15,6 +15,8 @@ Any other exception is sorted by whether a retry can cure it (``fate``):
 - an outage or a lost race (``TRANSIENT_ERRORS``: NATS timeouts, no responders, a
   connection closed or reconnecting, ``Conflict``): nak'd with backoff (0.2 s doubling to
   30 s) for up to ``TRANSIENT_FOR`` seconds of failing deliveries, then dead-lettered;
+- this process's clock found too far off to seal (``ClockOff``, ``jetloop.streams.clock``):
+  handed back at once, not counted, for a worker whose clock is right;
 - anything else (a bug, a refusal from the server): nak'd with backoff for
   ``UNEXPECTED_TRIES`` deliveries (about 3 s), then dead-lettered with the error.
 
@@ -48,6 +50,7 @@ from jetloop.consumers.logcontext import end_step, start_step
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.schemas import DecodeError
 from jetloop.streams.bus import H_KIND, H_SESSION, H_STEP, H_TURN
+from jetloop.streams.clock import ClockOff
 from jetloop.streams.connection import PayloadTooLarge, message_size
 from jetloop.streams.seal import SealBroken
 from jetloop.streams.state import RETRYABLE, Conflict
@@ -227,6 +230,13 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
         log.info("step.retry_later", delay=exc.delay, reason=exc.reason)
         await _let_go(rt, msg)
         await _quietly(msg.nak(delay=exc.delay))
+    except ClockOff as exc:
+        # Nothing this process seals would be trusted: not the step's fault, so no failure
+        # is counted; another worker takes it (this one takes no more while it is off).
+        outcome = "clock_off"
+        log.warning("step.handed_back", reason=str(exc))
+        await _let_go(rt, msg)
+        await _quietly(msg.nak())
     except (DeadLetter, DecodeError) as exc:
         outcome = "dead_letter"
         reason = exc.reason if isinstance(exc, DeadLetter) else str(exc)

@@ -1,7 +1,8 @@
 """Prometheus metrics of the engine (prometheus-client's default registry).
 
 Steps by kind and outcome, step latency, redeliveries, takeovers, ``outcome_unknown`` calls,
-approvals asked and decided (pending = asked - decided), consumer lag. The gateway serves
+approvals asked and decided (pending = asked - decided), consumer lag, the process's clock
+offset from the NATS server's and whether it is refusing to serve for it. The gateway serves
 them on ``/metrics``; a worker alone serves them on ``JETLOOP_METRICS_PORT`` when set.
 """
 
@@ -36,6 +37,14 @@ CONSUMER_ACK_PENDING = Gauge(
 )
 CONSUMER_REDELIVERED = Gauge(
     "jetloop_consumer_redelivered", "Messages being redelivered, per consumer", ["consumer"]
+)
+CLOCK_OFFSET = Gauge(
+    "jetloop_clock_offset_seconds",
+    "This process's clock minus the NATS server's, as last measured (positive: ahead)",
+)
+CLOCK_OFF = Gauge(
+    "jetloop_clock_off",
+    "1 while this process's clock is too far off to seal: it serves no steps or control requests",
 )
 
 

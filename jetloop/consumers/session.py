@@ -34,6 +34,7 @@ from jetloop.schemas import (
 from jetloop.schemas.codec import DecodeError, decode_map
 from jetloop.streams.bus import event_out
 from jetloop.streams.replies import first_seq
+from jetloop.streams.seal import SealBroken
 from jetloop.streams.state import Conflict, session_key, turn_key
 from jetloop.streams.topology import TURNS_STREAM, session_turns_filter
 
@@ -63,9 +64,15 @@ async def on_turn_request(d: Delivery) -> None:
     bind_step(turn=tid)
     # Asked together (independent reads, one round trip): the session's first stored
     # request, and the turn and session records.
-    first_seq, (turn, cur) = await side_by_side(
-        _first_request(rt, sid), rt.state.turn_view(sid, tid)
-    )
+    try:
+        first_seq, (turn, cur) = await side_by_side(
+            _first_request(rt, sid), rt.state.turn_view(sid, tid)
+        )
+    except SealBroken as exc:
+        if exc.key != session_key(sid):
+            raise
+        await _refuse(rt, sid, tid, agent_name, request_id, req, exc)
+        raise  # the request itself is dead-lettered with the reason, kept for the operator
     # FIFO: accept only the first stored request of this session.
     if first_seq is not None and first_seq < d.msg.metadata.sequence.stream:
         raise RetryLater(0.1, f"an earlier request of session {sid} is not accepted yet")
@@ -125,6 +132,52 @@ async def on_turn_request(d: Delivery) -> None:
     if session.active == tid and turn_rec.status == TurnStatus.QUEUED:
         out = out + turn_start(turn_rec)
     await out.publish(rt.bus)
+
+
+async def _refuse(
+    rt: Runtime,
+    sid: str,
+    tid: str,
+    agent_name: str,
+    request_id: str,
+    req: TurnRequest,
+    exc: SealBroken,
+) -> None:
+    """The session's record does not verify: the turn is not run, but it ends, failed with
+    the reason (its record and its ``turn.failed`` event), so the caller's wait returns and
+    every view says the same; then the request is dead-lettered, as before. The session
+    stays refused until an operator deletes its record (docs/security.md, "State seals")."""
+    reason = (
+        f"session {sid} is refused: {exc}; delete its record to go on "
+        f"(nats kv del jl_state session.{sid})"
+    )
+    found = await rt.state.turn(sid, tid)
+    if found is not None and found.value.status.terminal:
+        failed = found.value  # refused before: say it again (the events are deduplicated)
+    else:
+        base = found.value if found is not None else None
+        if base is None:
+            inline = req.text_ref is None and rt.blobs.too_big(req.text.encode())
+            base = TurnRecord(
+                session_id=sid,
+                turn_id=tid,
+                agent=agent_name,
+                request_id=request_id,
+                text="" if inline else req.text,
+                text_ref=req.text_ref,
+                parent=req.parent,
+            )
+        failed = base.model_copy(
+            update={"status": TurnStatus.FAILED, "error": reason, "attempt": None}
+        )
+        try:
+            await rt.state.write(
+                turn_key(sid, tid), failed, found.revision if found is not None else None
+            )
+        except Conflict:
+            raise RetryLater(0.05, "turn changed while refusing it") from None
+        log.warning("turn.refused", reason=reason)
+    await finished(failed).publish(rt.bus)
 
 
 async def _first_request(rt: Runtime, sid: str) -> int | None:

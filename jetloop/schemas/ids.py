@@ -13,7 +13,9 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def validate_name(kind: str, value: str) -> str:
-    if not NAME_RE.match(value):
+    # fullmatch: with match, `$` also matches before a trailing newline ("abc\n" passed, and
+    # made a subject NATS refuses).
+    if not NAME_RE.fullmatch(value):
         raise ValueError(f"{kind} {value!r} is not valid: use 1-64 characters from A-Z a-z 0-9 _ -")
     return value
 

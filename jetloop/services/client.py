@@ -62,6 +62,7 @@ from jetloop.services.control import PREFIX as CONTROL_PREFIX
 from jetloop.streams import topology
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus
+from jetloop.streams.clock import CHECK_EVERY, ClockGuard
 from jetloop.streams.connection import connect, retrying
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.intake import Intake
@@ -441,8 +442,22 @@ class Client:
         ``jetloop.services.control``): that needs only the ``client`` role, and the workers seal."""
         if self.sealer is not None:
             control = await self._control()
+            await self._measure_clock(self.sealer)
             return await retrying(lambda: direct(control), self.retry_for, "control")
         return record.model_validate(await self._request(op, body))
+
+    async def _measure_clock(self, sealer: Sealer) -> None:
+        """Deciding with the seal key seals records: measure this process's clock against the
+        server's first (again after ``CHECK_EVERY`` seconds), so the sealer refuses
+        (``ClockOff``) rather than write a record every reader would reject. A measurement
+        that fails keeps the last verdict."""
+        if sealer.guard is None:
+            sealer.guard = ClockGuard(sealer.tolerance)
+        if sealer.guard.due(CHECK_EVERY):
+            try:
+                await sealer.guard.update(self.nc)
+            except Exception:  # an outage: the decision itself meets it, and says so
+                pass
 
     async def _request(self, op: str, body: dict[str, Any]) -> Any:
         """A control request over NATS; a refusal is the ``ControlError`` the direct path

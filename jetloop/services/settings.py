@@ -12,7 +12,6 @@ The NATS credentials are found the same way: ``JETLOOP_NATS_USER`` and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as PydanticSettingsError
 
 from jetloop.schemas.errors import JetloopError
-from jetloop.services.gateway.config import HookTrigger, Scope, TokenGrant
+from jetloop.services.gateway.config import HookTrigger, Scope, Tokens, fingerprint
 from jetloop.streams.seal import DEFAULT_TOLERANCE, Sealer, key_bytes
 from jetloop.streams.topology import TopologyConfig
 
@@ -105,9 +104,10 @@ class Settings(BaseSettings):
     )
     gateway_host: str = Field("127.0.0.1", description="the gateway's address")
     gateway_port: int = Field(8080, ge=0, le=65535, description="the gateway's port")
-    gateway_tokens: dict[str, TokenGrant] = Field(
+    gateway_tokens: Tokens = Field(
         default_factory=dict,
-        description='bearer tokens, JSON: {"<token>": {"name": "alice", "scopes": ["read"]}}',
+        description='bearer tokens, JSON: {"<token>": {"name": "alice", "scopes": ["read"]}}; '
+        "a token has at least 16 characters",
     )
     gateway_anonymous_scopes: frozenset[Scope] | None = Field(
         None, description="scopes of requests without a token (jetloop up: all, on loopback)"
@@ -129,6 +129,14 @@ class Settings(BaseSettings):
     )
     gateway_max_connections: int = Field(
         1000, ge=1, description="open connections at once (event streams count)"
+    )
+    gateway_max_auth_failures: int = Field(
+        20,
+        ge=1,
+        description="unknown bearer tokens one client address may send in a window; then 429",
+    )
+    gateway_auth_failure_window_seconds: float = Field(
+        60.0, gt=0, description="the window of JETLOOP_GATEWAY_MAX_AUTH_FAILURES"
     )
     readmodel_db: Path | None = Field(
         None, description="the projector's SQLite read model (default <store dir>/readmodel.sqlite)"
@@ -164,6 +172,13 @@ class Settings(BaseSettings):
         gt=0,
         description="how far a seal's time may be from the time the server stored the record "
         "(write latency plus clock difference); an older state put back is rejected beyond it",
+    )
+    clock_check_seconds: float = Field(
+        15.0,
+        gt=0,
+        description="how often a worker measures its clock against the NATS server's; off by "
+        "more than half the seal tolerance, it seals nothing and serves no steps and no "
+        "control requests until the clock is back",
     )
     max_losses: int = Field(
         2, ge=0, description="a turn lost (taken over) by more workers than this fails"
@@ -361,11 +376,6 @@ SECRET_SETTINGS = frozenset(
 SECRET_FIELDS = frozenset({"secret"})
 # Settings keyed by a secret: the key of JETLOOP_GATEWAY_TOKENS is the token itself.
 KEYED_BY_SECRET = frozenset({"tokens", "gateway_tokens"})
-
-
-def fingerprint(secret: str) -> str:
-    """What names a secret in a message: the start of its SHA-256, never its text."""
-    return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()[:8]
 
 
 def describe_errors(exc: ValidationError, prefix: str = "JETLOOP_") -> str:

@@ -30,7 +30,13 @@ import structlog
 from pydantic import SecretStr
 
 from jetloop.agents import load_app
-from jetloop.services.embedded import EmbeddedServer, PortInUse, SupervisedServer, port_in_use
+from jetloop.services.embedded import (
+    EmbeddedServer,
+    PortInUse,
+    SupervisedServer,
+    port_in_use,
+    private_dir,
+)
 from jetloop.services.gateway.app import Gateway
 from jetloop.services.gateway.config import GatewayConfig, exposure_error
 from jetloop.services.natsauth import make_users, write_config
@@ -59,8 +65,9 @@ GATEWAY_PORT_SETTING = "JETLOOP_GATEWAY_PORT / --gateway-port"
 
 
 def lock_store(store_dir: Path) -> IO[str]:
-    """Hold ``<store>/up.lock`` for as long as the returned file is open (the process lives)."""
-    store_dir.mkdir(parents=True, exist_ok=True)
+    """Hold ``<store>/up.lock`` for as long as the returned file is open (the process lives).
+    The store is made (or tightened to) 0700 first: it holds every secret and conversation."""
+    private_dir(store_dir)
     f = open(store_dir / "up.lock", "a+")  # held open: the lock lives as long as the file
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

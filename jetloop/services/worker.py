@@ -4,6 +4,13 @@ Lifecycle (STYLE rule 5): ``run()`` until ``stop()``; stop intake → drain in-f
 for ``drain_seconds`` → cancel the rest (their messages are handed back with a nak) →
 close. It fetches only as many messages as it has free slots, so nothing it holds waits
 unstarted past its lease.
+
+Its clock: measured against the NATS server's before it serves anything, and every
+``JETLOOP_CLOCK_CHECK_SECONDS`` after (``jetloop.streams.clock``). While it is off by more
+than half the seal tolerance, every record it sealed would be rejected by every reader, so
+it seals nothing, takes no steps or turns (those already on their way here are handed
+back unstarted) and answers no control requests: the other workers serve them. It says so
+once (``worker.clock_off``, with the offset), and once again when the clock is back.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from nats.js import JetStreamContext
 from prometheus_client import start_http_server
 
 from jetloop.agents import App
-from jetloop.consumers import Faults, Runtime, dispatch, route_step, route_turn
+from jetloop.consumers import Faults, Runtime, dispatch, metrics, route_step, route_turn
 from jetloop.consumers.control import Control
 from jetloop.consumers.dispatch import Handler
 from jetloop.consumers.liveness import HOLDING
@@ -36,6 +43,7 @@ from jetloop.services.settings import Settings
 from jetloop.streams import topology
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus
+from jetloop.streams.clock import ClockGuard, describe
 from jetloop.streams.connection import ConnectionLost, NotAuthorized, connect
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.holds import Holds
@@ -81,6 +89,14 @@ class Worker(Service):
         # the server, so they ask again at once.
         self._intakes: list[Intake] = []
         self._rt: Runtime | None = None
+        self._clock = ClockGuard(settings.seal_tolerance_seconds)
+        # Set while this worker may serve: cleared while its clock is too far off to seal.
+        self._serving = asyncio.Event()
+        self._serving.set()
+        self._control: ControlService | None = None
+        # Only a worker that seals is held back by its clock (unsealed records are not
+        # checked against the server's time).
+        self._seals = settings.sealer() is not None
 
     def _on_reconnected(self) -> None:
         for intake in self._intakes:
@@ -126,9 +142,13 @@ class Worker(Service):
             # step this one claimed (jetloop.consumers.liveness).
             await nc.subscribe(alive_subject(incarnation), cb=self._answer_alive)
             registry = await self._prepare(js)
+            # Before anything is served or sealed: a worker whose clock is off starts gated.
+            await self._first_clock(nc)
             holds = Holds(nc, incarnation, self.worker_id)
             rescuer = Rescuer(nc, incarnation, self._stopping)
             state = await StateStore.open(nc, s.sealer())
+            if state.sealer is not None:
+                state.sealer.guard = self._clock
             # A heartbeat's write lost with a restarting server is sent again well within
             # the lease, so the claim's sign of life does not lapse (jetloop.consumers.liveness).
             state.write_timeout = state.read_timeout = min(5.0, s.lease_seconds / 4)
@@ -162,7 +182,9 @@ class Worker(Service):
                 control = ControlService(
                     nc, rt.state, Control(rt.state, rt.bus), rt.history, rt.blobs
                 )
-                await control.start()
+                self._control = control
+                if self._serving.is_set():
+                    await control.start()
             try:
                 handed = await rescuer.sweep()
                 if handed:
@@ -214,6 +236,7 @@ class Worker(Service):
                     tg.create_task(loop)
                 tg.create_task(watch_lag(js, self._stopping, self._consumers()))
                 tg.create_task(self._advertise(registry, holds))
+                tg.create_task(self._watch_clock(nc))
                 watch_urls = s.nats_watch_urls
                 if watch_urls is not None:
                     tg.create_task(self._watch(rescuer, watch_urls))
@@ -230,6 +253,78 @@ class Worker(Service):
             log.info("worker.stopped", worker=self.worker_id)
         if lost:
             raise lost[0]
+
+    async def _first_clock(self, nc: Client) -> None:
+        """Measure the clock until the server answers (it may still be starting)."""
+        delay = 0.2
+        while not self._stopping.is_set():
+            try:
+                await self._clock.update(nc)
+            except Exception as exc:
+                log.warning("worker.clock_unmeasured", error=str(exc), retry_in=delay)
+                await _first(asyncio.sleep(delay), self._stopping.wait())
+                delay = min(delay * 2, 5.0)
+                continue
+            await self._clock_verdict(first=True)
+            return
+
+    async def _watch_clock(self, nc: Client) -> None:
+        """Measure the clock again every ``clock_check_seconds`` until stopped; a measurement
+        that fails (no server just now) keeps the last verdict."""
+        every = self.settings.clock_check_seconds
+        while not self._stopping.is_set():
+            await _first(asyncio.sleep(every), self._stopping.wait())
+            if self._stopping.is_set():
+                return
+            try:
+                await self._clock.update(nc)
+            except Exception as exc:
+                log.debug("worker.clock_unmeasured", error=str(exc))
+                continue
+            gated = self._clock.off and self._seals
+            if gated == self._serving.is_set():
+                await self._clock_verdict(first=False)
+            else:
+                self._clock_metrics()
+
+    def _gated(self) -> bool:
+        """Whether to take no steps: the clock was found off, or it has jumped since it was
+        last measured (seen on the monotonic clock at once; said at the next measurement)."""
+        return not self._serving.is_set() or (self._seals and self._clock.off)
+
+    def _clock_metrics(self) -> None:
+        metrics.CLOCK_OFFSET.set(self._clock.offset() or 0.0)
+        metrics.CLOCK_OFF.set(0 if self._serving.is_set() else 1)
+
+    async def _clock_verdict(self, first: bool) -> None:
+        """Serve, or stop serving, as the clock's verdict says; said once per change."""
+        now = self._clock.offset()
+        offset = round(now, 3) if now is not None else None
+        if self._clock.off and self._seals:
+            assert now is not None
+            self._serving.clear()
+            self._clock_metrics()
+            if self._control is not None:
+                await self._control.stop()
+            log.error(
+                "worker.clock_off",
+                worker=self.worker_id,
+                offset=offset,
+                limit=self._clock.limit,
+                error=f"this worker's clock is {describe(now)} the NATS server's (at most "
+                f"{self._clock.limit:g} s is safe): every record it sealed would be rejected, so "
+                "it serves no steps and no control requests until the clock is set right (NTP)",
+            )
+        elif not self._serving.is_set() or first:
+            was_off = not self._serving.is_set()
+            self._serving.set()
+            self._clock_metrics()
+            if self._control is not None:
+                await self._control.start()
+            if was_off:
+                log.warning("worker.clock_back", worker=self.worker_id, offset=offset)
+            else:
+                log.info("worker.clock", worker=self.worker_id, offset=offset)
 
     def _consumers(self) -> list[tuple[str, str]]:
         return [
@@ -321,6 +416,12 @@ class Worker(Service):
         mine = slots.running
         try:
             while not self._stopping.is_set():
+                if self._gated():
+                    # The clock is off: hand back, unstarted, what requests made before brought
+                    # (another worker takes them); ask for nothing more.
+                    for m in await intake.take(0, timeout=0.5):
+                        await _nak_quietly(m)
+                    continue
                 free = slots.limit - len(mine)
                 if free <= 0:
                     slots.freed.clear()
@@ -332,13 +433,14 @@ class Worker(Service):
                     log.warning("worker.fetch_failed", consumer=consumer, error=str(exc))
                     await _first(asyncio.sleep(0.5), self._stopping.wait())
                     continue
-                if msgs and not self._stopping.is_set():
+                if msgs and not self._stopping.is_set() and not self._gated():
                     for m in msgs:
                         holds.add(m)
                     await holds.sent()
                 for m in msgs:
-                    if self._stopping.is_set():
+                    if self._stopping.is_set() or self._gated():
                         # Not started: hand it back now, it costs no attempt.
+                        holds.drop(m)
                         await _nak_quietly(m)
                         continue
                     self._start(rt, m, handler, mine, holds, slots)

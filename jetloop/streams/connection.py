@@ -34,6 +34,21 @@ from jetloop.streams.protocol import FastParser
 
 log = LibraryLogger("jetloop.nats")
 
+# The inbox prefix of each role below ``worker`` (``jetloop.services.natsauth`` gives each
+# the right to subscribe under its own prefix only). A root of its own, not a token under
+# ``_INBOX.``: no grant on ``_INBOX.>`` (the workers' and the projector's inboxes, where
+# their pull deliveries and answers arrive) can then cover a role's inboxes, or the other
+# way round. Every other user (``worker``, anonymous, a deployment's own) keeps nats-py's
+# ``_INBOX``.
+INBOX_PREFIXES = {"client": "_INBOX_client", "operator": "_INBOX_operator"}
+DEFAULT_INBOX_PREFIX = "_INBOX"
+
+
+def inbox_prefix(user: str | None) -> str:
+    """The prefix of the inboxes a connection as ``user`` makes (its requests' answers, its
+    pull deliveries, its watchers' pushes)."""
+    return INBOX_PREFIXES.get(user or "", DEFAULT_INBOX_PREFIX)
+
 
 async def connect(
     urls: Sequence[str],
@@ -103,6 +118,9 @@ async def connect(
                 name=name,
                 user=user,
                 password=password,
+                # Every inbox the connection makes (nc.new_inbox, and nats-py's request
+                # subscription, which starts from the same prefix) is under its role's.
+                inbox_prefix=inbox_prefix(user),
                 max_reconnect_attempts=attempts,
                 # nats-py annotates these as int; they are seconds, used as floats
                 reconnect_time_wait=wait,  # type: ignore[arg-type]

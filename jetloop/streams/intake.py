@@ -23,6 +23,13 @@ room (never lost, at most briefly over its limit).
 Requests expire after a second (and are asked again at once): a process that hangs (SIGSTOP,
 a stuck loop) keeps its open requests on the server, and a message delivered into them waits
 out its lease; short requests keep that window as short as a one-second fetch kept it.
+
+What else lands in the inbox is dropped where it is read: a message that is not a delivery
+of this very consumer (a reply subject that is no ``$JS.ACK.`` subject, or whose metadata
+does not read or names another stream or consumer) never reaches the taker, which reads
+``msg.metadata`` on every delivery. Each is counted (``jetloop_foreign_messages_total``)
+and each kind is logged once per intake: whoever may publish into the inbox can neither
+end the loop that reads it nor flood the log.
 """
 
 from __future__ import annotations
@@ -35,9 +42,23 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
+from prometheus_client import Counter
 
 from jetloop.streams.connection import subscribe_inline, unsubscribe_inline
+from jetloop.streams.liblog import LibraryLogger
 from jetloop.streams.loops import running_loop
+
+log = LibraryLogger("jetloop.intake")
+
+FOREIGN = Counter(
+    "jetloop_foreign_messages_total",
+    "Messages dropped by a pull intake: not a delivery of its consumer",
+    ["stream", "kind"],
+)
+# The kinds of foreign message (the counter's ``kind``).
+NOT_JETSTREAM = "not_jetstream"  # its reply subject is no JetStream ack subject
+OTHER_CONSUMER = "other_consumer"  # an ack subject of another stream or consumer
+BAD_METADATA = "bad_metadata"  # this consumer's ack subject, with metadata that does not read
 
 STATUS = "Status"
 PENDING = "Nats-Pending-Messages"
@@ -73,6 +94,7 @@ class Intake:
         self._heard = time.monotonic()
         self._inbox = ""
         self._sub: Subscription | None = None
+        self._warned: set[str] = set()  # the kinds of foreign message logged already
 
     @classmethod
     async def ephemeral(
@@ -164,9 +186,13 @@ class Intake:
         self._heard = time.monotonic()
         status = hdr.get(STATUS) if hdr else None
         if not status:
+            msg = Msg(self.nc, subject.decode(), reply.decode(), data, hdr)
+            kind = self._foreign(msg)
+            if kind is not None:
+                self._drop(kind, msg)
+                return
             # A message names its stream subject, not its request: it counts off the total.
             self.asked = max(0, self.asked - 1)
-            msg = Msg(self.nc, subject.decode(), reply.decode(), data, hdr)
             self._ready.put_nowait(msg)
             self._woken.set()
             return
@@ -180,3 +206,33 @@ class Intake:
             # Ask again now, not at the taker's next turn: no request is open meanwhile.
             # (A refusal waits for that turn: asking again at once could spin on it.)
             self._woken.set()
+
+    def _foreign(self, msg: Msg) -> str | None:
+        """What is wrong with a message that came without a status (None: a delivery of
+        this consumer, whose metadata reads)."""
+        if not msg.reply.startswith("$JS.ACK."):
+            return NOT_JETSTREAM
+        try:
+            meta = msg.metadata  # parsed once here, kept on the message for the taker
+            int(meta.sequence.stream)
+            int(meta.num_delivered)
+        except Exception:  # any failure to read it is the same verdict: not ours
+            return BAD_METADATA
+        # (Compared as read, not as a prefix: the ack subject may carry a domain.)
+        if meta.stream != self.stream or meta.consumer != self.consumer:
+            return OTHER_CONSUMER
+        return None
+
+    def _drop(self, kind: str, msg: Msg) -> None:
+        FOREIGN.labels(self.stream, kind).inc()
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(
+                "intake.foreign_message",
+                stream=self.stream,
+                consumer=self.consumer,
+                kind=kind,
+                subject=msg.subject[:200],
+                reply=msg.reply[:200],
+                hint="dropped; more of this kind are counted, not logged",
+            )

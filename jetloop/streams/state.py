@@ -17,7 +17,7 @@ import msgpack
 from nats.aio.client import Client
 from nats.errors import ConnectionClosedError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import APIError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
@@ -102,6 +102,15 @@ class Stored(NamedTuple):
     data: bytes
     revision: int
     stored_at: float  # unix seconds, the server's clock: no publisher can set it
+    # The revision the write that stored it expected to replace (its CAS header, kept with the
+    # message by the server), None when it was written without one: a seal binds it.
+    replaced: int | None = None
+
+
+def replaced_revision(headers: dict[str, str] | None) -> int | None:
+    """The ``Nats-Expected-Last-Subject-Sequence`` a stored message was written with."""
+    text = (headers or {}).get(EXPECTED_LAST)
+    return int(text) if text is not None and text.isdigit() else None
 
 
 def stored_time(headers: dict[str, str] | None) -> float:
@@ -183,8 +192,9 @@ class StateStore:
         self._stream = f"KV_{bucket}"
         self._prefix = f"$KV.{bucket}."
         # Records whose seal verified, as decoded, by what the verdict depends on and nothing
-        # else: the key, the stored bytes and the time the server stored them (``_decode``).
-        self._verified: OrderedDict[tuple[str, bytes, float], BaseModel] = OrderedDict()
+        # else: the key, the stored bytes, the time the server stored them and the revision
+        # their write replaced (``_decode``).
+        self._verified: OrderedDict[tuple[str, bytes, float, int | None], BaseModel] = OrderedDict()
 
     @classmethod
     async def open(cls, nc: Client, sealer: Sealer | None = None) -> StateStore:
@@ -195,13 +205,15 @@ class StateStore:
         direct = bool(info.config.allow_direct)
         return cls(js, kv, sealer, direct=nc if direct else None, allow_direct=direct)
 
-    def _encode(self, key: str, value: BaseModel) -> bytes:
+    def _encode(self, key: str, value: BaseModel, replaces: int) -> bytes:
+        """``value``'s stored bytes, sealed to be written over revision ``replaces`` (0: a
+        key with no value) of ``key``."""
         if self.sealer is None:
             return encode(value)
         data = value.model_dump(mode="json", exclude_none=True)
         data.pop(SEAL_FIELD, None)
         body: bytes = msgpack.packb(data, use_bin_type=True)  # what the seal covers
-        return with_seal(body, len(data), self.sealer.seal_packed(key, body))
+        return with_seal(body, len(data), self.sealer.seal_packed(key, body, replaces))
 
     def _decode(self, model: type[R], key: str, raw: Stored, verify: bool) -> R:
         if self.sealer is None or not verify:
@@ -212,7 +224,7 @@ class StateStore:
         # verified nor validated a second time. Only verified records are remembered, and
         # every reader gets a copy of its own (records are never changed in place: a change
         # is a ``model_copy`` with its update, written back).
-        seen = (key, raw.data, raw.stored_at)
+        seen = (key, raw.data, raw.stored_at, raw.replaced)
         known = self._verified.get(seen)
         if known is not None and type(known) is model:
             return _copy_of(known)
@@ -223,7 +235,7 @@ class StateStore:
         if not isinstance(data, dict):
             raise SealBroken(key, "it is not a record")
         if known is None:
-            why = self.sealer.verify(key, data, raw.stored_at)
+            why = self.sealer.verify(key, data, raw.stored_at, raw.replaced)
             if why is not None:
                 raise SealBroken(key, why)
         try:
@@ -244,7 +256,9 @@ class StateStore:
             found = await self._gets.last(self._stream, subject, self.read_timeout)
             if found is None or found.headers.get("KV-Operation") in ("DEL", "PURGE"):
                 return None
-            return Stored(found.data, found.seq, stored_time(found.headers))
+            return Stored(
+                found.data, found.seq, stored_time(found.headers), replaced_revision(found.headers)
+            )
         try:
             async with asyncio.timeout(self.read_timeout):
                 msg = await self.js.get_msg(self._stream, subject=subject, direct=self.allow_direct)
@@ -253,7 +267,7 @@ class StateStore:
         if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or msg.data is None:
             return None
         at = msg.time.timestamp() if msg.time is not None else stored_time(msg.headers)
-        return Stored(msg.data, msg.seq or 0, at)
+        return Stored(msg.data, msg.seq or 0, at, replaced_revision(msg.headers))
 
     async def _raw_many(self, keys: Sequence[str]) -> dict[str, Stored]:
         """The current value and revision of every key that has one, in one request."""
@@ -273,7 +287,7 @@ class StateStore:
             if m.headers.get("KV-Operation") in ("DEL", "PURGE"):
                 continue
             out[m.subject.removeprefix(self._prefix)] = Stored(
-                m.data, m.seq, stored_time(m.headers)
+                m.data, m.seq, stored_time(m.headers), replaced_revision(m.headers)
             )
         return out
 
@@ -335,22 +349,41 @@ class StateStore:
         raw = await self._raw_many(keys)
         return [self._typed(CallRecord, k, raw.get(k)) for k in keys]
 
-    async def _create_raw(self, key: str, data: bytes) -> int:
+    async def _create(self, key: str, value: BaseModel, sent: list[bytes]) -> int:
+        """Write ``value`` at ``key`` if it has no value: over nothing, or over the tombstone
+        a deleted value left (sealed anew for that revision: a seal names what it replaces)."""
+        data = self._encode(key, value, 0)
+        sent.append(data)
         try:
             return await self._cas(key, data, 0)
         except Conflict:
             pass
-        # The key has a value, or had one that was deleted: nats-py's create tells them
-        # apart (a deleted key is created over its tombstone).
+        tombstone = await self._tombstone(key)
+        if tombstone is None:
+            raise Conflict(key, None)  # the key has a value
+        data = self._encode(key, value, tombstone)
+        sent.append(data)
         try:
-            async with asyncio.timeout(self.write_timeout):
-                rev: int = await self.kv.create(key, data)
-        except KeyWrongLastSequenceError as exc:
-            raise Conflict(key, None) from exc
-        return rev
+            return await self._cas(key, data, tombstone)
+        except Conflict:
+            raise Conflict(key, None) from None
 
-    async def _update_raw(self, key: str, data: bytes, revision: int) -> int:
-        return await self._cas(key, data, revision)
+    async def _tombstone(self, key: str) -> int | None:
+        """The revision of ``key``'s last message when that is a delete or purge marker."""
+        subject = self._prefix + key
+        if self._gets is not None:
+            found = await self._gets.last(self._stream, subject, self.read_timeout)
+            if found is not None and found.headers.get("KV-Operation") in ("DEL", "PURGE"):
+                return found.seq
+            return None
+        try:
+            async with asyncio.timeout(self.read_timeout):
+                msg = await self.js.get_msg(self._stream, subject=subject, direct=self.allow_direct)
+        except NotFoundError:
+            return None
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+            return msg.seq
+        return None
 
     async def _cas(self, key: str, data: bytes, revision: int) -> int:
         """One CAS publish into the bucket's stream (what ``kv.update`` sends, without its
@@ -384,12 +417,12 @@ class StateStore:
         async def once() -> int:
             nonlocal tried
             again, tried = tried, True
-            data = self._encode(key, value)
-            sent.append(data)
             try:
                 if revision is None:
-                    return await self._create_raw(key, data)
-                return await self._update_raw(key, data, revision)
+                    return await self._create(key, value, sent)
+                data = self._encode(key, value, revision)
+                sent.append(data)
+                return await self._cas(key, data, revision)
             except Conflict:
                 if again and (rev := await landed()) is not None:
                     return rev  # our earlier try landed; its answer was lost
@@ -436,7 +469,7 @@ class StateStore:
             for m in found:
                 if m.headers.get("KV-Operation") not in ("DEL", "PURGE"):
                     out[m.subject.removeprefix(self._prefix)] = Stored(
-                        m.data, m.seq, stored_time(m.headers)
+                        m.data, m.seq, stored_time(m.headers), replaced_revision(m.headers)
                     )
             return out, left
         keys = await self.keys(pattern)

@@ -64,13 +64,16 @@ from jetloop.consumers.control import dump
 from jetloop.schemas.errors import TurnFailed
 from jetloop.services.client import Client
 from jetloop.services.gateway import console, hooks, sse
+from jetloop.services.gateway.browser import browser_rules, json_writes
 from jetloop.services.gateway.config import GatewayConfig, Scope, exposure_error, is_loopback
 from jetloop.services.gateway.guard import ConnectionGuard
 from jetloop.services.gateway.http import (
+    AUTH_FAILURES,
     CONFIG,
     METRICS,
     SCOPES,
     TOKENS,
+    AuthFailures,
     Handler,
     Metrics,
     Problem,
@@ -131,7 +134,7 @@ async def send_message(request: web.Request) -> web.Response:
     agent, session = path_name(request, "agent"), path_name(request, "session")
     query = read_query(request, MessageQuery)
     key = request.headers.get("Idempotency-Key")
-    if key is not None and not REQUEST_ID_RE.match(key):
+    if key is not None and not REQUEST_ID_RE.fullmatch(key):
         raise Problem(422, "invalid Idempotency-Key", "1-200 printable ASCII characters, no spaces")
     body = await read_body(request, MessageIn)
     client = request.app[CLIENT]
@@ -197,7 +200,7 @@ async def get_turn(request: web.Request) -> web.Response:
 async def stream_events(request: web.Request) -> web.StreamResponse:
     session = path_name(request, "session")
     raw = request.headers.get("Last-Event-ID") or request.query.get("after") or "0"
-    if not SEQ_RE.match(raw):
+    if not SEQ_RE.fullmatch(raw):
         raise Problem(400, "invalid Last-Event-ID", "a JL_EVENTS stream sequence (digits)")
     app = request.app
     app[METRICS].streams.inc()
@@ -443,13 +446,15 @@ def make_app(config: GatewayConfig, nats_urls: Sequence[str] | str) -> web.Appli
     if isinstance(nats_urls, str):
         nats_urls = [u.strip() for u in nats_urls.split(",") if u.strip()]
     app = web.Application(
-        client_max_size=config.max_body_bytes, middlewares=[measure, problems, auth, body_deadline]
+        client_max_size=config.max_body_bytes,
+        middlewares=[measure, problems, browser_rules, auth, json_writes, body_deadline],
     )
     app[CONFIG] = config
     app[NATS_URLS] = tuple(nats_urls)
     app[TOKENS] = {digest(token): grant for token, grant in config.tokens.items()}
     app[SCOPES] = {r.name: r.scope for r in ROUTES}
     app[METRICS] = Metrics()
+    app[AUTH_FAILURES] = AuthFailures(config.max_auth_failures, config.auth_failure_window_seconds)
     app[STOPPING] = asyncio.Event()
     app[NATS_CLOSED] = asyncio.Event()
     for r in ROUTES:

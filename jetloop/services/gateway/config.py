@@ -4,8 +4,8 @@ Plain pydantic models, so the gateway can be built from ``Settings`` (``JETLOOP_
 variables, JSON for the structured ones) or directly in tests. Secrets never show in a
 ``repr`` or a log line.
 
-    JETLOOP_GATEWAY_TOKENS='{"s3cret": {"name": "alice", "scopes": ["read", "write"]},
-                            "ro-token": ["read"]}'
+    JETLOOP_GATEWAY_TOKENS='{"<32+ random characters>": {"name": "alice", "scopes": ["read"]},
+                            "<another>": ["read"]}'
     JETLOOP_GATEWAY_HOOKS='{"github": {"agent": "demo", "session": "gh-{payload.repository.name}",
                            "secret": "…", "scheme": "github"}}'
 """
@@ -14,11 +14,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import ipaddress
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    model_validator,
+)
 
 from jetloop.streams.seal import Sealer
 
@@ -33,6 +42,42 @@ class TokenGrant(BaseModel):
 
     name: str = Field("api", min_length=1, max_length=100)
     scopes: frozenset[Scope] = frozenset()
+
+
+def fingerprint(secret: str) -> str:
+    """What names a secret in a message: the start of its SHA-256, never its text."""
+    return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()[:8]
+
+
+# A token is a password anyone who reaches the gateway may guess: short ones are refused at
+# start. 16 characters is the floor; 32 random ones (about 190 bits) are what to use.
+MIN_TOKEN_LENGTH = 16
+MAKE_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+def _short_grants(v: Any) -> Any:
+    """``{"token": ["read"]}`` is short for ``{"token": {"scopes": ["read"]}}``."""
+    if isinstance(v, dict):
+        return {k: {"scopes": g} if isinstance(g, list | tuple | set) else g for k, g in v.items()}
+    return v
+
+
+def _long_enough(tokens: dict[str, TokenGrant]) -> dict[str, TokenGrant]:
+    # Raised on the whole table, not on its key: an error on the key would repeat the token.
+    for token in tokens:
+        if len(token) < MIN_TOKEN_LENGTH:
+            raise ValueError(
+                f"the token {fingerprint(token)} has {len(token)} characters; a token needs at "
+                f"least {MIN_TOKEN_LENGTH} (make one with: {MAKE_TOKEN})"
+            )
+    return tokens
+
+
+# Bearer tokens and their grants, as ``JETLOOP_GATEWAY_TOKENS`` and the gateway's config both
+# read them: the shorthand expanded, short tokens refused.
+Tokens = Annotated[
+    dict[str, TokenGrant], BeforeValidator(_short_grants), AfterValidator(_long_enough)
+]
 
 
 class HookTrigger(BaseModel):
@@ -71,7 +116,7 @@ class GatewayConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     # Keyed by the token itself; hidden from repr so a logged config leaks nothing.
-    tokens: dict[str, TokenGrant] = Field(default_factory=dict, repr=False)
+    tokens: Tokens = Field(default_factory=dict, repr=False)
     # Scopes of a request without a token (e.g. all three for `jetloop up` on loopback).
     anonymous_scopes: frozenset[Scope] = frozenset()
     hooks: dict[str, HookTrigger] = Field(default_factory=dict, repr=False)
@@ -87,22 +132,16 @@ class GatewayConfig(BaseModel):
     header_timeout_seconds: float = Field(10.0, gt=0)
     body_timeout_seconds: float = Field(30.0, gt=0)
     max_connections: int = Field(1000, ge=1)
+    # Token guessing (jetloop.services.gateway.http.AuthFailures): an address that sent this
+    # many unknown tokens is answered 429 until the window that began with its first ends.
+    max_auth_failures: int = Field(20, ge=1)
+    auth_failure_window_seconds: float = Field(60.0, gt=0)
     # Seals the turn and call records the gateway writes (cancel, reconcile) like a
     # worker's: an unsealed one would fail its turn as not trusted.
     sealer: Sealer | None = Field(None, repr=False, exclude=True)
     # Without a sealer: serve state read unchecked (JETLOOP_READ_UNVERIFIED), or refuse
     # every read of it (503, naming JETLOOP_SEAL_KEY).
     read_unverified: bool = False
-
-    @field_validator("tokens", mode="before")
-    @classmethod
-    def _short_grants(cls, v: Any) -> Any:
-        """``{"token": ["read"]}`` is short for ``{"token": {"scopes": ["read"]}}``."""
-        if isinstance(v, dict):
-            return {
-                k: {"scopes": g} if isinstance(g, list | tuple | set) else g for k, g in v.items()
-            }
-        return v
 
     @classmethod
     def from_settings(cls, settings: object) -> GatewayConfig:

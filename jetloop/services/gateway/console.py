@@ -119,7 +119,7 @@ async def stream_all(request: web.Request) -> web.StreamResponse:
     js = app[CLIENT].js
     if raw is None:
         after = (await js.stream_info(topology.EVENTS_STREAM)).state.last_seq
-    elif SEQ_RE.match(raw):
+    elif SEQ_RE.fullmatch(raw):
         after = int(raw)
     else:
         raise Problem(400, "invalid Last-Event-ID", "a JL_EVENTS stream sequence (digits)")

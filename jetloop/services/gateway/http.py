@@ -2,7 +2,8 @@
 
 Middlewares, outermost first: ``measure`` (Prometheus counts and latency, by route
 template), ``problems`` (every error → ``application/problem+json``, RFC 9457), ``auth``
-(the route's scope, from the app's scope table, against the bearer token's grant),
+(the route's scope, from the app's scope table, against the bearer token's grant; an address
+that sent too many unknown tokens is refused before its token is looked at, ``AuthFailures``),
 ``body_deadline`` (the body read under a deadline).
 Handlers raise ``Problem`` for their own errors and let ``ControlError``, aiohttp's
 ``HTTPException`` and NATS outages through: ``problems`` answers them all the same way.
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
+import math
 import re
 import sqlite3
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -34,6 +38,7 @@ from jetloop.schemas.errors import (
     UnknownTurn,
 )
 from jetloop.services.gateway.config import GatewayConfig, Scope, TokenGrant
+from jetloop.streams.clock import CHECK_EVERY, ClockOff
 from jetloop.streams.connection import TRANSIENT, PayloadTooLarge
 
 log = structlog.get_logger("jetloop.gateway")
@@ -69,6 +74,7 @@ class Problem(Exception):
         detail: str | None = None,
         *,
         headers: Mapping[str, str] | None = None,
+        close: bool = False,
         **extra: Any,
     ) -> None:
         super().__init__(f"{status} {title}: {detail}")
@@ -76,6 +82,7 @@ class Problem(Exception):
         self.title = title
         self.detail = detail
         self.headers = dict(headers or {})
+        self.close = close  # end the connection after the answer (aiohttp says so in its header)
         self.extra = extra
 
     def response(self) -> web.Response:
@@ -87,9 +94,12 @@ class Problem(Exception):
         if self.detail:
             body["detail"] = self.detail
         body.update(self.extra)
-        return web.json_response(
+        resp = web.json_response(
             body, status=self.status, content_type="application/problem+json", headers=self.headers
         )
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 def from_http(request: web.Request, exc: web.HTTPException) -> web.Response:
@@ -136,6 +146,12 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
         return Problem(404, "no such turn", f"{exc.session_id}/{exc.turn_id}").response()
     except SealKeyMissing as exc:
         return Problem(503, "state cannot be verified", str(exc)).response()
+    except ClockOff as exc:
+        # The gateway's own clock: it decides nothing until the clock is set right.
+        log.error("gateway.clock_off", error=str(exc), offset=round(exc.offset, 3))
+        return Problem(
+            503, "clock off", str(exc), headers={"Retry-After": str(int(CHECK_EVERY))}
+        ).response()
     except RecordNotTrusted as exc:
         return Problem(409, "record not trusted", str(exc)).response()
     except PayloadTooLarge as exc:
@@ -184,6 +200,13 @@ class Metrics:
         self.streams = Gauge(
             "jetloop_gateway_event_streams", "Open SSE streams", registry=self.registry
         )
+        self.auth_refused = Counter(
+            "jetloop_gateway_auth_refused",
+            "Requests refused for their bearer token: unknown (401), or from an address that "
+            "sent too many unknown ones (429, the token not looked at)",
+            ["reason"],
+            registry=self.registry,
+        )
 
 
 CONFIG = web.AppKey("config", GatewayConfig)
@@ -194,6 +217,78 @@ GRANT = web.RequestKey("grant", TokenGrant)
 
 
 # --- auth ------------------------------------------------------------------------------
+
+
+class AuthFailures:
+    """Unknown bearer tokens counted per client address, so tokens cannot be guessed fast.
+
+    An address's window opens with its first unknown token and lasts ``window`` seconds; once
+    it has sent ``limit`` unknown tokens in it, every request of that address that carries an
+    ``Authorization`` header is answered 429 (``Retry-After``: the rest of the window) without
+    looking at the token, and the connection is closed. The next unknown token after the
+    window opens a new one: at most ``limit`` guesses per window per address, whatever the
+    rate. Requests without a token and open routes are not affected; a known token does not
+    reset the count (else a valid ``read`` token would let its holder guess ``approve`` ones).
+
+    IPv6 addresses count by their /64, which one host usually holds whole. At most ``capacity``
+    addresses are remembered, the least recently failed one forgotten first, so memory stays
+    bounded however many addresses try. Behind a reverse proxy every client has the proxy's
+    address, and one guesser locks the others out: limit there instead.
+    """
+
+    def __init__(
+        self,
+        limit: int,
+        window: float,
+        capacity: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limit = limit
+        self.window = window
+        self.capacity = capacity
+        self.clock = clock
+        # address -> (when its window opened, unknown tokens in it), least recent first
+        self.seen: OrderedDict[str, tuple[float, int]] = OrderedDict()
+
+    @staticmethod
+    def key(remote: str | None) -> str:
+        if remote is None:
+            return "unknown"
+        try:
+            ip = ipaddress.ip_address(remote)
+        except ValueError:
+            return remote
+        if isinstance(ip, ipaddress.IPv6Address):
+            if ip.ipv4_mapped is not None:
+                return str(ip.ipv4_mapped)
+            return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+        return str(ip)
+
+    def blocked(self, key: str) -> float | None:
+        """Seconds until ``key`` may try again, or None when it may now."""
+        entry = self.seen.get(key)
+        if entry is None:
+            return None
+        opened, failures = entry
+        left = opened + self.window - self.clock()
+        if left <= 0:
+            del self.seen[key]
+            return None
+        return left if failures >= self.limit else None
+
+    def failed(self, key: str) -> bool:
+        """Count an unknown token from ``key``; True when this one reached the limit."""
+        now = self.clock()
+        opened, failures = self.seen.pop(key, (now, 0))
+        if now - opened >= self.window:
+            opened, failures = now, 0
+        self.seen[key] = (opened, failures + 1)  # last: the most recent
+        while len(self.seen) > self.capacity:
+            self.seen.popitem(last=False)
+        return failures + 1 == self.limit
+
+
+AUTH_FAILURES = web.AppKey("auth_failures", AuthFailures)
 
 
 def digest(token: str) -> bytes:
@@ -251,8 +346,43 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     name = request.match_info.route.name
     scope = request.app[SCOPES].get(name) if name else None
     if scope is not None:
-        request[GRANT] = authorize(request, scope)
+        request[GRANT] = guarded(request, scope)
     return await handler(request)
+
+
+def guarded(request: web.Request, scope: Scope) -> TokenGrant:
+    """``authorize``, unless the client's address is refused for guessing (429); an unknown
+    token is counted. Both answers close the connection: each guess costs a new one."""
+    app = request.app
+    if "Authorization" not in request.headers:
+        return authorize(request, scope)
+    failures = app[AUTH_FAILURES]
+    key = failures.key(request.remote)
+    wait = failures.blocked(key)
+    if wait is not None:
+        app[METRICS].auth_refused.labels("too_many_failures").inc()
+        raise Problem(
+            429,
+            "too many unknown tokens",
+            f"this address sent {failures.limit} unknown tokens within "
+            f"{failures.window:g} s; try again in {math.ceil(wait)} s",
+            headers={"Retry-After": str(math.ceil(wait))},
+            close=True,
+        )
+    try:
+        return authorize(request, scope)
+    except Problem as p:
+        if p.status == 401 and p.title == "invalid token":
+            app[METRICS].auth_refused.labels("unknown_token").inc()
+            p.close = True
+            if failures.failed(key):
+                log.warning(
+                    "gateway.auth_limited",
+                    remote=key,
+                    failures=failures.limit,
+                    seconds=failures.window,
+                )
+        raise
 
 
 @web.middleware
@@ -301,7 +431,8 @@ async def measure(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 def path_name(request: web.Request, key: str, pattern: re.Pattern[str] = NAME_RE) -> str:
     value = request.match_info[key]
-    if not pattern.match(value):
+    # fullmatch: `$` alone would let a trailing newline through (%0A in the path).
+    if not pattern.fullmatch(value):
         raise Problem(
             422, f"invalid {key.replace('_', ' ')}", f"{value!r} does not match {pattern.pattern}"
         )

@@ -372,10 +372,12 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 PROBLEMS = {
     "400": "bad request",
     "401": "no token, or an unknown one",
-    "403": "the token lacks the scope",
+    "403": "the token lacks the scope, or (without a token) a page of another origin sent it",
     "404": "not found",
     "409": "conflict with the current state",
     "413": "request body too large",
+    "415": "the body is not application/json",
+    "421": "without a token: the Host is not this gateway's loopback address",
     "422": "invalid request",
     "503": "NATS or the read model is not available, or state cannot be verified",
 }
@@ -391,11 +393,14 @@ def _op(
     body: type[BaseModel] | None = None,
     body_required: bool = True,
     problems: tuple[str, ...] = ("400", "404", "422"),
+    signed: bool = False,
 ) -> dict[str, Any]:
     responses: dict[str, Any] = dict(ok)
     errs = list(problems) + (["401", "403"] if scope else [])
+    if not signed:  # jetloop.services.gateway.browser: every route but a webhook
+        errs.append("421")
     if body is not None:
-        errs.append("413")
+        errs += ["413", "415"]
     for code in sorted(set(errs)):
         responses[code] = {
             "description": PROBLEMS[code],
@@ -571,6 +576,7 @@ def openapi_document() -> dict[str, Any]:
                     {"202": _json(_ref("HookOut"), "accepted (a replayed id is a duplicate)")},
                     params=[_path("trigger"), *hook_headers],
                     problems=("400", "401", "404", "413", "422"),
+                    signed=True,
                 ),
                 "requestBody": {
                     "required": True,

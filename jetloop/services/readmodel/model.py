@@ -27,6 +27,7 @@ is ``planned`` when the model asked for it, then ``awaiting_approval`` / ``appro
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,6 +223,30 @@ def _session_of(subject: str) -> str | None:
     return parts[2]
 
 
+# SQLite makes the -wal and -shm files with the database file's permissions.
+SIDE_FILES = ("", "-wal", "-shm", "-journal")
+
+
+def owner_only(path: Path) -> None:
+    """The read model holds every conversation: its file is made 0600 before SQLite opens it
+    (so the -wal and -shm files SQLite makes beside it are 0600 too), and one made before
+    that, with wider permissions, is tightened if it is ours."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        return
+    except FileExistsError:
+        pass
+    for suffix in SIDE_FILES:
+        side = path.with_name(path.name + suffix)
+        try:
+            st = side.stat()
+            if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+                side.chmod(0o600)
+                log.info("readmodel.made_private", path=str(side), was=oct(st.st_mode & 0o777))
+        except FileNotFoundError:
+            continue
+
+
 def _like(q: str) -> str:
     escaped = q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
     return f"%{escaped}%"
@@ -245,6 +270,7 @@ class ReadModel:
             db = await aiosqlite.connect(f"file:{path}?mode=rw", uri=True, isolation_level=None)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
+            owner_only(path)
             db = await aiosqlite.connect(path, isolation_level=None)
         try:
             db.row_factory = aiosqlite.Row

@@ -12,6 +12,13 @@ again to deliver from the stored position + 1. Otherwise a batch fetched but nev
 committed by a killed run would wait out its ack-wait while newer messages went first, and
 the skip rule would then pass over it for good.
 
+The consumer is checked too: a reader without the right to pull or ack it may still change
+it (nats-server takes a consumer's name in the body of an ephemeral create, and updates the
+consumer so named: ``jetloop.services.natsauth``), e.g. to filter out what it should
+project. Every subject of ``JL_EVENTS`` is the projector's, so its deliveries follow each
+other without gaps: a gap, or a quiet spell, makes it read its consumer's config, and one
+that is not its own (or gone) is made again from SQLite's position, so nothing is missed.
+
 A batch SQLite refuses (locked past the busy timeout, disk full, a broken file) rolls back
 and ``run()`` raises: its owner starts a new projector on a fresh connection, which resumes
 from what SQLite holds (``jetloop up``'s supervisor, or ``run_projector`` alone).
@@ -37,6 +44,7 @@ from pathlib import Path
 import click
 import structlog
 from nats.aio.client import Client as Nats
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
@@ -54,6 +62,24 @@ from jetloop.streams.intake import Intake
 log = structlog.get_logger("jetloop.projector")
 
 DEFAULT_DURABLE = "jl_projector"
+EVENTS_FILTER = "jl.event.>"  # every subject of JL_EVENTS
+QUIET_CHECK = 5  # quiet takes (of a second) between looks at the consumer's config
+
+
+def _gap(position: int, msgs: list[Msg]) -> bool:
+    """Whether the deliveries after ``position`` skip a stream sequence (the filter covers
+    the whole stream: only a message deleted from it, or a consumer changed, leaves one)."""
+    expected = position + 1
+    for m in msgs:
+        seq = m.metadata.sequence.stream
+        if seq <= position:
+            continue  # a redelivery, skipped by the model
+        if seq != expected:
+            return True
+        expected = seq + 1
+    return False
+
+
 DEFAULT_DB = Path(".jetloop/readmodel.sqlite")
 
 
@@ -150,7 +176,7 @@ class Projector(Service):
                 durable_name=self.durable,
                 name=self.durable,
                 description="jetloop read model projector",
-                filter_subject="jl.event.>",
+                filter_subject=EVENTS_FILTER,
                 deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
                 opt_start_seq=position + 1,
                 # Batches are applied in order, so acking the last settles the batch.
@@ -169,6 +195,7 @@ class Projector(Service):
     async def _consume(self, js: JetStreamContext, sub: Intake, model: ReadModel) -> bool:
         """Apply batches until stopped; True when done (stopped, or caught up in burst)."""
         failures = 0
+        quiet = 0
         while not self._stopping.is_set():
             try:
                 msgs = await sub.take(self.batch, timeout=1.0)
@@ -183,7 +210,13 @@ class Projector(Service):
             if not msgs:
                 if self.burst and await self._caught_up(js):
                     return True
+                quiet += 1
+                if quiet % QUIET_CHECK == 0 and not await self._consumer_is_ours(js):
+                    return False  # subscribe again, from SQLite's position
                 continue
+            quiet = 0
+            if _gap(self.position, msgs) and not await self._consumer_is_ours(js):
+                return False  # what the gap hid is delivered by the consumer made again
             batch = [Incoming(m.metadata.sequence.stream, m.subject, m.data) for m in msgs]
             await self.faults.point("projector.before_commit")
             done = await model.apply(batch)
@@ -204,6 +237,33 @@ class Projector(Service):
             if self.burst and len(msgs) < self.batch and await self._caught_up(js):
                 return True
         return True
+
+    async def _consumer_is_ours(self, js: JetStreamContext) -> bool:
+        """Whether the durable is still as made (False when gone or changed; True when that
+        cannot be told now: read on)."""
+        try:
+            info = await js.consumer_info(topology.EVENTS_STREAM, self.durable)
+        except NotFoundError:
+            log.warning("projector.consumer_gone", durable=self.durable)
+            return False
+        except (TimeoutError, NatsError):
+            return True
+        cfg = info.config
+        if (
+            cfg.durable_name == self.durable
+            and cfg.filter_subject == EVENTS_FILTER
+            and not cfg.filter_subjects
+            and cfg.ack_policy == api.AckPolicy.ALL
+        ):
+            return True
+        log.warning(
+            "projector.consumer_changed",
+            durable=self.durable,
+            filter=cfg.filter_subject or cfg.filter_subjects,
+            durable_name=cfg.durable_name,
+            hint="made again from the read model's position; someone else changed it",
+        )
+        return False
 
     async def _caught_up(self, js: JetStreamContext) -> bool:
         try:

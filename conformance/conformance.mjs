@@ -4,10 +4,12 @@
 //
 // Against `jetloop up` (the demo agent): publish a turn (JSON body, scoped Nats-Msg-Id), a
 // duplicate, follow the session's events to the answer, a turn held for approval and approved
-// over jl.control.approve, a snapshot over jl.control.snapshot, the turn record from the
-// jl_state bucket, an answer too large to travel inline fetched from jl_blobs, and dead
-// letters (an invalid body, an unscoped request id). Prints one JSON line per check and exits
-// 0 when all pass; 1 (with the reason) otherwise. tests/test_conformance.py runs it.
+// over jl.control.approve (the same decision again returns it, a conflicting one is 409), a
+// snapshot over jl.control.snapshot, the turn record from the jl_state bucket, an answer too
+// large to travel inline fetched from jl_blobs, and dead letters (an invalid body, an unscoped
+// request id, a body that is neither msgpack nor JSON, with its headers kept). Prints one JSON
+// line per check and exits 0 when all pass; 1 (with the reason) otherwise.
+// tests/test_conformance.py runs it.
 
 import { decode } from "@msgpack/msgpack";
 import { AckPolicy, jetstream, jetstreamManager } from "@nats-io/jetstream";
@@ -45,9 +47,10 @@ const enc = new TextEncoder();
 const dec = new TextDecoder();
 
 // --- Sending: jl.turn.<agent>.<session>, Nats-Msg-Id = <session>.<request id> -------------
-async function send(requestId, body, msgId = `${session}.${requestId}`) {
+async function send(requestId, body, msgId = `${session}.${requestId}`, extra = {}) {
   const h = headers();
   h.set("Nats-Msg-Id", msgId);
+  for (const [k, v] of Object.entries(extra)) h.set(k, v);
   const data = typeof body === "string" ? enc.encode(body) : enc.encode(JSON.stringify(body));
   return js.publish(`jl.turn.${agent}.${session}`, data, { headers: h });
 }
@@ -141,8 +144,14 @@ try {
     by: "node",
   });
   check("approve", decided.ok === true && decided.result.status === "approved", { reply: decided });
-  const repeat = await control("reject", { session_id: session, approval_id: asked.data.approval_id });
-  check("first decision wins", repeat.ok === true && repeat.result.status === "approved");
+  // Every request is idempotent and the first decision wins: the same decision again returns
+  // the recorded one; another one is 409 (not possible now: already decided otherwise).
+  const repeat = await control("approve", { session_id: session, approval_id: asked.data.approval_id });
+  check("same decision repeats", repeat.ok === true && repeat.result.status === "approved" &&
+    repeat.result.decided_by === "node", { reply: repeat });
+  const conflict = await control("reject", { session_id: session, approval_id: asked.data.approval_id });
+  check("conflicting decision is 409", conflict.ok === false && conflict.error?.status === 409,
+    { reply: conflict });
   const done2 = await ended(tid2);
   check("approved call ran", done2.type === "turn.completed" && /close_ticket/.test(done2.data.text ?? ""));
   const outcome = events.find((e) => e.body.type === "call.outcome" && e.body.turn_id === tid2);
@@ -176,14 +185,16 @@ try {
   const blob = await (await new Objm(nc).open("jl_blobs")).getBlob(ref.blob);
   check("blob", blob.length === ref.size && dec.decode(blob).includes(big));
 
-  // 5. Dead letters: an invalid body, and an unscoped request id.
+  // 5. Dead letters: an invalid body, an unscoped request id, and a body that is neither
+  // msgpack nor JSON (its first byte is not `{`) with a header of our own.
   await send("bad-body", { text: 5 });
   // Unique per run, or the stream itself would drop it as a repeat of an earlier run's: the
   // very collision the scoped form prevents.
   await send("unscoped", { text: "never runs" }, `r-4-of-${session}`);
+  await send("not-msgpack", "plain text, not msgpack", undefined, { "X-Conformance": "kept" });
   const dead = [];
   const deadConsumer = await ephemeral("JL_DEAD", `jl.dead.jl.turn.${agent}.${session}`);
-  while (dead.length < 2) {
+  while (dead.length < 3) {
     const m = await deadConsumer.next({ expires: Math.min(5000, left()) });
     if (m) dead.push(m);
   }
@@ -192,9 +203,18 @@ try {
     "dead letters",
     dead.every((m) => m.headers.get("Jl-Dead-Stream") === "JL_TURNS") &&
       dead.every((m) => m.headers.get("Jl-Dead-Subject") === `jl.turn.${agent}.${session}`) &&
-      /TurnRequest invalid at text/.test(reasons[0]) &&
-      reasons[1].includes(`${session}.<request id>`),
+      reasons.some((r) => /TurnRequest invalid at text/.test(r)) &&
+      reasons.some((r) => r.includes(`${session}.<request id>`)),
     { reasons },
+  );
+  // Original headers are kept; the original Nats-Msg-Id as Jl-Dead-Msg-Id.
+  const text = dead.find((m) => m.headers.get("Jl-Dead-Msg-Id") === `${session}.not-msgpack`);
+  const why = text?.headers.get("Jl-Dead-Reason") ?? "";
+  check(
+    "dead letter keeps headers",
+    text?.headers.get("X-Conformance") === "kept" && dec.decode(text.data) === "plain text, not msgpack" &&
+      /^body is not msgpack: \S/.test(why),
+    { reason: why },
   );
   console.log(JSON.stringify({ conformance: "passed", session }));
 } catch (err) {

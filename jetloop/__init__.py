@@ -20,61 +20,11 @@ Errors (catch ``JetloopError`` for all of them)::
     └── SettingsError           a setting has a wrong value
 """
 
-from jetloop.agents import (
-    Agent,
-    App,
-    Effect,
-    Limits,
-    MalformedToolCall,
-    Message,
-    ModelAdapter,
-    ModelError,
-    ModelRequest,
-    ModelResponse,
-    ProviderError,
-    ProviderRejected,
-    ProviderRetryable,
-    RetryableToolError,
-    ScriptedModel,
-    TaskDone,
-    TaskFailed,
-    TaskPending,
-    Tool,
-    ToolCallRequest,
-    ToolContext,
-    ToolError,
-    ToolSpec,
-    Trigger,
-    adapter_from_spec,
-    ask_user,
-    delegate,
-    load_app,
-    task_tool,
-    tool,
-    wait,
-)
-from jetloop.agents.tools import Found, NotFound
-from jetloop.consumers import TOOL_CALL_NOT_RUN_ERROR_PREFIX
-from jetloop.consumers.control import ControlError
-from jetloop.consumers.snapshot import CallView, SessionSnapshot
-from jetloop.consumers.turns import TurnDetail, TurnPage, TurnSummary
-from jetloop.schemas import Event, EventType, TurnRecord, TurnStatus
-from jetloop.schemas.errors import (
-    JetloopError,
-    RecordNotTrusted,
-    SealError,
-    SealKeyMissing,
-    TurnFailed,
-    UnknownAgent,
-    UnknownId,
-    UnknownSession,
-    UnknownTurn,
-)
-from jetloop.services.client import Client, TurnHandle, TurnResult
-from jetloop.services.embedded import EmbeddedServer
-from jetloop.services.settings import Settings, SettingsError, load_settings
-from jetloop.services.worker import Worker
-from jetloop.streams.connection import NotAuthorized
+# ruff: noqa: F405  (the names of __all__ come from jetloop._face)
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from jetloop._face import *  # noqa: F403  (for the type checker: imported when first asked)
 
 __all__ = [
     "TOOL_CALL_NOT_RUN_ERROR_PREFIX",
@@ -140,3 +90,20 @@ __all__ = [
     "tool",
     "wait",
 ]
+
+
+
+if not _typing.TYPE_CHECKING:  # the type checker reads the names from jetloop._face
+
+    def __getattr__(name: str) -> object:
+        """A name of ``__all__``, from ``jetloop._face`` (imported on the first one asked)."""
+        if name not in __all__:
+            raise AttributeError(f"module 'jetloop' has no attribute {name!r}")
+        from jetloop import _face
+
+        value = getattr(_face, name)
+        globals()[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

@@ -5,29 +5,51 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from jetloop.demo.agent import app as demo_app
-from jetloop.demo.vendor import Vendor
-from jetloop.services.client import Client
-from jetloop.services.embedded import EmbeddedServer
-from jetloop.services.natsauth import system_account
 from jetloop.services.settings import Settings
-from jetloop.streams import topology
-from jetloop.streams.connection import connect, retrying
-from jetloop.streams.registry import Registry
-from jetloop.tooling.trials.harness import WorkerProcess
-from tests.apps import app as test_app
 
 # Checkpoints are sealed in every test, as `jetloop up` seals them; the test process
 # (clients that cancel or reconcile) and the workers it starts share the key.
 SEAL_KEY = "0f" * 32
-os.environ.setdefault("JETLOOP_SEAL_KEY", SEAL_KEY)
+
+
+def own_settings() -> Path:
+    """Give the tests settings of their own, never the user's: drop every ``JETLOOP_<setting>``
+    of the caller's environment and point the store directory at an empty one of this run's
+    (returned). Run where ``jetloop up`` ran, the default store (``./.jetloop``) holds that
+    server's NATS passwords and seal key, which every setting left unset would read
+    (``jetloop.services.settings``). Done before the imports below (the demo agent reads its
+    settings when imported); the processes the tests start inherit this environment, and tests
+    that run ``up`` as a person does drop ``JETLOOP_STORE_DIR`` again themselves."""
+    for name in Settings.model_fields:
+        os.environ.pop(f"JETLOOP_{name.upper()}", None)
+    store = Path(tempfile.mkdtemp(prefix="jetloop-tests-store-"))
+    os.environ["JETLOOP_STORE_DIR"] = str(store)
+    os.environ["JETLOOP_SEAL_KEY"] = SEAL_KEY
+    return store
+
+
+STORE = own_settings()
+
+# After own_settings: these read settings when imported.
+from jetloop.demo.agent import app as demo_app  # noqa: E402
+from jetloop.demo.vendor import Vendor  # noqa: E402
+from jetloop.services.client import Client  # noqa: E402
+from jetloop.services.embedded import EmbeddedServer  # noqa: E402
+from jetloop.services.natsauth import system_account  # noqa: E402
+from jetloop.streams import topology  # noqa: E402
+from jetloop.streams.connection import connect, retrying  # noqa: E402
+from jetloop.streams.registry import Registry  # noqa: E402
+from jetloop.tooling.trials.harness import WorkerProcess  # noqa: E402
+from tests.apps import app as test_app  # noqa: E402
 
 LEASE = 2.0
 # Under `coverage run -m pytest` (README "Coverage") every subprocess measures too; a worker
@@ -206,8 +228,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """A soak its test never asked to end (the run stopped early) is stopped."""
+    """A soak its test never asked to end (the run stopped early) is stopped; the run's store
+    directory is removed."""
     from tests import test_up_soak
 
     while test_up_soak.running:
         test_up_soak.running.pop().close()
+    shutil.rmtree(STORE, ignore_errors=True)

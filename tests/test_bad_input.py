@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import msgpack
+import pytest
 
-from jetloop.services.client import Client
+from jetloop.services.client import Client, TurnFailed
 from tests.conftest import WorkerFactory, call, script
 
 
@@ -63,3 +65,49 @@ async def test_ten_megabyte_tool_result(client: Client, workers: WorkerFactory) 
     digest = hashlib.sha256(value.encode()).hexdigest()
     assert res.text is not None
     assert f'"len": {size}' in res.text and digest in res.text
+
+
+async def test_a_message_to_another_agents_session_fails_its_turn(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """A session belongs to the agent that started it. A message for it under another agent
+    is not run, but its caller is told: the turn ends failed naming the owner (the wait
+    returns at once, not after its timeout), the request is dead-lettered with the same
+    reason, and the owner's next message runs."""
+    workers.start()
+    first = await client.send("tester", "owned", script([call("write", name="mine")]))
+    await client.wait(first, timeout=30)
+
+    stray = await client.send("compactor", "owned", "hello")
+    with pytest.raises(TurnFailed, match="belongs to agent 'tester', not 'compactor'"):
+        await client.wait(stray, timeout=20)
+    dead = [r for s, r, _ in await client.dead_letters() if s == "jl.turn.compactor.owned"]
+    assert dead and "belongs to agent 'tester'" in dead[0]
+
+    after = await client.send("tester", "owned", script([call("write", name="again")]))
+    await client.wait(after, timeout=30)
+
+
+async def test_a_session_name_with_a_trailing_newline_is_refused_everywhere(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """``"s1\\n"`` is no session id (a subject or key cannot hold it): the client's snapshot,
+    turn and decisions refuse it with a clear error instead of answering about session
+    ``s1`` or "no such session", and a raw control request gets 422 naming the field."""
+    workers.start()
+    h = await client.send("tester", "nl1", script([]))
+    await client.wait(h, timeout=30)
+    for attempt in (
+        client.snapshot("nl1\n"),
+        client.turn("nl1\n", h.turn_id),
+        client.cancel("nl1\n"),
+        client.answer("nl1\n", "q1", "blue", by="alice"),
+    ):
+        with pytest.raises(ValueError, match="session id 'nl1\\\\n' is not valid"):
+            await attempt
+    reply = await client.nc.request(
+        "jl.control.cancel", json.dumps({"session_id": "nl1\n"}).encode(), timeout=10
+    )
+    answer = json.loads(reply.data)
+    assert answer["ok"] is False and answer["error"]["status"] == 422, answer
+    assert "session_id" in answer["error"]["detail"], answer

@@ -33,8 +33,9 @@ def _skip_reason() -> str | None:
 
 @pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
 async def test_node_client_follows_the_protocol_doc(tmp_path: Path) -> None:
-    """Publish, duplicate, follow events to the answer, approve over jl.control, a snapshot,
-    a jl_state record, a blob, dead letters: every check of the script passes."""
+    """Publish, duplicate, follow events to the answer, approve over jl.control (a repeat
+    returns the decision, a conflicting one is 409), a snapshot, a jl_state record, a blob,
+    dead letters with their headers kept: every check of the script passes."""
     assert NODE is not None
     port = free_port()
     proc = start_up(tmp_path, port)
@@ -56,6 +57,16 @@ async def test_node_client_follows_the_protocol_doc(tmp_path: Path) -> None:
         assert run.returncode == 0, (run.stdout, run.stderr[-3000:], log.read_text()[-3000:])
         assert lines[-1]["conformance"] == "passed"
         checks = {ln["check"] for ln in lines if "check" in ln}
-        assert {"duplicate", "answer", "approve", "snapshot", "blob", "dead letters"} <= checks
+        assert {
+            "duplicate",
+            "answer",
+            "approve",
+            "same decision repeats",
+            "conflicting decision is 409",
+            "snapshot",
+            "blob",
+            "dead letters",
+            "dead letter keeps headers",
+        } <= checks
     finally:
         stop(proc, log)

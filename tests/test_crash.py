@@ -1,7 +1,7 @@
 """A stalled worker: paused past its lease while it holds a step, then resumed.
 
 The kills of every step kind are in ``tests/test_matrix.py``; this is the stall of
-ARCHITECTURE.md's failure table: the resumed worker must write, publish and ack nothing.
+docs/crash-matrix.md's stalled worker: the resumed worker must write, publish and ack nothing.
 """
 
 from __future__ import annotations

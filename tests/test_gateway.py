@@ -197,7 +197,8 @@ async def test_unknown_agent_is_404_at_once(api: Api) -> None:
 
 async def test_approve_answer_cancel_reconcile(api: Api, workers: WorkerFactory) -> None:
     """Approvals need the approve scope; answers and cancels need write; control errors
-    keep their status (404, 409) as problems."""
+    keep their status (404, 409) as problems: the same decision again returns the recorded
+    one, another is 409."""
     workers.start()
     post = "/v1/agents/tester/sessions/{}/messages"
     g = await ok(
@@ -221,8 +222,10 @@ async def test_approve_answer_cancel_reconcile(api: Api, workers: WorkerFactory)
     assert "`by` is not accepted" in refused["errors"][0]["msg"]
     rec = await ok(await api.post(decide, json={"approve": True, "reason": "fine"}, headers=ALL))
     assert rec["status"] == "approved" and rec["decided_by"] == "alice"
-    again = await ok(await api.post(decide, json={"approve": False}, headers=ALL))
+    again = await ok(await api.post(decide, json={"approve": True}, headers=ALL))
     assert again["status"] == "approved" and again["decided_by"] == "alice"
+    other = await problem(await api.post(decide, json={"approve": False}, headers=ALL), 409)
+    assert other["title"] == "already approved" and "by alice" in other["detail"], other
     await snapshot_when(api, "ap", lambda s: s["status"] == "idle")
 
     # The guarded call succeeded: reconciling it is a conflict; an unknown call is not found.
@@ -252,6 +255,9 @@ async def test_approve_answer_cancel_reconcile(api: Api, workers: WorkerFactory)
         await api.post(f"/v1/sessions/qa/questions/{qid}", json={"answer": "blue"}, headers=WRITE)
     )
     assert ans["answer"] == "blue" and ans["answered_by"] == "wally"
+    answer = f"/v1/sessions/qa/questions/{qid}"
+    await ok(await api.post(answer, json={"answer": "blue"}, headers=WRITE))
+    await problem(await api.post(answer, json={"answer": "red"}, headers=WRITE), 409)
     snap = await snapshot_when(api, "qa", lambda s: s["status"] == "idle")
     assert snap["turn"]["turn_id"] == q["turn_id"] and snap["turn"]["status"] == "completed"
 

@@ -1,7 +1,7 @@
 """No message the engine builds can take a connection down: headers count to max_payload.
 
-nats-py compares only the body with the server's ``max_payload``; the server counts the
-headers too and closes the connection on a message past it (NATS-NOTES). These tests run a
+nats-py compares only the body with the server's ``max_payload``; the server counts the headers too
+and closes the connection on a message past it (docs/design.md, JetStream facts). These tests run a
 real worker process and check that it is the same process that serves the next turn.
 """
 
@@ -11,9 +11,10 @@ import json
 from typing import Any
 
 import msgpack
+import pytest
 
 from jetloop.schemas import turn_id_for
-from jetloop.services.client import Client
+from jetloop.services.client import Client, TurnFailed
 from jetloop.streams.connection import PayloadTooLarge, message_size
 from tests.conftest import WorkerFactory, script, until
 
@@ -85,3 +86,23 @@ async def test_a_ten_megabyte_message_runs_end_to_end(
 async def _ended(client: Client, sid: str, tid: str) -> Any:
     turn = await client.turn(sid, tid)
     return turn if turn is not None and turn.status.terminal else None
+
+
+async def test_a_model_answer_too_big_to_keep_fails_its_turn(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """A model answer whose calls are too big for the turn's record (1.2 MiB of arguments,
+    past the server's max_payload) cannot be committed, and no retry can change that: the step
+    is dead-lettered, and the turn fails with the reason instead of running for ever (the
+    caller's wait returns, the log says why, and the session's next message runs)."""
+    workers.start()
+    big = "y" * (MIB + MIB // 5)
+    h = await client.send("tester", "toobig", script([{"tool": "write", "args": {"name": big}}]))
+    with pytest.raises(TurnFailed, match=r"step .* failed: .*max_payload"):
+        await client.wait(h, timeout=30)
+    events = [e async for e in client.events("toobig", follow=False)]
+    [dead] = [e for e in events if e.type == "agent.run.step_dead_lettered"]
+    assert dead.data["dead_letter"].startswith("jl.dead.jl.step.")
+    assert any(s.startswith("jl.step.") for s, _, _ in await client.dead_letters())
+    after = await client.send("tester", "toobig", script([]))
+    await client.wait(after, timeout=30)

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jetloop.schemas import TurnStatus
+from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer
 from tests.conftest import WorkerFactory
 
@@ -53,7 +55,8 @@ async def test_readme_app_and_client_run(
     tmp_path: Path, nats_ready: EmbeddedServer, workers: WorkerFactory
 ) -> None:
     """The README's own app, served by a worker, answers the README's client program, which
-    prints what the README says it prints and nothing on stderr."""
+    prints what the README says it prints and nothing on stderr; "one turn's events" are that
+    turn's alone, though the session had a turn before."""
     files, _ = blocks()
     assert set(files) == {"myapp.py", "client.py"}, sorted(files)
     for name, code in files.items():
@@ -61,6 +64,9 @@ async def test_readme_app_and_client_run(
     path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])
     w = workers.start(app="myapp:app", env={"PYTHONPATH": path})
     await w.wait_for("worker.started", timeout=30)
+    async with await Client.connect(nats_ready.url) as c:
+        earlier = await c.send("support", "c1", "refund order 42", request_id="earlier")
+        assert (await c.wait(earlier, timeout=60)).status == TurnStatus.COMPLETED
     env = {**os.environ, "JETLOOP_NATS_URL": nats_ready.url, "PYTHONPATH": path}
     out = await asyncio.to_thread(
         subprocess.run,
@@ -78,3 +84,4 @@ async def test_readme_app_and_client_run(
     assert any(" order-42 completed 1 call(s)" in ln for ln in lines), out.stdout
     assert any(ln.endswith("refund succeeded {'order': '42', 'refunded': 500}") for ln in lines)
     assert lines[-1] == "refund succeeded", out.stdout
+    assert lines.count("refund succeeded") == 1, out.stdout

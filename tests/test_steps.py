@@ -118,8 +118,8 @@ async def test_model_step_exhausted_fails_the_turn_and_leaves_a_note(
 async def test_approval_runs_the_call_once(
     client: Client, workers: WorkerFactory, vendor: Vendor
 ) -> None:
-    """A held call waits holding nothing; an approval runs it once; a repeat decision
-    returns the recorded one."""
+    """A held call waits holding nothing; an approval runs it once; a repeat of it
+    returns the recorded one (a conflicting one: tests/test_decisions.py)."""
     workers.start()
     h = await client.send("tester", "ap", script([call("guarded", name="g")]))
     snap = await snapshot_when(client, "ap", lambda s: s.approvals and s.status == "waiting")
@@ -127,7 +127,7 @@ async def test_approval_runs_the_call_once(
     assert ap.tool == "guarded" and ap.args == {"name": "g"}
     assert await vendor.effect_count("guarded") == 0
     first = await client.approve("ap", ap.approval_id, by="alice")
-    again = await client.reject("ap", ap.approval_id, by="bob", reason="too late")
+    again = await client.approve("ap", ap.approval_id, by="bob")
     assert first.status == again.status == "approved" and again.decided_by == "alice"
     res = await client.wait(h, timeout=30)
     assert [s["status"] for s in body(res.text)["seen"]] == ["ok"]

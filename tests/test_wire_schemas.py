@@ -3,15 +3,17 @@ what the engine really writes."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgpack
+from jsonschema import Draft202012Validator
 from nats.js.errors import NotFoundError
 
 from jetloop.schemas import EVENT_DATA, EventType
 from jetloop.services.client import Client
 from jetloop.streams import topology
-from jetloop.tooling.wire_schemas import OUT, render, stale
+from jetloop.tooling.wire_schemas import OUT, RECORDS, render, stale
 from tests.conftest import WorkerFactory, call, script, until
 
 
@@ -110,3 +112,61 @@ async def test_written_event_data_matches_its_schema(
         "task.started",
         "delegation.started",
     } <= seen, seen
+
+
+def strict(schema: Any) -> Any:
+    """The schema with every object closed (``additionalProperties: false`` where it lists
+    properties and says nothing else): what a client that generates exact types assumes."""
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+async def test_stored_records_match_their_schema_strictly(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """Every record in jl_state after a turn with a write, an approval and a question (a
+    session, turns, calls, an approval, a question) validates against its checked-in schema
+    with every object closed: ``seal`` included, in its v3 form."""
+    workers.start()
+    calls = [call("write", name="w"), call("guarded", name="g"), call("ask_user", question="?")]
+    h = await client.send("tester", "rs", script(calls))
+
+    async def pending() -> Any:
+        snap = await client.snapshot("rs")
+        return snap if snap and snap.approvals and snap.questions else None
+
+    snap = await until(pending, timeout=30)
+    await client.approve("rs", snap.approvals[0].approval_id)
+    await client.answer("rs", snap.questions[0].question_id, "blue")
+    await client.wait(h, timeout=30)
+
+    # The first token of a jl_state key, and its record's schema (docs/protocol.md, "State").
+    prefixes = {
+        "session": "session-record",
+        "turn": "turn-record",
+        "call": "call-record",
+        "approval": "approval-record",
+        "question": "question-record",
+        "compact": "compaction-record",
+    }
+    assert set(prefixes.values()) == set(RECORDS)
+    kv = await client.js.key_value(topology.STATE_BUCKET)
+    seen = set()
+    for key in await kv.keys():
+        prefix = key.split(".", 1)[0]
+        if prefix not in prefixes:
+            continue
+        entry = await kv.get(key)
+        record = msgpack.unpackb(entry.value or b"")
+        schema = json.loads((OUT / f"{prefixes[prefix]}.json").read_text())
+        errors = [e.message for e in Draft202012Validator(strict(schema)).iter_errors(record)]
+        assert not errors, (key, errors)
+        assert record["seal"].startswith("v3."), key
+        seen.add(prefix)
+    assert {"session", "turn", "call", "approval", "question"} <= seen, seen

@@ -1,9 +1,9 @@
 """Tools: async functions with a pydantic argument model, an effect class and a policy.
 
-The effect class decides what a crash may repeat (ARCHITECTURE.md, settlement table):
-a ``READ`` is made again, an ``IDEMPOTENT_WRITE`` is made again with the same idempotency
-key, a ``NON_IDEMPOTENT_WRITE`` runs at most once and is settled ``outcome_unknown`` when a
-crash leaves it in doubt.
+The effect class decides what a crash may repeat (docs/crash-resume.md, "Settlement of a call in
+doubt"): a ``READ`` is made again, an ``IDEMPOTENT_WRITE`` is made again with the same idempotency
+key, a ``NON_IDEMPOTENT_WRITE`` runs at most once and is settled ``outcome_unknown`` when a crash
+leaves it in doubt.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ firing, a poll) comes here; what happens is read from the record, never from the
     awaiting_answer      → answered → succeeded with the answer; else wait
     waiting_timer        → due → succeeded; else (re)arm the schedule
     task_running         → poll the task
-    in_doubt, attempt    → a lost attempt: settle (ARCHITECTURE.md settlement table)
+    in_doubt, attempt    → a lost attempt: settle (docs/crash-resume.md, settlement table)
 
 The claim of a write is its in-doubt mark, written just before the tool is made. A read on
 its first delivery writes no claim: its outcome is the call's first record, a create (a read
@@ -257,8 +257,8 @@ async def run(env: CallEnv) -> None:
 
 
 async def _resume_settlement(env: CallEnv, effect: Effect, args: BaseModel) -> str:
-    """Settle a call whose attempt was lost (ARCHITECTURE.md, settlement table); returns
-    how, or "made again" when the call is to be made again now."""
+    """Settle a call whose attempt was lost (docs/crash-resume.md, "Settlement of a call in
+    doubt"); returns how, or "made again" when the call is to be made again now."""
     tool, rec = env.tool, env.rec
     if rec.state == CallState.RUNNING or effect == Effect.READ:
         return "made again"

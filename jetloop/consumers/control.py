@@ -5,7 +5,9 @@ One implementation, used by the Python client directly and by the worker's NATS
 request/reply service (``jetloop.services.control``). Every change is a CAS on the record and then
 a publish of the step that moves the turn on, keyed by identity: repeating a request
 (after a timeout, a crash) re-publishes the same step and returns the recorded result.
-The first decision wins.
+The first decision wins: another decision on a decided approval or answered question (a
+reject after an approve, another answer) is refused with 409 and the recorded one in its
+detail, never answered as if it had been applied.
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ class Control:
         by: str,
         reason: str | None = None,
     ) -> ApprovalRecord:
-        """Approve or reject a held call; a repeat returns the decision already recorded."""
+        """Approve or reject a held call; a repeat returns the decision already recorded,
+        and the other decision on a decided call is refused (409)."""
+        wanted = Decision.APPROVED if approve else Decision.REJECTED
         for _ in range(CAS_TRIES):
             found = await self.state.approval(session_id, approval_id)
             if found is None:
@@ -108,7 +112,7 @@ class Control:
             if ap.status == Decision.PENDING:
                 ap = ap.model_copy(
                     update={
-                        "status": Decision.APPROVED if approve else Decision.REJECTED,
+                        "status": wanted,
                         "decided_by": by,
                         "decided_at": time.time(),
                         "reason": reason,
@@ -141,6 +145,15 @@ class Control:
                     },
                 ),
             )
+            # Woken first even for a refused decision: whoever asks about a decided call
+            # makes sure its step is out, in case the decider stopped between the two.
+            if ap.status != wanted:
+                raise ControlError(
+                    409,
+                    f"already {ap.status.value}",
+                    f"{session_id}/{approval_id} was {ap.status.value} by {ap.decided_by}: "
+                    "the first decision wins",
+                )
             return ap
         raise ControlError(409, "approval kept changing", approval_id)
 
@@ -148,7 +161,8 @@ class Control:
     async def answer(
         self, session_id: str, question_id: str, answer: str, by: str
     ) -> QuestionRecord:
-        """Answer the model's question; the first answer wins, a repeat returns it."""
+        """Answer the model's question; the first answer wins, a repeat of it returns it,
+        and another answer is refused (409)."""
         for _ in range(CAS_TRIES):
             found = await self.state.question(session_id, question_id)
             if found is None:
@@ -181,6 +195,13 @@ class Control:
                     },
                 ),
             )
+            if q.answer != answer:  # woken first, as for an approval
+                raise ControlError(
+                    409,
+                    "already answered",
+                    f"{session_id}/{question_id} was answered {_short(q.answer)} by "
+                    f"{q.answered_by}: the first answer wins",
+                )
             return q
         raise ControlError(409, "question kept changing", question_id)
 
@@ -340,6 +361,12 @@ class Control:
                 continue
             return session
         raise ControlError(409, "session kept changing", session_id)
+
+
+def _short(text: str | None, limit: int = 200) -> str:
+    """An answer quoted in an error, cut so the error stays one readable line."""
+    text = text or ""
+    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The one place a message's fate is decided (STYLE rule 4).
+"""The one place a message's fate is decided (docs/design.md, rule 7).
 
 A handler returns (ack) or raises a ``StepOutcome``; ``dispatch`` acks, naks, terms or
 dead-letters accordingly, and runs the heartbeat while the handler works. No handler calls
@@ -45,16 +45,17 @@ from nats.errors import (
 from pydantic import ValidationError
 
 from jetloop.consumers import metrics
+from jetloop.consumers.closing import fail_turn
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.logcontext import end_step, start_step
 from jetloop.consumers.runtime import Delivery, Runtime
-from jetloop.schemas import DecodeError
+from jetloop.schemas import DecodeError, Event, EventType
 from jetloop.streams.bus import H_KIND, H_SESSION, H_STEP, H_TURN
 from jetloop.streams.clock import ClockOff
 from jetloop.streams.connection import PayloadTooLarge, message_size
 from jetloop.streams.seal import SealBroken
 from jetloop.streams.state import RETRYABLE, Conflict
-from jetloop.streams.topology import dead_subject
+from jetloop.streams.topology import STEPS_STREAM, dead_subject
 
 log = structlog.get_logger("jetloop.dispatch")
 
@@ -137,9 +138,15 @@ def fate(exc: Exception, failing: Failing) -> tuple[float | None, str]:
 
 
 async def dead_letter(rt: Runtime, msg: Msg, reason: str) -> None:
-    """Keep the bad message, whole, beside its reason; then it is safe to term it."""
+    """Keep the bad message, whole, beside its reason; then it is safe to term it.
+
+    The copy's ``Nats-Msg-Id`` is its own (one dead letter however often the message is
+    delivered before it is termed); the original's is kept as ``Jl-Dead-Msg-Id``."""
     meta = msg.metadata
     hdrs = dict(msg.headers or {})
+    original_id = hdrs.get("Nats-Msg-Id")
+    if original_id is not None:
+        hdrs["Jl-Dead-Msg-Id"] = original_id
     hdrs.update(
         {
             "Nats-Msg-Id": f"dead.{meta.stream}.{meta.sequence.stream}",
@@ -256,7 +263,8 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
         elif delay is None:
             outcome = "dead_letter"
             log.exception("step.error", error=reason, retry=False)
-            await _dead_letter(rt, msg, reason)
+            if await _dead_letter(rt, msg, reason):
+                await _fail_its_turn(rt, msg, reason)
         else:
             if isinstance(exc, TRANSIENT_ERRORS):
                 # An outage or a lost race, tried again: a server restart makes a few of
@@ -281,7 +289,9 @@ async def _let_go(rt: Runtime, msg: Msg) -> None:
         await rt.holds.let_go(msg)
 
 
-async def _dead_letter(rt: Runtime, msg: Msg, reason: str) -> None:
+async def _dead_letter(rt: Runtime, msg: Msg, reason: str) -> bool:
+    """Move ``msg`` to ``JL_DEAD`` with ``reason``; False when it could not be stored (the
+    message is then kept, and tried again later)."""
     log.error("step.dead_letter", reason=reason)
     try:
         await dead_letter(rt, msg, reason)
@@ -289,9 +299,47 @@ async def _dead_letter(rt: Runtime, msg: Msg, reason: str) -> None:
         # Not stored in JL_DEAD yet: keep the message and try again later.
         log.error("step.dead_letter_failed", error=str(pub_exc))
         await _quietly(msg.nak(delay=backoff(msg.metadata.num_delivered)))
-    else:
-        await _let_go(rt, msg)
-        await _quietly(msg.term())
+        return False
+    await _let_go(rt, msg)
+    await _quietly(msg.term())
+    return True
+
+
+# How much of a failure's text a turn's error keeps (the dead letter has all of it).
+REASON_CHARS = 500
+
+
+async def _fail_its_turn(rt: Runtime, msg: Msg, reason: str) -> None:
+    """A step that no retry can cure (past the size limit, a bug) was dead-lettered: its turn
+    would wait for it for ever, so it fails with the reason (``close_turn`` settles its calls
+    and moves the session on), and the caller's wait returns. Not for a message the handler
+    refused as not belonging to the turn (``DeadLetter``: a stale or stray step), nor for
+    ``close_turn`` itself; a turn that ended meanwhile is left as it is."""
+    hdrs = msg.headers or {}
+    sid, tid, kind = hdrs.get(H_SESSION), hdrs.get(H_TURN), hdrs.get(H_KIND)
+    if msg.metadata.stream != STEPS_STREAM or not sid or not tid or kind == "close_turn":
+        return
+    step = hdrs.get(H_STEP) or hdrs.get("Nats-Msg-Id") or "?"
+    short = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + "…"
+    audit = Event(
+        key=f"{sid}.{tid}.dead.{step}",
+        type=EventType.STEP_DEAD_LETTERED,
+        session_id=sid,
+        turn_id=tid,
+        data={"step": step, "reason": short, "dead_letter": dead_subject(msg.subject)},
+    )
+    for _ in range(3):
+        try:
+            found = await rt.state.turn(sid, tid)
+            if found is None or found.value.status.terminal:
+                return
+            await fail_turn(rt, found.value, found.revision, f"step {step} failed: {short}", audit)
+            return
+        except RetryLater:
+            continue  # the turn moved meanwhile: read it again
+        except Exception as exc:  # the dead letter is kept; an operator can still close it
+            log.error("step.turn_not_failed", error=repr(exc))
+            return
 
 
 async def _quietly(op: Awaitable[None]) -> None:

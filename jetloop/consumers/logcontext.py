@@ -1,5 +1,5 @@
-"""The ids a step's log lines carry (STYLE rule 8), bound once per step in one context
-variable.
+"""The ids a step's log lines carry (docs/design.md, convention 5), bound once per step in
+one context variable.
 
 structlog's ``bind_contextvars`` keeps a context variable per key and ``clear_contextvars``
 walks the whole context: for the six ids ``dispatch`` binds on every step that was about 3%

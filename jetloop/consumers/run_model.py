@@ -17,7 +17,12 @@ import structlog
 from pydantic import ValidationError
 
 from jetloop.agents import Agent, Message, ModelRequest, ModelResponse, ToolSpec
-from jetloop.agents.adapters import MalformedToolCall, ProviderRejected, ProviderRetryable
+from jetloop.agents.adapters import (
+    MalformedToolCall,
+    ProviderError,
+    ProviderRejected,
+    ProviderRetryable,
+)
 from jetloop.consumers import metrics
 from jetloop.consumers.compact import compact_first, compaction_needed
 from jetloop.consumers.conversation import conversation
@@ -110,7 +115,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
 
     if exhausted or n >= limits.max_model_steps:
         reason = (
-            f"model step {n} failed after {turn.attempts} attempts"
+            _exhausted(n, turn)
             if exhausted
             else f"the turn reached its limit of {limits.max_model_steps} model steps"
         )
@@ -176,9 +181,12 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         return
     except Exception as exc:
         log.warning("model.call_failed", error=str(exc))
-        # The attempt ended (it was not lost): record that, so the next one is no resume.
+        # The attempt ended (it was not lost): record that, so the next one is no resume; its
+        # cause is what the turn's error names if this was the last attempt.
         await d.commit(
-            claimed.model_copy(update={"attempt": None, "error": f"attempt {attempt.no}: {exc}"})
+            claimed.model_copy(
+                update={"attempt": None, "error": f"{ATTEMPT} {attempt.no}: {_cause(exc)}"}
+            )
         )
         delay = min(30.0, 0.5 * 2 ** (attempt.no - 1))
         if isinstance(exc, ProviderRetryable) and exc.retry_after:
@@ -194,6 +202,47 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         await end_turn(rt, committed)
     else:
         await answer(committed).publish(rt.bus)
+
+
+ATTEMPT = "attempt"
+
+
+def _exhausted(n: int, turn: TurnRecord) -> str:
+    """The error of a turn whose model step used up its attempts, with the last one's cause
+    (recorded by that attempt as ``attempt <no>: <cause>``): what a user reads in ``send``,
+    the snapshot, the gateway and the console, without the worker's log."""
+    reason = f"model step {n} failed after {turn.attempts} attempts"
+    last = turn.error or ""
+    if last.startswith(f"{ATTEMPT} "):
+        last = last.partition(": ")[2]
+    return f"{reason}: {last}" if last else reason
+
+
+def _cause(exc: BaseException) -> str:
+    """A failed model call in one line: each error of the chain with its type (an SDK's
+    ``Connection error.`` says little without the ``ConnectError`` under it) and the URL the
+    request went to when an error carries it, without its query (it may hold a key). A
+    provider's own error already names the provider and what went wrong."""
+    if isinstance(exc, ProviderError):
+        return str(exc)
+    parts: list[str] = []
+    url = ""
+    seen: BaseException | None = exc
+    while seen is not None and len(parts) < 3:
+        text = str(seen).strip().splitlines()
+        parts.append(f"{type(seen).__name__}: {text[0]}" if text else type(seen).__name__)
+        url = url or _request_url(seen)
+        seen = seen.__cause__
+    return " ← ".join(parts) + (f" ({url})" if url else "")
+
+
+def _request_url(exc: BaseException) -> str:
+    try:  # httpx raises on ``.request`` of an error made without one
+        request = getattr(exc, "request", None)
+    except RuntimeError:
+        return ""
+    url = getattr(request, "url", None)
+    return str(url).partition("?")[0] if url is not None else ""
 
 
 async def _with_its_inputs(

@@ -71,13 +71,20 @@ async def on_turn_request(d: Delivery) -> None:
     except SealBroken as exc:
         if exc.key != session_key(sid):
             raise
-        await _refuse(rt, sid, tid, agent_name, request_id, req, exc)
+        reason = (
+            f"session {sid} is refused: {exc}; delete its record to go on "
+            f"(nats kv del jl_state session.{sid})"
+        )
+        await _refuse(rt, sid, tid, agent_name, request_id, req, reason)
         raise  # the request itself is dead-lettered with the reason, kept for the operator
     # FIFO: accept only the first stored request of this session.
     if first_seq is not None and first_seq < d.msg.metadata.sequence.stream:
         raise RetryLater(0.1, f"an earlier request of session {sid} is not accepted yet")
     if cur is not None and cur.value.agent != agent_name:
-        raise DeadLetter(f"session {sid} belongs to agent {cur.value.agent!r}, not {agent_name!r}")
+        reason = f"session {sid} belongs to agent {cur.value.agent!r}, not {agent_name!r}"
+        if turn is None:  # (a turn of that id is the other agent's: left as it is)
+            await _refuse(rt, sid, tid, agent_name, request_id, req, reason)
+        raise DeadLetter(reason)
 
     if turn is None:
         text, text_ref = req.text, req.text_ref
@@ -141,16 +148,13 @@ async def _refuse(
     agent_name: str,
     request_id: str,
     req: TurnRequest,
-    exc: SealBroken,
+    reason: str,
 ) -> None:
-    """The session's record does not verify: the turn is not run, but it ends, failed with
-    the reason (its record and its ``turn.failed`` event), so the caller's wait returns and
-    every view says the same; then the request is dead-lettered, as before. The session
-    stays refused until an operator deletes its record (docs/security.md, "State seals")."""
-    reason = (
-        f"session {sid} is refused: {exc}; delete its record to go on "
-        f"(nats kv del jl_state session.{sid})"
-    )
+    """A request the session refuses (its record does not verify, or the session is another
+    agent's): the turn is not run, but it ends, failed with the reason (its record and its
+    ``turn.failed`` event), so the caller's wait returns and every view says the same; then
+    the request is dead-lettered, as before. A session whose record does not verify stays
+    refused until an operator deletes it (docs/security.md, "State seals")."""
     found = await rt.state.turn(sid, tid)
     if found is not None and found.value.status.terminal:
         failed = found.value  # refused before: say it again (the events are deduplicated)

@@ -28,9 +28,9 @@ from jetloop.schemas import (
     encode,
     question_id_for,
 )
-from jetloop.streams.bus import POOL_OF_KIND, Outgoing, event_out, headers
+from jetloop.streams.bus import Outgoing, event_out, headers, subject_of
 from jetloop.streams.state import Conflict, question_key
-from jetloop.streams.topology import step_subject, timer_subject
+from jetloop.streams.topology import timer_subject
 
 log = structlog.get_logger("jetloop.waits")
 
@@ -115,9 +115,7 @@ async def _arm(env: CallEnv, due: float) -> None:
     hdrs = headers(StepKind.AWAIT_TIMER.value, wake.session_id, wake.turn_id, wake.step_key())
     hdrs["Nats-Msg-Id"] = f"{wake.step_key()}.schedule"
     hdrs["Nats-Schedule"] = f"@at {_schedule_at(due)}"
-    hdrs["Nats-Schedule-Target"] = step_subject(
-        POOL_OF_KIND[StepKind.AWAIT_TIMER], wake.agent, StepKind.AWAIT_TIMER.value, wake.session_id
-    )
+    hdrs["Nats-Schedule-Target"] = subject_of(wake)
     await env.rt.js.publish(
         timer_subject(env.turn.session_id, env.ckey), encode(wake), headers=hdrs
     )

@@ -16,7 +16,8 @@ from jetloop.schemas.ids import (
     turn_id_for,
     validate_name,
 )
-from jetloop.schemas.messages import CALL_KINDS, StepKind, StepMessage, TurnRequest
+from jetloop.schemas.kinds import WIRE_OF_KIND, KindWire, Pool, Scope, StepKind
+from jetloop.schemas.messages import StepMessage, TurnRequest
 from jetloop.schemas.records import (
     DONE_STATES,
     ApprovalRecord,
@@ -38,10 +39,10 @@ from jetloop.schemas.records import (
 )
 
 __all__ = [
-    "CALL_KINDS",
     "DONE_STATES",
     "EVENT_DATA",
     "SCHEMA_VERSION",
+    "WIRE_OF_KIND",
     "ApprovalRecord",
     "Attempt",
     "BlobRef",
@@ -55,9 +56,12 @@ __all__ = [
     "EventType",
     "HistoryEntry",
     "HistoryRole",
+    "KindWire",
     "ParentCall",
     "PlannedCall",
+    "Pool",
     "QuestionRecord",
+    "Scope",
     "SessionRecord",
     "StepKind",
     "StepMessage",

@@ -36,8 +36,20 @@ def decode(model: type[M], data: bytes) -> M:
     try:
         raw = msgpack.unpackb(data, raw=False)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise DecodeError(f"body is not msgpack: {exc}") from exc
+        raise DecodeError(f"body is not msgpack: {not_msgpack(data, exc)}") from exc
     return decode_map(model, raw)
+
+
+def not_msgpack(data: bytes, exc: Exception) -> str:
+    """Why ``data`` is not msgpack, for a person: msgpack's own words are often empty
+    (``FormatError``) or say little ("received extra data" for plain text), so the error's
+    type and the first bytes go with them."""
+    why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if not data:
+        return f"{why} (the body is empty)"
+    head = data[:32]
+    more = f", {len(data)} bytes in all" if len(data) > len(head) else ""
+    return f"{why} (it starts {head!r}{more})"
 
 
 def decode_map(model: type[M], raw: object) -> M:

@@ -25,6 +25,7 @@ class EventType(StrEnum):
     CRASH_RESUMED = "agent.run.crash_resumed"
     CHECKPOINT_REJECTED = "agent.run.checkpoint_rejected"
     TURN_LOST = "agent.run.lost"
+    STEP_DEAD_LETTERED = "agent.run.step_dead_lettered"
     APPROVAL_REQUESTED = "approval.requested"
     APPROVAL_DECIDED = "approval.decided"
     QUESTION_ASKED = "question.asked"
@@ -126,6 +127,15 @@ class CheckpointRejectedData(BaseModel):
     step: str
 
 
+class StepDeadLetteredData(BaseModel):
+    """A step of the turn failed in a way no retry cures (past the server's size limit, a
+    bug): it was moved to ``JL_DEAD`` whole, and the turn fails with the reason."""
+
+    step: str  # the step's key
+    reason: str
+    dead_letter: str  # the subject it waits on in JL_DEAD
+
+
 class TurnLostData(BaseModel):
     losses: int
     step: str
@@ -208,6 +218,7 @@ EVENT_DATA: dict[EventType, type[BaseModel]] = {
     EventType.CRASH_RESUMED: CrashResumedData,
     EventType.CHECKPOINT_REJECTED: CheckpointRejectedData,
     EventType.TURN_LOST: TurnLostData,
+    EventType.STEP_DEAD_LETTERED: StepDeadLetteredData,
     EventType.APPROVAL_REQUESTED: ApprovalRequestedData,
     EventType.APPROVAL_DECIDED: ApprovalDecidedData,
     EventType.QUESTION_ASKED: QuestionAskedData,

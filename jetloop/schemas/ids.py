@@ -1,6 +1,6 @@
 """Identity: every key is derived from what identifies a thing, never from a clock.
 
-ARCHITECTURE.md rule 5. A session id and an agent name become subject tokens and KV key
+docs/design.md, rule 5. A session id and an agent name become subject tokens and KV key
 parts, so they are restricted to characters valid in both.
 """
 

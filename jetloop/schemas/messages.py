@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from jetloop.schemas.codec import SCHEMA_VERSION
+from jetloop.schemas.kinds import WIRE_OF_KIND, Scope, StepKind
 from jetloop.schemas.records import BlobRef, ParentCall
 
 
@@ -46,35 +46,6 @@ class TurnRequest(BaseModel):
         return ParentCall.model_validate(parent) if parent else None
 
 
-class StepKind(StrEnum):
-    RUN_MODEL = "run_model"
-    CALL_TOOL = "call_tool"
-    CALL_SINGLE_ATTEMPT_TOOL = "call_single_attempt_tool"
-    AWAIT_TOOL_APPROVAL = "await_tool_approval"
-    AWAIT_QUESTION_ANSWER = "await_question_answer"
-    AWAIT_TIMER = "await_timer"
-    POLL_TOOL_TASK = "poll_tool_task"
-    AWAIT_DELEGATION = "await_delegation"
-    COMPACT_CONTEXT = "compact_context"
-    JOIN = "join"
-    TURN_DONE = "turn_done"
-    CLOSE_TURN = "close_turn"  # a cancelled or failed turn: settle its open calls
-
-
-# Kinds whose handler is the call handler: each wakes one call of a model step.
-CALL_KINDS = frozenset(
-    {
-        StepKind.CALL_TOOL,
-        StepKind.CALL_SINGLE_ATTEMPT_TOOL,
-        StepKind.AWAIT_TOOL_APPROVAL,
-        StepKind.AWAIT_QUESTION_ANSWER,
-        StepKind.AWAIT_TIMER,
-        StepKind.POLL_TOOL_TASK,
-        StepKind.AWAIT_DELEGATION,
-    }
-)
-
-
 class StepMessage(BaseModel):
     """One unit of durable work; the step key (``Nats-Msg-Id``) is derived from these fields."""
 
@@ -91,30 +62,26 @@ class StepMessage(BaseModel):
     # compaction); part of the step key, so it comes from identity too.
     wake: str | None = None
 
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _known_kind(cls, kind: object) -> object:
+        # Said in words with the kind in them: the reason a dead letter carries.
+        if not isinstance(kind, str):
+            return kind  # not a kind at all: the model's own message says so
+        try:
+            return StepKind(kind)
+        except ValueError:
+            known = ", ".join(StepKind)
+            raise ValueError(f"unknown step kind {kind!r} (this jetloop knows: {known})") from None
+
     def step_key(self) -> str:
-        base = f"{self.session_id}.{self.turn_id}"
-        call = f"{base}.m{self.model_step}.c{self.call_index}"
-        match self.kind:
-            case StepKind.RUN_MODEL:
-                key = f"{base}.m{self.model_step}"
-            case StepKind.CALL_TOOL | StepKind.CALL_SINGLE_ATTEMPT_TOOL:
-                key = call
-            case StepKind.AWAIT_TOOL_APPROVAL:
-                key = f"{call}.approval"
-            case StepKind.AWAIT_QUESTION_ANSWER:
-                key = f"{call}.answer"
-            case StepKind.AWAIT_TIMER:
-                key = f"{call}.timer"
-            case StepKind.POLL_TOOL_TASK:
-                key = f"{call}.poll"
-            case StepKind.AWAIT_DELEGATION:
-                key = f"{call}.child"
-            case StepKind.COMPACT_CONTEXT:
-                key = f"{base}.m{self.model_step}.compact"
-            case StepKind.JOIN:
-                key = f"{call}.join"
-            case StepKind.TURN_DONE:
-                key = f"{base}.done"
-            case StepKind.CLOSE_TURN:
-                key = f"{base}.close"
+        """The step's identity, as ``WIRE_OF_KIND`` shapes it for its kind."""
+        wire = WIRE_OF_KIND[self.kind]
+        key = f"{self.session_id}.{self.turn_id}"
+        if wire.scope is not Scope.TURN:
+            key += f".m{self.model_step}"
+        if wire.scope is Scope.CALL:
+            key += f".c{self.call_index}"
+        if wire.suffix:
+            key += f".{wire.suffix}"
         return f"{key}.{self.wake}" if self.wake else key

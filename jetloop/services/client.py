@@ -351,6 +351,7 @@ class Client:
     async def turn(self, session_id: str, turn_id: str) -> TurnRecord | None:
         """The turn's record (``turn.<sid>.<tid>``), or None when there is none. Raises
         ``RecordNotTrusted`` when its seal does not verify."""
+        validate_name("session id", session_id)
         state = await self._reader(f"turn {session_id}/{turn_id}")
         v = await retrying(lambda: state.turn(session_id, turn_id), self.retry_for, "read")
         return v.value if v else None
@@ -402,6 +403,7 @@ class Client:
         approvals and questions, timers, tasks, queued messages, and a page of its history
         (``history_offset``, ``history_limit``). None when the session does not exist.
         Records whose seal does not verify are shown and named in ``untrusted``."""
+        validate_name("session id", session_id)
         state = await self._reader(f"the snapshot of session {session_id}")
         blobs = await self._blobs()
 
@@ -440,6 +442,8 @@ class Client:
         repeated). With the seal key the client writes the records itself, as a worker
         does; without it, it asks the workers over NATS (``jl.control.<op>``, served by
         ``jetloop.services.control``): that needs only the ``client`` role, and the workers seal."""
+        if "session_id" in body:  # a name a subject or key could not hold is refused here
+            validate_name("session id", body["session_id"])
         if self.sealer is not None:
             control = await self._control()
             await self._measure_clock(self.sealer)
@@ -498,7 +502,8 @@ class Client:
     async def approve(
         self, session_id: str, approval_id: str, by: str = "python", reason: str | None = None
     ) -> ApprovalRecord:
-        """Approve a held call; the first decision wins and a repeat returns it."""
+        """Approve a held call; the first decision wins: a repeat returns it, and approving
+        a rejected call raises ``ControlError`` (409)."""
         return await self._decide(
             "approve",
             {"session_id": session_id, "approval_id": approval_id, "by": by, "reason": reason},
@@ -509,7 +514,8 @@ class Client:
     async def reject(
         self, session_id: str, approval_id: str, by: str = "python", reason: str | None = None
     ) -> ApprovalRecord:
-        """Reject a held call: the model sees it denied, with the reason."""
+        """Reject a held call: the model sees it denied, with the reason. Rejecting an
+        approved call raises ``ControlError`` (409); a repeat returns the rejection."""
         return await self._decide(
             "reject",
             {"session_id": session_id, "approval_id": approval_id, "by": by, "reason": reason},
@@ -520,6 +526,8 @@ class Client:
     async def answer(
         self, session_id: str, question_id: str, answer: str, by: str = "python"
     ) -> QuestionRecord:
+        """Answer the model's question; the same answer again returns it, another raises
+        ``ControlError`` (409)."""
         return await self._decide(
             "answer",
             {"session_id": session_id, "question_id": question_id, "answer": answer, "by": by},

@@ -15,17 +15,19 @@ The Python client (``jetloop.services.client``) asks here when it has no seal ke
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from pydantic import BaseModel, ValidationError
+from pydantic import AfterValidator, BaseModel, ValidationError
 
 from jetloop.consumers.control import Control, ControlError, dump
 from jetloop.consumers.snapshot import snapshot, with_workers
+from jetloop.schemas.ids import validate_name
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.clock import ClockOff
 from jetloop.streams.connection import TRANSIENT
@@ -39,22 +41,26 @@ PREFIX = "jl.control"
 QUEUE = "jl_control"
 
 
+# A session id as every subject and key holds it: a request naming another is refused (422).
+SessionId = Annotated[str, AfterValidator(functools.partial(validate_name, "session id"))]
+
+
 class DecideReq(BaseModel):
-    session_id: str
+    session_id: SessionId
     approval_id: str
     by: str = "nats"
     reason: str | None = None
 
 
 class AnswerReq(BaseModel):
-    session_id: str
+    session_id: SessionId
     question_id: str
     answer: str
     by: str = "nats"
 
 
 class CancelReq(BaseModel):
-    session_id: str
+    session_id: SessionId
     turn_id: str | None = None
     by: str = "nats"
 
@@ -68,14 +74,14 @@ class ReconcileReq(BaseModel):
 
 
 class PolicyReq(BaseModel):
-    session_id: str
+    session_id: SessionId
     tool: str
     required: bool | None
     agent: str | None = None
 
 
 class SnapshotReq(BaseModel):
-    session_id: str
+    session_id: SessionId
     history_offset: int = 0
     history_limit: int = 50
 

@@ -1,4 +1,5 @@
-"""The lifecycle the long-lived services share (STYLE rule 5): ``run()`` until ``stop()``.
+"""The lifecycle the long-lived services share (docs/design.md, convention 3): ``run()``
+until ``stop()``.
 
 ``stop()`` is idempotent and only asks: ``run()`` then stops intake, drains and closes in its
 own order. ``async with`` stops on the way out.

@@ -1,10 +1,9 @@
 """A supervisor: the components of one process, each restarted when it fails.
 
-``jetloop up`` runs nats-server, a worker, the gateway and the projector in one process;
-one part falling over must not take the others with it (STYLE: a supervisor owns the
+``jetloop up`` runs nats-server, a worker, the gateway and the projector in one process; one part
+falling over must not take the others with it (docs/design.md, convention 4: a supervisor owns the
 components). Each :class:`Component` names a *factory*: a
-:class:`~jetloop.services.lifecycle.Service`
-is single-use, so every restart builds a new instance.
+:class:`~jetloop.services.lifecycle.Service` is single-use, so every restart builds a new instance.
 
 A component fails when its ``run()`` raises, or returns while nobody asked it to stop.
 The failure is logged once (``component.failed``, with ``component`` and ``error``) and
@@ -41,7 +40,7 @@ log = structlog.get_logger("jetloop.supervisor")
 
 
 class Part(Protocol):
-    """What a supervisor runs: a ``Service`` (STYLE rule 5) with its ``run()``."""
+    """What a supervisor runs: a ``Service`` (docs/design.md, convention 3) with its ``run()``."""
 
     async def run(self) -> None: ...
 

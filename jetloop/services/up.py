@@ -18,6 +18,7 @@ app that does not load, a component failing over and over right at start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import os
@@ -60,26 +61,52 @@ class UpError(Exception):
     """Why ``up`` cannot run: one line naming the setting or the component."""
 
 
+LOCK_FILE = "up.lock"
 NATS_PORT_SETTING = "JETLOOP_EMBEDDED_PORT / --nats-port"
 GATEWAY_PORT_SETTING = "JETLOOP_GATEWAY_PORT / --gateway-port"
 
 
 def lock_store(store_dir: Path) -> IO[str]:
-    """Hold ``<store>/up.lock`` for as long as the returned file is open (the process lives).
-    The store is made (or tightened to) 0700 first: it holds every secret and conversation."""
+    """Hold ``<store>/up.lock`` for as long as the returned file is open (the process lives);
+    :func:`release_store` removes it when ``up`` ends, so the file is there only while an
+    ``up`` runs (or one was killed). The store is made (or tightened to) 0700 first: it holds
+    every secret and conversation."""
     private_dir(store_dir)
-    f = open(store_dir / "up.lock", "a+")  # held open: the lock lives as long as the file
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        pid = f.read().strip() or "unknown"
+    path = store_dir / LOCK_FILE
+    while True:
+        f = open(path, "a+")  # held open: the lock lives as long as the file
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "unknown"
+            f.close()
+            raise UpError(f"another `jetloop up` is using store {store_dir} (pid {pid})") from None
+        if _still_there(f, path):
+            break
+        # An `up` that ended removed the file between our open and our lock: the lock we hold
+        # is on a file no other `up` will find. Take the one at the path now.
         f.close()
-        raise UpError(f"another `jetloop up` is using store {store_dir} (pid {pid})") from None
     f.truncate(0)
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def _still_there(f: IO[str], path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def release_store(lock: IO[str]) -> None:
+    """Remove ``up.lock`` and let go of it, whether ``up`` stopped or could not start. Removed
+    while still held: an ``up`` starting meanwhile either fails on the held lock or finds the
+    file gone (``lock_store`` checks) and makes a new one, never shares a lock."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(lock.name)
+    lock.close()
 
 
 def nats_port_taken(port: int) -> str:
@@ -112,18 +139,19 @@ def gateway_fatal(host: str, port: int) -> Callable[[BaseException], str | None]
     return fatal
 
 
-async def run_up(settings: Settings, external: bool) -> None:
-    """Run until SIGINT/SIGTERM; :class:`UpError` when it cannot (nothing left running)."""
+async def run_up(settings: Settings, external: bool, command: str = "jetloop") -> None:
+    """Run until SIGINT/SIGTERM; :class:`UpError` when it cannot (nothing left running).
+    ``command`` is how the user runs the CLI (``.venv/bin/jetloop``), for the hint."""
     lock = lock_store(settings.store_dir)
     try:
-        await _run_up(settings, external)
+        await _run_up(settings, external, command)
     except GaveUp as exc:
         raise UpError(str(exc)) from None
     finally:
-        lock.close()
+        release_store(lock)
 
 
-async def _run_up(settings: Settings, external: bool) -> None:
+async def _run_up(settings: Settings, external: bool, command: str) -> None:
     # What a restart cannot mend is told now, before anything starts.
     try:
         app = load_app(settings.app)
@@ -201,7 +229,7 @@ async def _run_up(settings: Settings, external: bool) -> None:
             "jetloop.up",
             nats=settings.nats_url,
             gateway=getattr(gateway, "url", None),
-            hint="try: jetloop chat --agent demo",
+            hint=f"try: {command} chat --agent demo",
         )
 
     sup = Supervisor(stages, on_started=announce)

@@ -1,9 +1,9 @@
 """The worker process: pulls steps of the pools it serves and runs their handlers.
 
-Lifecycle (STYLE rule 5): ``run()`` until ``stop()``; stop intake → drain in-flight steps
-for ``drain_seconds`` → cancel the rest (their messages are handed back with a nak) →
-close. It fetches only as many messages as it has free slots, so nothing it holds waits
-unstarted past its lease.
+Lifecycle (docs/design.md, convention 3): ``run()`` until ``stop()``; stop intake → drain in-flight
+steps for ``drain_seconds`` → cancel the rest (their messages are handed back with a nak) → close.
+It fetches only as many messages as it has free slots, so nothing it holds waits unstarted past its
+lease.
 
 Its clock: measured against the NATS server's before it serves anything, and every
 ``JETLOOP_CLOCK_CHECK_SECONDS`` after (``jetloop.streams.clock``). While it is off by more

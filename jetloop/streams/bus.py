@@ -1,8 +1,9 @@
 """Publishing with identity: every message carries its ``Nats-Msg-Id`` and readable headers.
 
 One place builds headers and publishes steps, events and history entries, so there is one
-way to publish a step (STYLE: no second copy of a mechanism). Pipelined publishes go out
-together and their answers are awaited together, under one timeout (``streams.replies``).
+way to publish a step (docs/design.md, convention 2: no second copy of a mechanism). A step's
+subject and key come from its kind's row in ``jetloop.schemas.kinds``. Pipelined publishes go
+out together and their answers are awaited together, under one timeout (``streams.replies``).
 """
 
 from __future__ import annotations
@@ -14,37 +15,15 @@ from nats.js import JetStreamContext
 
 from jetloop.schemas import (
     SCHEMA_VERSION,
+    WIRE_OF_KIND,
     Event,
     HistoryEntry,
-    StepKind,
     StepMessage,
     encode,
 )
 from jetloop.streams.connection import retrying
 from jetloop.streams.replies import connection_of, replies_of
-from jetloop.streams.topology import (
-    MODEL_POOL,
-    SESSION_POOL,
-    TOOL_POOL,
-    event_subject,
-    history_subject,
-    step_subject,
-)
-
-POOL_OF_KIND = {
-    StepKind.RUN_MODEL: MODEL_POOL,
-    StepKind.COMPACT_CONTEXT: MODEL_POOL,
-    StepKind.CALL_TOOL: TOOL_POOL,
-    StepKind.CALL_SINGLE_ATTEMPT_TOOL: TOOL_POOL,
-    StepKind.AWAIT_TOOL_APPROVAL: TOOL_POOL,
-    StepKind.AWAIT_QUESTION_ANSWER: TOOL_POOL,
-    StepKind.AWAIT_TIMER: TOOL_POOL,
-    StepKind.POLL_TOOL_TASK: TOOL_POOL,
-    StepKind.AWAIT_DELEGATION: TOOL_POOL,
-    StepKind.JOIN: SESSION_POOL,
-    StepKind.TURN_DONE: SESSION_POOL,
-    StepKind.CLOSE_TURN: SESSION_POOL,
-}
+from jetloop.streams.topology import event_subject, history_subject, step_subject
 
 H_KIND = "Jl-Kind"
 H_AGENT = "Jl-Agent"
@@ -75,10 +54,15 @@ def headers(kind: str, session_id: str, turn_id: str | None, key: str) -> dict[s
     return h
 
 
+def subject_of(step: StepMessage) -> str:
+    """The step's subject: the pool of its kind (``WIRE_OF_KIND``), its agent, kind, session."""
+    return step_subject(WIRE_OF_KIND[step.kind].pool, step.agent, step.kind.value, step.session_id)
+
+
 def step_out(step: StepMessage) -> Outgoing:
     key = step.step_key()
     return Outgoing(
-        subject=step_subject(POOL_OF_KIND[step.kind], step.agent, step.kind.value, step.session_id),
+        subject=subject_of(step),
         body=encode(step),
         headers={
             **headers(step.kind.value, step.session_id, step.turn_id, key),

@@ -1,4 +1,4 @@
-"""Connecting to NATS the way NATS-NOTES says a durable worker must."""
+"""Connecting to NATS the way a durable worker must (docs/design.md, JetStream facts)."""
 
 from __future__ import annotations
 
@@ -219,10 +219,10 @@ class SizedClient(Client):
     protocol with ``FastParser`` and header blocks with ``parse_header_lines``, and hands
     the messages of inline subscriptions to their handler as they are read.
 
-    nats-py compares only the body; the server counts the headers too and closes the
-    connection on a message that passes the limit (NATS-NOTES). Every publish goes through
-    ``publish`` (requests, JetStream publishes, KV and object-store writes), so this is the
-    one place a message too big is refused, as a ``PayloadTooLarge`` on that call.
+    nats-py compares only the body; the server counts the headers too and closes the connection on a
+    message that passes the limit (docs/design.md, JetStream facts). Every publish goes through
+    ``publish`` (requests, JetStream publishes, KV and object-store writes), so this is the one
+    place a message too big is refused, as a ``PayloadTooLarge`` on that call.
 
     nats-py passes every message of a subscription with a callback through a queue to a
     task of its own, and builds a ``Msg`` for it: for the answers a step waits for (its

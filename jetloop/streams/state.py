@@ -400,12 +400,12 @@ class StateStore:
     async def write(self, key: str, value: BaseModel, revision: int | None) -> int:
         """Create when ``revision`` is None, else CAS-update from ``revision``.
 
-        While the servers are between leaders (a restart, an election) the write is tried
-        again for up to ``retry_for`` seconds, so a short outage does not fail the attempt
-        (which a redelivery would then count as lost). A write whose answer was lost is read
-        back: if the key holds exactly what we wrote, it landed — a retried CAS would answer
-        "wrong last sequence" and look like a takeover (NATS-NOTES). Each try is sealed anew
-        (the seal holds the time it is written), so the read-back knows every version sent.
+        While the servers are between leaders (a restart, an election) the write is tried again for
+        up to ``retry_for`` seconds, so a short outage does not fail the attempt (which a redelivery
+        would then count as lost). A write whose answer was lost is read back: if the key holds
+        exactly what we wrote, it landed — a retried CAS would answer "wrong last sequence" and look
+        like a takeover (docs/design.md, JetStream facts). Each try is sealed anew (the seal holds
+        the time it is written), so the read-back knows every version sent.
         """
         sent: list[bytes] = []
         tried = False

@@ -1,8 +1,8 @@
 """The JetStream topology, declared once and applied idempotently at start-up.
 
-Every stream, consumer and bucket jetloop uses is named here; nothing else in the code
-spells a subject by hand. ``apply`` creates what is missing and updates what exists with a
-whole config (NATS-NOTES: a read-modify-write update can drop fields nats-py does not know).
+Every stream, consumer and bucket jetloop uses is named here; nothing else in the code spells a
+subject by hand. ``apply`` creates what is missing and updates what exists with a whole config
+(docs/design.md, JetStream facts: a read-modify-write update can drop fields nats-py does not know).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, NotFoundError
+
+from jetloop.schemas.kinds import Pool
 
 TURNS_STREAM = "JL_TURNS"
 STEPS_STREAM = "JL_STEPS"
@@ -28,9 +30,10 @@ AGENTS_BUCKET = "jl_agents"
 WORKERS_BUCKET = "jl_workers"
 PRESENCE_TTL = 15.0
 
-SESSION_POOL = "session"
-MODEL_POOL = "model"
-TOOL_POOL = "tool"
+# Named once, with the step kinds each pool serves (``jetloop.schemas.kinds``).
+SESSION_POOL = Pool.SESSION.value
+MODEL_POOL = Pool.MODEL.value
+TOOL_POOL = Pool.TOOL.value
 POOLS = (SESSION_POOL, MODEL_POOL, TOOL_POOL)
 
 # Before turns and steps were routed by agent, one consumer per pool served every agent;
@@ -55,7 +58,7 @@ def step_subject(pool: str, agent: str, kind: str, session_id: str) -> str:
 
 
 def timer_subject(session_id: str, call_key: str) -> str:
-    """One subject per timer: a subject holds one schedule (NATS-NOTES)."""
+    """One subject per timer: a subject holds one schedule (docs/design.md, JetStream facts)."""
     return f"jl.sched.{session_id}.{call_key.replace('.', '_')}"
 
 

@@ -2,7 +2,9 @@
 
 Every message, record, event (and each event type's ``data``) and control request and reply
 a client in another language meets is written as one file, so that language can generate
-its types. The files are checked in; ``tests/test_wire_schemas.py`` fails when one is stale.
+its types. A ``jl_state`` record's file describes it as stored: with the ``seal`` the store
+adds to every record it writes (``jetloop.streams.state``), which the models do not all
+carry. The files are checked in; ``tests/test_wire_schemas.py`` fails when one is stale.
 
     python -m jetloop.tooling.wire_schemas            # write docs/schemas/
     python -m jetloop.tooling.wire_schemas --check    # exit 1 and name the stale files
@@ -35,12 +37,38 @@ from jetloop.schemas import (
     TurnRequest,
 )
 from jetloop.services.control import REQUESTS, Reply
+from jetloop.streams.seal import OLD_VERSION, SEAL_FIELD, SEAL_VERSION
 
 OUT = Path(__file__).resolve().parents[2] / "docs" / "schemas"
 
 
 def _kebab(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "-", name).lower()
+
+
+# The records of the jl_state bucket (docs/protocol.md, "State"), each stored with a seal.
+RECORDS: dict[str, type[BaseModel]] = {
+    "session-record": SessionRecord,
+    "turn-record": TurnRecord,
+    "call-record": CallRecord,
+    "approval-record": ApprovalRecord,
+    "question-record": QuestionRecord,
+    "compaction-record": CompactionRecord,
+}
+
+# The seal as jetloop.streams.seal writes it (v3), or as the jetloop before wrote it (v2,
+# still read): docs/security.md, "The exact bytes".
+SEAL = {
+    "type": "string",
+    "title": "Seal",
+    "pattern": rf"^({SEAL_VERSION}\.[0-9]+\.[0-9]+|{OLD_VERSION}\.[0-9]+)\.[0-9a-f]{{64}}$",
+    "description": (
+        f"{SEAL_VERSION}.<ms>.<rev>.<64 hex>: an HMAC-SHA256 over the record (this map "
+        "without its seal, the last entry), its key, the seal time in Unix milliseconds and "
+        f"the revision it was written over (see docs/security.md); {OLD_VERSION}.<ms>.<64 "
+        "hex> from an older jetloop still verifies"
+    ),
+}
 
 
 def models() -> dict[str, type[BaseModel]]:
@@ -51,12 +79,7 @@ def models() -> dict[str, type[BaseModel]]:
         "event": Event,
         "history-entry": HistoryEntry,
         "step-message": StepMessage,
-        "session-record": SessionRecord,
-        "turn-record": TurnRecord,
-        "call-record": CallRecord,
-        "approval-record": ApprovalRecord,
-        "question-record": QuestionRecord,
-        "compaction-record": CompactionRecord,
+        **RECORDS,
     }
     for etype, data in EVENT_DATA.items():
         out[f"event-data.{etype.value}"] = data
@@ -72,6 +95,10 @@ def render() -> dict[str, str]:
     files = {}
     for stem, model in models().items():
         schema = model.model_json_schema(mode="validation")
+        if stem in RECORDS:
+            schema["properties"][SEAL_FIELD] = SEAL
+            required = [r for r in schema.get("required", []) if r != SEAL_FIELD]
+            schema["required"] = [*required, SEAL_FIELD]
         schema["$id"] = f"urn:jetloop:schema:v{SCHEMA_VERSION}:{stem}"
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         schema["$comment"] = (

@@ -8,7 +8,6 @@
 - ``inspect_command``  ``inspect``; what it reads and prints is ``inspector``
 """
 
-from jetloop.services.cli import decide, inspect_command, run, sessions  # noqa: F401  (they register)
-from jetloop.services.cli.main import main
+from jetloop.services.cli.main import main  # its commands are imported when asked for
 
 __all__ = ["main"]

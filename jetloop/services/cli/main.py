@@ -8,22 +8,62 @@ The commands live beside it by what they are for (``run``, ``sessions``, ``decid
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
+import os
 import re
+import sys
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from jetloop.schemas import EventType
-from jetloop.services.logs import configure
-from jetloop.services.settings import Settings, SettingsError, load_settings
-
 if TYPE_CHECKING:
     from jetloop.services.client import Client
+    from jetloop.services.settings import Settings
+
+# The module (beside this one) that defines each command. A command's module is imported when
+# the command runs, and all of them only to list them (``--help``): a command pays for its own
+# imports alone, ``jetloop --version`` for none (tests/test_user_path.py holds it to this
+# table).
+COMMANDS = {
+    **dict.fromkeys(
+        ("up", "worker", "topology", "credentials", "trials", "bench", "gateway", "projector"),
+        "run",
+    ),
+    **dict.fromkeys(
+        ("send", "chat", "events", "snapshot", "turns", "turn", "sessions"), "sessions"
+    ),
+    **dict.fromkeys(("approve", "answer", "cancel", "reconcile"), "decide"),
+    "inspect": "inspect_command",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose commands register themselves when their module (``COMMANDS``) is
+    imported; a name the table misses is looked for in every module."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        load_commands()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            importlib.import_module(f"{__package__}.{COMMANDS[cmd_name]}")
+        if cmd_name not in self.commands:
+            load_commands()
+        return super().get_command(ctx, cmd_name)
+
+
+def load_commands() -> None:
+    """Import every command module (each registers its commands on ``main``)."""
+    for module in sorted(set(COMMANDS.values())):
+        importlib.import_module(f"{__package__}.{module}")
 
 
 def _settings(**overrides: Any) -> Settings:
+    from jetloop.services.settings import SettingsError, load_settings
+
     clean = {k: v for k, v in overrides.items() if v is not None}
     try:
         return load_settings(**clean)
@@ -48,12 +88,23 @@ def _run(coro: Coroutine[Any, Any, None], settings: Settings | None = None) -> N
         raise click.ClickException(str(exc)) from None
 
 
-@click.group()
+@click.group(cls=LazyGroup)
 @click.version_option(package_name="jetloop")
 def main() -> None:
     """jetloop: durable execution of AI-agent turns on NATS JetStream."""
+    from jetloop.services.logs import configure
+
     # Commands that talk to NATS print only what matters; services reconfigure logging.
     configure("console", "warning")
+
+
+def invoked_as() -> str:
+    """The command as the user ran it, for hints they can paste: the path when they gave one
+    (``.venv/bin/jetloop``, as the README does), else ``jetloop``."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.sep in argv0 and os.path.basename(argv0).startswith("jetloop"):
+        return argv0
+    return "jetloop"
 
 
 async def _session_exists(jl: Client, session_id: str) -> bool:
@@ -86,6 +137,10 @@ async def _session_exists(jl: Client, session_id: str) -> bool:
 # How long a client command waits for NATS before it says so in one line: the first
 # connect, and a reconnect after the server went away (at most --timeout where it has one).
 PATIENCE = 5.0
+# The first connect is bounded tighter: with nothing listening (no `jetloop up`) a connect is
+# refused at once, and a person waits for that line; a server that answers does in well
+# under this, even over a network.
+FIRST_CONNECT = 1.5
 
 Body = Callable[["Client"], Coroutine[Any, Any, None]]
 
@@ -116,7 +171,10 @@ async def _with_client(urls: list[str], body: Body, timeout: float | None) -> No
 
     patience = min(PATIENCE, timeout) if timeout else PATIENCE
     try:
-        jl = await Client.connect(urls, give_up_after=patience, on_closed=on_closed)
+        jl = await asyncio.wait_for(
+            Client.connect(urls, give_up_after=patience, on_closed=on_closed),
+            min(FIRST_CONNECT, patience),
+        )
     except (NoServersError, TimeoutError, OSError):
         raise click.ClickException(
             f"cannot reach NATS at {where} (is 'jetloop up' running?)"
@@ -170,6 +228,8 @@ def _echo_model(model: Any) -> None:
 
 
 def _describe(ev: Any) -> str:
+    from jetloop.schemas import EventType
+
     d = ev.data
     match ev.type:
         case EventType.TURN_ACCEPTED:
@@ -191,14 +251,14 @@ def _describe(ev: Any) -> str:
         case EventType.APPROVAL_REQUESTED:
             return (
                 f"· {d.get('tool')} waits for approval: "
-                f"jetloop approve {ev.session_id} {d.get('approval_id')}"
+                f"{invoked_as()} approve {ev.session_id} {d.get('approval_id')}"
             )
         case EventType.APPROVAL_DECIDED:
             return f"· approval {d.get('status')} by {d.get('by')}"
         case EventType.QUESTION_ASKED:
             return (
                 f"· question: {d.get('question')} — "
-                f"jetloop answer {ev.session_id} {d.get('question_id')} '…'"
+                f"{invoked_as()} answer {ev.session_id} {d.get('question_id')} '…'"
             )
         case EventType.QUESTION_ANSWERED:
             return f"· answered by {d.get('by')}: {d.get('answer')}"

@@ -14,7 +14,7 @@ from jetloop.services.logs import configure
 if TYPE_CHECKING:
     from jetloop.services.client import Client
 
-from jetloop.services.cli.main import _client_cmd, _run, _settings, main
+from jetloop.services.cli.main import _client_cmd, _run, _settings, invoked_as, main
 
 
 @main.command()
@@ -62,7 +62,7 @@ def up(
     )
     configure("console", s.log_level)
     try:
-        _run(run_up(s, external=nats_url is not None), s)
+        _run(run_up(s, external=nats_url is not None, command=invoked_as()), s)
     except UpError as exc:
         raise click.ClickException(str(exc)) from None
 

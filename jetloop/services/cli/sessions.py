@@ -21,6 +21,7 @@ from jetloop.services.cli.main import (
     _run,
     _session_exists,
     _settings,
+    invoked_as,
     main,
 )
 
@@ -129,7 +130,9 @@ def chat(agent: str, session_id: str | None, nats_url: str | None) -> None:
             try:
                 text = await ask("you> ")
             except EOFError:
-                click.echo(f"\nbye. Come back with: jetloop chat --agent {agent} --resume {sid}")
+                click.echo(
+                    f"\nbye. Come back with: {invoked_as()} chat --agent {agent} --resume {sid}"
+                )
                 return
             if not text.strip():
                 continue
@@ -278,6 +281,10 @@ def turn(session_id: str, turn_id: str, nats_url: str | None, limit: int, as_jso
             click.echo(f"  … {detail.calls_more} more call(s): --limit")
         for u in detail.untrusted:
             click.echo(f"  not trusted: {u}")
+        answer = await jl.answer_text(t)  # from jl_blobs when it was too large to keep inline
+        if answer is not None:
+            click.echo("")
+            click.echo(answer)
 
     _client_cmd(nats_url, body)
 

@@ -33,14 +33,15 @@ Every error is ``application/problem+json`` (RFC 9457) with a title, status and 
 aiohttp's own 404/405/413, authentication (401 with ``WWW-Authenticate``, 403), invalid
 bodies (422 with the field errors), ``ControlError`` (its status), NATS outages (503).
 
-Lifecycle (STYLE rule 5, aiohttp's ``cleanup_ctx``): NATS, then the read model, are opened
-in order at start-up and closed in reverse; ``on_shutdown`` ends the event streams first.
+Lifecycle (docs/design.md, convention 3; aiohttp's ``cleanup_ctx``): NATS, then the read model, are
+opened in order at start-up and closed in reverse; ``on_shutdown`` ends the event streams first.
 ``Gateway`` has ``run()`` / idempotent ``stop()`` / ``async with`` like the worker.
 
-This module holds the handlers, the route table and the app; beside it:
-``gateway_http`` (errors, auth, metrics, parsing), ``gateway_sse`` (event streams),
-``gateway_hooks`` (webhook signatures), ``gateway_openapi`` (shapes and document),
-``gateway_config`` (what it is configured with).
+This module holds the handlers, the route table and the app; beside it in
+``jetloop.services.gateway``: ``http`` (errors, auth, metrics, parsing), ``browser`` (what a
+web page may not do), ``sse`` (event streams), ``hooks`` (webhook signatures), ``openapi``
+(shapes and document), ``config`` (what it is configured with), ``console`` (the web console),
+``guard`` (slow and many clients).
 """
 
 from __future__ import annotations

@@ -394,7 +394,9 @@ def _op(
     body_required: bool = True,
     problems: tuple[str, ...] = ("400", "404", "422"),
     signed: bool = False,
+    conflict: str | None = None,
 ) -> dict[str, Any]:
+    """One operation; ``conflict`` says what its 409 means when it has a meaning of its own."""
     responses: dict[str, Any] = dict(ok)
     errs = list(problems) + (["401", "403"] if scope else [])
     if not signed:  # jetloop.services.gateway.browser: every route but a webhook
@@ -406,6 +408,8 @@ def _op(
             "description": PROBLEMS[code],
             "content": {"application/problem+json": {"schema": _ref("Problem")}},
         }
+    if conflict is not None:
+        responses["409"]["description"] = conflict
     op: dict[str, Any] = {
         "operationId": op_id,
         "summary": summary,
@@ -527,10 +531,12 @@ def openapi_document() -> dict[str, Any]:
                 "decideApproval",
                 "Approve or reject a held call; the first decision wins",
                 "approve",
-                {"200": _json(_ref("ApprovalRecord"), "the recorded decision")},
+                {"200": _json(_ref("ApprovalRecord"), "the recorded decision (also on a repeat)")},
                 params=[session, _path("approval_id")],
                 body=DecisionIn,
                 problems=("400", "404", "409", "422"),
+                conflict="decided otherwise already (the detail names the decision and who "
+                "made it), or the record is not trusted; nothing changed",
             )
         },
         "/v1/sessions/{session}/questions/{question_id}": {
@@ -538,10 +544,12 @@ def openapi_document() -> dict[str, Any]:
                 "answerQuestion",
                 "Answer the model's question; the first answer wins",
                 "write",
-                {"200": _json(_ref("QuestionRecord"), "the recorded answer")},
+                {"200": _json(_ref("QuestionRecord"), "the recorded answer (also on a repeat)")},
                 params=[session, _path("question_id")],
                 body=AnswerIn,
                 problems=("400", "404", "409", "422"),
+                conflict="answered otherwise already (the detail quotes the answer), or the "
+                "record is not trusted; nothing changed",
             )
         },
         "/v1/sessions/{session}/cancel": {

@@ -4,7 +4,7 @@
 One durable pull consumer of its own (``jl_projector`` by default, filter ``jl.event.>``,
 ack-all). Each fetched batch is applied in one SQLite transaction that also stores the
 batch's last stream sequence; only then is the batch acked (commit, then ack: rule 4 of
-ARCHITECTURE.md, with SQLite as the state). A redelivered message at or below the stored
+docs/design.md, with SQLite as the state). A redelivered message at or below the stored
 sequence is skipped, so every event is applied exactly once.
 
 SQLite's position, not the consumer, is the truth: at every start the consumer is created
@@ -26,8 +26,8 @@ from what SQLite holds (``jetloop up``'s supervisor, or ``run_projector`` alone)
 ``rebuild`` drops the tables and replays the stream from the start; ``burst`` returns
 once the model has caught up with the stream (tests, one-off rebuilds).
 
-Lifecycle (STYLE rule 5): ``run()`` until ``stop()``; ``async with``; a batch in hand is
-finished (committed or rolled back) before the connection closes.
+Lifecycle (docs/design.md, convention 3): ``run()`` until ``stop()``; ``async with``; a batch in
+hand is finished (committed or rolled back) before the connection closes.
 
 Run it alone: ``python -m jetloop.services.readmodel.projector --nats nats://127.0.0.1:4222 --db
 .jetloop/readmodel.sqlite [--rebuild] [--burst]``.

@@ -1,11 +1,11 @@
 """A three-node JetStream cluster on loopback, for tests that need replication and failover.
 
-``EmbeddedServer`` covers one server; this starts several nats-server processes that route to
-each other, so a test can create R3 streams, SIGKILL the node that leads one, watch the raft
-election and restart the node on its old store. Each node gets its own client port, route
-port, ``server_name`` and store directory (NATS-NOTES: a cluster on one host needs all four
-distinct), and logs to ``<base_dir>/<name>.log``. A ``config_file`` (nats-server's ``-c``, say
-one naming a system account) is given to every node; the command-line flags override it.
+``EmbeddedServer`` covers one server; this starts several nats-server processes that route to each
+other, so a test can create R3 streams, SIGKILL the node that leads one, watch the raft election and
+restart the node on its old store. Each node gets its own client port, route port, ``server_name``
+and store directory (docs/design.md, JetStream facts: a cluster on one host needs all four
+distinct), and logs to ``<base_dir>/<name>.log``. A ``config_file`` (nats-server's ``-c``, say one
+naming a system account) is given to every node; the command-line flags override it.
 
     cluster = LocalCluster(tmp_path, "jl-test")
     cluster.start()

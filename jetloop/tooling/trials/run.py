@@ -47,8 +47,8 @@ Every server knows the system account and its ``watch`` user (``jetloop.tooling.
 and every worker is given the password (``JETLOOP_NATS_WATCH_PASSWORD``), so a worker that
 watches for closed connections can hand a dead worker's steps on before its lease lapses.
 
-This module only wires processes together (STYLE rule 1): the engine is driven through the
-public client, the harness (``WorkerProcess``; ``EmbeddedServer`` and ``LocalCluster``
+This module only wires processes together (docs/design.md, convention 1): the engine is driven
+through the public client, the harness (``WorkerProcess``; ``EmbeddedServer`` and ``LocalCluster``
 through ``jetloop.tooling.trials.servers``) and the test app ``tests.apps:app`` the workers load.
 """
 

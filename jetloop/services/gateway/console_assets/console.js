@@ -304,6 +304,7 @@ const KIND = {
   "question.answered": "human", "timer.set": "timer", "timer.fired": "timer", "task.started": "call",
   "delegation.started": "call", "context.compacted": "model", "agent.run.crash_resumed": "crash",
   "agent.run.lost": "crash", "agent.run.checkpoint_rejected": "crash",
+  "agent.run.step_dead_lettered": "crash",
 };
 
 function usage(u) {
@@ -418,6 +419,9 @@ function eventBody(sid, ev, ctx) {
       return h("div", { class: "kv" }, field("losses", d.losses), field("step", h("code", {}, d.step)));
     case "agent.run.checkpoint_rejected":
       return h("div", { class: "kv" }, field("key", d.key), field("reason", d.reason));
+    case "agent.run.step_dead_lettered":
+      return h("div", { class: "kv" }, field("step", h("code", {}, d.step)), field("reason", d.reason),
+        field("dead letter", d.dead_letter));
     case "turn.completed":
       return h("div", {}, h("div", { class: "kv" }, field("model steps", d.model_steps), usage(d.usage)), d.text ? h("pre", {}, d.text) : null);
     case "turn.failed":

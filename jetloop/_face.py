@@ -41,9 +41,6 @@ from jetloop.agents import (
 )
 from jetloop.agents.tools import Found, NotFound
 from jetloop.consumers import TOOL_CALL_NOT_RUN_ERROR_PREFIX
-from jetloop.consumers.control import ControlError
-from jetloop.consumers.snapshot import CallView, SessionSnapshot
-from jetloop.consumers.turns import TurnDetail, TurnPage, TurnSummary
 from jetloop.schemas import Event, EventType, TurnRecord, TurnStatus
 from jetloop.schemas.errors import (
     JetloopError,
@@ -60,4 +57,7 @@ from jetloop.services.client import Client, TurnHandle, TurnResult
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.services.settings import Settings, SettingsError, load_settings
 from jetloop.services.worker import Worker
+from jetloop.sessions.decisions import ControlError
+from jetloop.sessions.snapshot import CallView, SessionSnapshot
+from jetloop.sessions.turns import TurnDetail, TurnPage, TurnSummary
 from jetloop.streams.connection import NotAuthorized

@@ -1,6 +1,6 @@
 """The mutation check: deliberate bugs in the engine, and the tests that must catch them.
 
-Each ``Mutation`` names a file of the engine (under ``jetloop/consumers/`` or
+Each ``Mutation`` names a file of the engine (under ``jetloop/consumers/``, ``jetloop/sessions/`` or
 ``jetloop/streams/``), an exact source snippet, what replaces it, the bug that makes in one
 line, and the test node ids that claim to catch it. ``check`` copies the project to a temporary
 directory, applies the one mutation there (failing loudly unless the snippet is found exactly
@@ -40,7 +40,7 @@ MATRIX = "tests/test_matrix.py::test_matrix"
 @dataclass(frozen=True)
 class Mutation:
     name: str
-    path: str  # under jetloop/consumers/ or jetloop/streams/
+    path: str  # under jetloop/consumers/, jetloop/sessions/ or jetloop/streams/
     find: str  # exact source, found exactly once
     replace: str
     bug: str  # the bug the replacement makes, in one line
@@ -347,7 +347,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "reconcile-without-join",
-        "jetloop/consumers/control.py",
+        "jetloop/sessions/decisions.py",
         "            await self._join_after_reconcile(call_key)\n",
         "",
         "a reconcile that lands after the last commit and before its join leaves the turn "
@@ -430,9 +430,9 @@ class Result:
 
 def apply(m: Mutation, root: Path) -> None:
     """Apply ``m`` to the tree at ``root``, or raise ``MutationError`` naming what is wrong."""
-    if not m.path.startswith(("jetloop/consumers/", "jetloop/streams/")):
+    if not m.path.startswith(("jetloop/consumers/", "jetloop/streams/", "jetloop/sessions/")):
         raise MutationError(
-            f"{m.name}: {m.path} is not under jetloop/consumers/ or jetloop/streams/"
+            f"{m.name}: {m.path} is not under jetloop/consumers/, streams/ or sessions/"
         )
     target = root / m.path
     if not target.is_file():

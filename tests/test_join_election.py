@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from nats.js.errors import NotFoundError
 
-from jetloop.consumers.control import Control
 from jetloop.consumers.join import join_calls
 from jetloop.consumers.runtime import Delivery
 from jetloop.schemas import (
@@ -24,6 +23,7 @@ from jetloop.schemas import (
     idempotency_key,
 )
 from jetloop.services.embedded import EmbeddedServer
+from jetloop.sessions.decisions import Control
 from jetloop.streams.state import call_state_key, turn_key
 from jetloop.streams.topology import STEPS_STREAM
 from tests.test_heartbeat import delivery as delivery

@@ -1,8 +1,8 @@
 """Layers point down only: a lower package never imports a higher one.
 
-    schemas  ←  streams  ←  consumers  ←  services  ←  tooling
-         ↖   agents  ↗                      ↑
-                                           demo (an app, like a user's)
+    schemas  ←  streams  ←  consumers  ←  sessions  ←  services  ←  tooling
+         ↖   agents  ↗                                    ↑
+                                                         demo (an app, like a user's)
 
 (one exception, named below: the command line loads the tooling's commands)
 
@@ -22,9 +22,19 @@ ALLOWED: dict[str, set[str]] = {
     "streams": {"schemas", "streams"},
     "agents": {"schemas", "agents"},
     "consumers": {"schemas", "streams", "agents", "consumers"},
-    "services": {"schemas", "streams", "agents", "consumers", "services"},
+    "sessions": {"schemas", "streams", "agents", "consumers", "sessions"},
+    "services": {"schemas", "streams", "agents", "consumers", "sessions", "services"},
     "demo": {"schemas", "agents", "services", "demo"},
-    "tooling": {"schemas", "streams", "agents", "consumers", "services", "demo", "tooling"},
+    "tooling": {
+        "schemas",
+        "streams",
+        "agents",
+        "consumers",
+        "sessions",
+        "services",
+        "demo",
+        "tooling",
+    },
 }
 # The `jetloop` command is the front door of the tooling too (`jetloop bench`, `jetloop
 # trials`): its commands load it lazily. Nothing else in the product may.

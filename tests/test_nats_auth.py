@@ -23,14 +23,14 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
 
-from jetloop.consumers.control import ControlError
-from jetloop.consumers.snapshot import SessionSnapshot
 from jetloop.demo.vendor import Vendor
 from jetloop.schemas import ApprovalRecord
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.services.natsauth import make_users, url_as, write_config
 from jetloop.services.settings import SettingsError, load_settings
+from jetloop.sessions.decisions import ControlError
+from jetloop.sessions.snapshot import SessionSnapshot
 from jetloop.streams.connection import NotAuthorized, inbox_prefix
 from jetloop.streams.seal import Sealer, key_bytes
 from jetloop.streams.topology import STATE_BUCKET, STEPS_STREAM

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from jetloop.consumers.calls import TOOL_CALL_NOT_RUN_ERROR_PREFIX
-from jetloop.consumers.snapshot import SessionSnapshot
 from jetloop.demo.vendor import Vendor
 from jetloop.services.client import Client, TurnFailed
+from jetloop.sessions.snapshot import SessionSnapshot
 from tests.conftest import WorkerFactory, body, call, script, until
 
 
@@ -329,7 +329,7 @@ async def test_reconcile_outcome_unknown(client: Client, workers: WorkerFactory)
     by_tool = {c.tool: c for c in snap.calls}
     unknown = by_tool["once"]
     assert unknown.state == "outcome_unknown"
-    from jetloop.consumers.control import ControlError
+    from jetloop.sessions.decisions import ControlError
 
     with pytest.raises(ControlError, match="only an outcome_unknown call"):
         await client.reconcile(by_tool["read"].call_key, True, by="heidi")

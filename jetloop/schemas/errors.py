@@ -16,7 +16,7 @@ seal check in ``streams``, the control operations in ``consumers``, the client i
     ├── TurnFailed              the turn ended failed or cancelled (.turn)
     └── SettingsError           a setting has a wrong value (also a ValueError)
 
-``ControlError`` is defined in ``jetloop.consumers.control`` and ``SettingsError`` in
+``ControlError`` is defined in ``jetloop.sessions.decisions`` and ``SettingsError`` in
 ``jetloop.services.settings``; both derive from ``JetloopError``. Errors of NATS itself
 (``nats.errors.*``) pass through: an outage longer than the client rides out is one.
 """

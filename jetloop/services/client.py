@@ -33,9 +33,6 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 from pydantic import BaseModel
 
 from jetloop.agents.agent import Trigger
-from jetloop.consumers.control import Control, ControlError
-from jetloop.consumers.snapshot import MOST_CALLS, SessionSnapshot, snapshot, with_workers
-from jetloop.consumers.turns import TurnDetail, TurnPage, list_turns, turn_detail
 from jetloop.schemas import (
     ApprovalRecord,
     CallRecord,
@@ -59,6 +56,9 @@ from jetloop.schemas.errors import SealKeyMissing, UnknownSession, UnknownTurn
 from jetloop.schemas.errors import TurnFailed as TurnFailed
 from jetloop.schemas.errors import UnknownAgent as UnknownAgent
 from jetloop.services.control import PREFIX as CONTROL_PREFIX
+from jetloop.sessions.decisions import Control, ControlError
+from jetloop.sessions.snapshot import MOST_CALLS, SessionSnapshot, snapshot, with_workers
+from jetloop.sessions.turns import TurnDetail, TurnPage, list_turns, turn_detail
 from jetloop.streams import topology
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus

@@ -25,9 +25,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pydantic import AfterValidator, BaseModel, ValidationError
 
-from jetloop.consumers.control import Control, ControlError, dump
-from jetloop.consumers.snapshot import snapshot, with_workers
 from jetloop.schemas.ids import validate_name
+from jetloop.sessions.decisions import Control, ControlError, dump
+from jetloop.sessions.snapshot import snapshot, with_workers
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.clock import ClockOff
 from jetloop.streams.connection import TRANSIENT

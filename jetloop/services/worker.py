@@ -29,7 +29,6 @@ from prometheus_client import start_http_server
 
 from jetloop.agents import App
 from jetloop.consumers import Faults, Runtime, dispatch, metrics, route_step, route_turn
-from jetloop.consumers.control import Control
 from jetloop.consumers.dispatch import Handler
 from jetloop.consumers.liveness import HOLDING
 from jetloop.consumers.metrics import watch_lag
@@ -40,6 +39,7 @@ from jetloop.services.lifecycle import Service
 from jetloop.services.rescue import Rescuer, connection_name
 from jetloop.services.runner import loop_name
 from jetloop.services.settings import Settings
+from jetloop.sessions.decisions import Control
 from jetloop.streams import topology
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus

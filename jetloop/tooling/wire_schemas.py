@@ -20,7 +20,6 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from jetloop.consumers.snapshot import SessionSnapshot
 from jetloop.schemas import (
     EVENT_DATA,
     SCHEMA_VERSION,
@@ -37,6 +36,7 @@ from jetloop.schemas import (
     TurnRequest,
 )
 from jetloop.services.control import REQUESTS, Reply
+from jetloop.sessions.snapshot import SessionSnapshot
 from jetloop.streams.seal import OLD_VERSION, SEAL_FIELD, SEAL_VERSION
 
 OUT = Path(__file__).resolve().parents[2] / "docs" / "schemas"

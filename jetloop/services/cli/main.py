@@ -157,10 +157,10 @@ async def _with_client(urls: list[str], body: Body, timeout: float | None) -> No
     from nats.errors import ConnectionClosedError, NoServersError
     from nats.errors import Error as NatsError
 
-    from jetloop.consumers.control import ControlError
     from jetloop.schemas.errors import JetloopError
     from jetloop.services.cli.inspector import Missing
     from jetloop.services.client import Client
+    from jetloop.sessions.decisions import ControlError
 
     # The URLs carry the NATS password (jetloop.services.settings): shown without it.
     where = ", ".join(re.sub(r"//[^/@]*@", "//", u) for u in urls)

@@ -61,7 +61,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
-from jetloop.consumers.control import dump
 from jetloop.schemas.errors import TurnFailed
 from jetloop.services.client import Client
 from jetloop.services.gateway import console, hooks, sse
@@ -118,6 +117,7 @@ from jetloop.services.gateway.state import (
 from jetloop.services.lifecycle import Service
 from jetloop.services.logs import configure
 from jetloop.services.settings import SettingsError, describe_errors, load_settings
+from jetloop.sessions.decisions import dump
 from jetloop.streams import topology
 from jetloop.streams.connection import ConnectionLost, connect
 

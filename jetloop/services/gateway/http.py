@@ -29,7 +29,6 @@ from nats.errors import Error as NatsError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ValidationError
 
-from jetloop.consumers.control import ControlError
 from jetloop.schemas.errors import (
     RecordNotTrusted,
     SealKeyMissing,
@@ -38,6 +37,7 @@ from jetloop.schemas.errors import (
     UnknownTurn,
 )
 from jetloop.services.gateway.config import GatewayConfig, Scope, TokenGrant
+from jetloop.sessions.decisions import ControlError
 from jetloop.streams.clock import CHECK_EVERY, ClockOff
 from jetloop.streams.connection import TRANSIENT, PayloadTooLarge
 

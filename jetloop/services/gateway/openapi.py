@@ -14,9 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
 
-from jetloop.consumers.snapshot import SessionSnapshot
-from jetloop.consumers.turns import TurnDetail, TurnPage
 from jetloop.schemas import ApprovalRecord, CallRecord, QuestionRecord, TurnRecord
+from jetloop.sessions.snapshot import SessionSnapshot
+from jetloop.sessions.turns import TurnDetail, TurnPage
 
 NAME = r"^[A-Za-z0-9_-]{1,64}$"
 CALL_KEY = r"^[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){3}$"

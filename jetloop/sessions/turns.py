@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from jetloop.consumers.snapshot import MOST_CALLS, CallView, turn_calls
 from jetloop.schemas import DecodeError, ParentCall, TurnRecord, TurnStatus
+from jetloop.sessions.snapshot import MOST_CALLS, CallView, turn_calls
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.seal import SealBroken
 from jetloop.streams.state import StateStore, Stored, Versioned, session_key, turn_key

@@ -66,19 +66,11 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def up(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
-    """`jetloop up` with tokens: (gateway URL, NATS URL, store), stopped with Ctrl-C after."""
-    port = free_port()
-    store = tmp_path / "store"
-    log = tmp_path / "up.log"
-    env = {
-        **os.environ,
-        "JETLOOP_VENDOR_DB": str(tmp_path / "vendor.sqlite"),
-        "JETLOOP_GATEWAY_PORT": "0",
-        "JETLOOP_GATEWAY_TOKENS": json.dumps(TOKENS),
-    }
-    cmd = [sys.executable, "-m", "jetloop.services.cli", "up", "--nats-port", str(port)]
+def running_up(store: Path, log: Path, env: dict[str, str], nats_port: int) -> Iterator[str]:
+    """`jetloop up` as a process of its own (its own session, so Ctrl-C reaches its whole
+    tree) on ``store``, logging to ``log``: yields its gateway's URL once it says it is up,
+    and is stopped with Ctrl-C after (SIGKILL to its group if it will not stop)."""
+    cmd = [sys.executable, "-m", "jetloop.services.cli", "up", "--nats-port", str(nats_port)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [*cmd, "--store-dir", str(store)],
@@ -93,8 +85,7 @@ def up(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
-        gateway = field(events(log, "jetloop.up")[-1], "gateway")
-        yield gateway, f"nats://127.0.0.1:{port}", store
+        yield field(events(log, "jetloop.up")[-1], "gateway")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -103,6 +94,21 @@ def up(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
+    """`jetloop up` with tokens: (gateway URL, NATS URL, store), stopped with Ctrl-C after."""
+    port = free_port()
+    store = tmp_path / "store"
+    env = {
+        **os.environ,
+        "JETLOOP_VENDOR_DB": str(tmp_path / "vendor.sqlite"),
+        "JETLOOP_GATEWAY_PORT": "0",
+        "JETLOOP_GATEWAY_TOKENS": json.dumps(TOKENS),
+    }
+    for gateway in running_up(store, tmp_path / "up.log", env, port):
+        yield gateway, f"nats://127.0.0.1:{port}", store
 
 
 @pytest.fixture

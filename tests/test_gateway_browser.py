@@ -16,11 +16,7 @@ import http.client
 import http.server
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,8 +24,7 @@ from typing import Any
 import pytest
 
 from jetloop.services.embedded import free_port
-from tests.test_console import CHROMIUM
-from tests.test_up import events, field
+from tests.test_console import CHROMIUM, running_up
 
 try:
     from playwright.sync_api import Browser, expect, sync_playwright
@@ -58,31 +53,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "JETLOOP_GATEWAY_PORT": "0",
         "JETLOOP_LOG_FORMAT": "console",
     }
-    cmd = [sys.executable, "-m", "jetloop.services.cli", "up", "--nats-port", str(free_port())]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [*cmd, "--store-dir", str(tmp / "store")],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + 30
-        while not events(log, "jetloop.up"):
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        yield field(events(log, "jetloop.up")[-1], "gateway")
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
+    yield from running_up(tmp / "store", log, env, free_port())
 
 def call(
     gateway: str,

@@ -171,33 +171,41 @@ async def test_an_approval_edited_by_a_raw_put_is_not_a_decision(
     assert any(u.startswith(f"{ak}: ") for u in snap.untrusted), snap.untrusted
 
 
-async def test_a_rejection_cannot_be_undone_by_replaying_the_pending_approval(
-    strict: Client, workers: WorkerFactory, vendor: Vendor
+async def undo_a_rejection(
+    c: Client, workers: WorkerFactory, vendor: Vendor, session: str, pause: float
 ) -> None:
-    """A person rejects the call. The pending approval (and the turn and call as they were
-    then) put back later, and approved through the control path: refused, and the write is
-    never made."""
-    start(workers)
-    h = await strict.send("tester", "undo", script([call("pay", name="big-1")]))
-    approval = await pending_approval(strict, "undo")
-    ak, tk = approval_key("undo", approval), turn_key("undo", h.turn_id)
-    ck = call_state_key(f"undo.{h.turn_id}.0.0")
-    captured = {k: await raw(strict, k) for k in (ak, tk, ck)}
-    await strict.reject("undo", approval, by="alice", reason="no")
-    await strict.wait(h, timeout=30)
+    """A person rejects the call; ``pause`` seconds later the pending approval (and the turn
+    and call as they were then) are put back, and approved through the control path: refused
+    as put back, and the write is never made."""
+    assert c.sealer is not None
+    workers.start(env={"JETLOOP_SEAL_TOLERANCE_SECONDS": str(c.sealer.tolerance)})
+    h = await c.send("tester", session, script([call("pay", name="big-1")]))
+    approval = await pending_approval(c, session)
+    ak, tk = approval_key(session, approval), turn_key(session, h.turn_id)
+    ck = call_state_key(f"{session}.{h.turn_id}.0.0")
+    captured = {k: await raw(c, k) for k in (ak, tk, ck)}
+    await c.reject(session, approval, by="alice", reason="no")
+    await c.wait(h, timeout=30)
 
-    await asyncio.sleep(BEYOND)
+    await asyncio.sleep(pause)
     for k, v in captured.items():
-        await put(strict, k, v)
+        await put(c, k, v)
     with pytest.raises(ControlError, match="an older state put back"):
-        await strict.approve("undo", approval, by="mallory")
-    await wake_approval(strict, "undo", h.turn_id, "undone")
+        await c.approve(session, approval, by="mallory")
+    await wake_approval(c, session, h.turn_id, "undone")
 
     async def rejected() -> list[str]:
-        return await rejected_reasons(strict, "undo")
+        return await rejected_reasons(c, session)
 
     await until(rejected, timeout=20)
     assert await vendor.effect_count("pay") == 0
+
+
+async def test_a_rejection_cannot_be_undone_by_replaying_the_pending_approval(
+    strict: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """The pending approval put back after the seal's time tolerance: refused."""
+    await undo_a_rejection(strict, workers, vendor, "undo", BEYOND)
 
 
 async def test_a_session_edited_by_a_raw_put_runs_nothing(
@@ -358,26 +366,6 @@ async def test_a_session_put_back_inside_the_tolerance_runs_nothing(
 async def test_a_rejection_cannot_be_undone_inside_the_tolerance(
     lenient: Client, workers: WorkerFactory, vendor: Vendor
 ) -> None:
-    """A person rejects the call; at once (inside the tolerance) the pending approval, the
-    turn and the call as they were are put back, and the approval is approved through the
-    control path: refused as put back, and the write is never made."""
-    workers.start()
-    h = await lenient.send("tester", "undo2", script([call("pay", name="big-1")]))
-    approval = await pending_approval(lenient, "undo2")
-    ak, tk = approval_key("undo2", approval), turn_key("undo2", h.turn_id)
-    ck = call_state_key(f"undo2.{h.turn_id}.0.0")
-    captured = {k: await raw(lenient, k) for k in (ak, tk, ck)}
-    await lenient.reject("undo2", approval, by="alice", reason="no")
-    await lenient.wait(h, timeout=30)
-
-    for k, v in captured.items():
-        await put(lenient, k, v)
-    with pytest.raises(ControlError, match="put back"):
-        await lenient.approve("undo2", approval, by="mallory")
-    await wake_approval(lenient, "undo2", h.turn_id, "undone")
-
-    async def rejected() -> list[str]:
-        return await rejected_reasons(lenient, "undo2")
-
-    await until(rejected, timeout=20)
-    assert await vendor.effect_count("pay") == 0
+    """The pending approval put back at once, far inside the seal's time tolerance (30 s):
+    refused all the same, by the revision the seal names."""
+    await undo_a_rejection(lenient, workers, vendor, "undo2", 0.0)

@@ -17,7 +17,15 @@ Errors (catch ``JetloopError`` for all of them)::
     ├── ControlError            a decision refused (.status as in HTTP, .title, .detail)
     ├── TurnFailed              the turn ended failed or cancelled (.turn)
     ├── NotAuthorized           the NATS server refused the credentials (a nats error too)
-    └── SettingsError           a setting has a wrong value
+    ├── SettingsError           a setting has a wrong value
+    ├── ModelError              a model call failed: the step is tried again
+    │   └── ProviderError       a provider's HTTP API failed (.provider, .status, .message)
+    │       ├── ProviderRetryable   try again later (.retry_after)
+    │       └── ProviderRejected    refused as it stands: another attempt cannot help
+    ├── ToolError               a tool failed: the model sees a failed call
+    └── RetryableToolError      a tool failed for now: the call is tried again
+
+All are defined in ``jetloop.schemas.errors``, whose docstring says more of each.
 """
 
 # ruff: noqa: F405  (the names of __all__ come from jetloop._face)

@@ -14,13 +14,8 @@ from jetloop.agents import (
     MalformedToolCall,
     Message,
     ModelAdapter,
-    ModelError,
     ModelRequest,
     ModelResponse,
-    ProviderError,
-    ProviderRejected,
-    ProviderRetryable,
-    RetryableToolError,
     ScriptedModel,
     TaskDone,
     TaskFailed,
@@ -28,7 +23,6 @@ from jetloop.agents import (
     Tool,
     ToolCallRequest,
     ToolContext,
-    ToolError,
     ToolSpec,
     Trigger,
     adapter_from_spec,
@@ -43,10 +37,19 @@ from jetloop.agents.tools import Found, NotFound
 from jetloop.consumers import TOOL_CALL_NOT_RUN_ERROR_PREFIX
 from jetloop.schemas import Event, EventType, TurnRecord, TurnStatus
 from jetloop.schemas.errors import (
+    ControlError,
     JetloopError,
+    ModelError,
+    NotAuthorized,
+    ProviderError,
+    ProviderRejected,
+    ProviderRetryable,
     RecordNotTrusted,
+    RetryableToolError,
     SealError,
     SealKeyMissing,
+    SettingsError,
+    ToolError,
     TurnFailed,
     UnknownAgent,
     UnknownId,
@@ -55,9 +58,7 @@ from jetloop.schemas.errors import (
 )
 from jetloop.services.client import Client, TurnHandle, TurnResult
 from jetloop.services.embedded import EmbeddedServer
-from jetloop.services.settings import Settings, SettingsError, load_settings
+from jetloop.services.settings import Settings, load_settings
 from jetloop.services.worker import Worker
-from jetloop.sessions.decisions import ControlError
 from jetloop.sessions.snapshot import CallView, SessionSnapshot
 from jetloop.sessions.turns import TurnDetail, TurnPage, TurnSummary
-from jetloop.streams.connection import NotAuthorized

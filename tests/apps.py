@@ -23,17 +23,14 @@ from jetloop.agents import (
     Effect,
     Found,
     Limits,
-    ModelError,
     ModelRequest,
     ModelResponse,
     NotFound,
-    RetryableToolError,
     ScriptedModel,
     TaskDone,
     TaskPending,
     ToolCallRequest,
     ToolContext,
-    ToolError,
     ask_user,
     delegate,
     task_tool,
@@ -42,6 +39,7 @@ from jetloop.agents import (
 )
 from jetloop.demo.agent import current_turn
 from jetloop.demo.vendor import Vendor
+from jetloop.schemas.errors import ModelError, RetryableToolError, ToolError
 
 
 def vendor() -> Vendor:

@@ -32,12 +32,11 @@ from jetloop.agents.adapters import (
     MalformedToolCall,
     OpenAIChatAdapter,
     OpenAIResponsesAdapter,
-    ProviderRejected,
-    ProviderRetryable,
     adapter_from_spec,
 )
 from jetloop.agents.adapters.base import retry_after, sse_events
 from jetloop.agents.adapters.history import NO_RESULT, NOTE_PREFIX, STATUS_TEXT, SUMMARY_REQUEST
+from jetloop.schemas.errors import ProviderRejected, ProviderRetryable
 from tests.fakes import (
     Failure,
     FakeAnthropic,

@@ -33,10 +33,11 @@ from agents import (
 from aiohttp import web
 from openai import AsyncOpenAI
 
-from jetloop.agents import Effect, Message, ModelRequest, ProviderRejected, ProviderRetryable
+from jetloop.agents import Effect, Message, ModelRequest
 from jetloop.agents.adapters import MalformedToolCall
 from jetloop.agents.frameworks.openai_agents import durable
 from jetloop.demo.vendor import Vendor
+from jetloop.schemas.errors import ProviderRejected, ProviderRetryable
 from jetloop.services.client import Client
 from jetloop.streams.registry import Registry
 from tests.conftest import WorkerFactory, until

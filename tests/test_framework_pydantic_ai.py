@@ -34,12 +34,12 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from jetloop.agents import Effect, ToolError
-from jetloop.agents.adapters import ProviderRejected, ProviderRetryable
+from jetloop.agents import Effect
 from jetloop.agents.adapters.history import conversation
 from jetloop.agents.frameworks.pydantic_ai import durable, to_model_messages, tool_context
 from jetloop.agents.model import Message, ModelRequest, ToolCallRequest
 from jetloop.demo.vendor import Vendor
+from jetloop.schemas.errors import ProviderRejected, ProviderRetryable, ToolError
 from jetloop.services.client import Client
 from jetloop.streams.registry import Registry
 from jetloop.tooling.trials.harness import WorkerProcess

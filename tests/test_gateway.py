@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from standardwebhooks.webhooks import Webhook
 
+from jetloop.schemas.errors import SettingsError
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.services.gateway.app import ROUTES, Gateway, make_app
@@ -29,7 +30,7 @@ from jetloop.services.gateway.config import GatewayConfig
 from jetloop.services.gateway.openapi import openapi_document
 from jetloop.services.readmodel.model import ReadModel
 from jetloop.services.readmodel.projector import Projector
-from jetloop.services.settings import SettingsError, describe_errors, fingerprint, load_settings
+from jetloop.services.settings import describe_errors, fingerprint, load_settings
 from jetloop.streams.seal import Sealer, key_bytes
 from tests.conftest import SEAL_KEY, WorkerFactory, body, call, script, until
 

@@ -25,13 +25,13 @@ from nats.js.errors import KeyNotFoundError
 
 from jetloop.demo.vendor import Vendor
 from jetloop.schemas import ApprovalRecord
+from jetloop.schemas.errors import ControlError, NotAuthorized, SettingsError
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.services.natsauth import make_users, url_as, write_config
-from jetloop.services.settings import SettingsError, load_settings
-from jetloop.sessions.decisions import ControlError
+from jetloop.services.settings import load_settings
 from jetloop.sessions.snapshot import SessionSnapshot
-from jetloop.streams.connection import NotAuthorized, inbox_prefix
+from jetloop.streams.connection import inbox_prefix
 from jetloop.streams.seal import Sealer, key_bytes
 from jetloop.streams.topology import STATE_BUCKET, STEPS_STREAM
 from jetloop.tooling.trials.harness import WorkerProcess

@@ -102,7 +102,16 @@ async def test_batches_apply_once(tmp_path: Path) -> None:
             model_step=0,
             calls=[{"call_id": "c", "tool": "read", "args": {"x": 1}, "effect": "read"}],
         ),
-        ev(5, EventType.CALL_OUTCOME, "t1", call_key="s.t1.0.0", state="succeeded", attempts=1),
+        ev(
+            5,
+            EventType.CALL_OUTCOME,
+            "t1",
+            call_key="s.t1.0.0",
+            tool="read",
+            effect="read",
+            state="succeeded",
+            attempts=1,
+        ),
         ev(6, EventType.TURN_COMPLETED, "t1", request_id="r1", text="2 zebras", model_steps=2),
         Incoming(7, "jl.event.s.turn.started", b"\xc1 not msgpack"),
         # The same started event again, under a later sequence (after the dedupe window).

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import types
+from pathlib import Path
 
+import nats.errors
 import pytest
 
 import jetloop
-from jetloop.services.settings import SettingsError, load_settings
+from jetloop.schemas.errors import SettingsError
+from jetloop.services.settings import load_settings
 
 
 def test_public_names_are_pinned() -> None:
@@ -113,13 +117,61 @@ def test_errors_form_one_documented_tree() -> None:
         jetloop.TurnFailed: jetloop.JetloopError,
         jetloop.SettingsError: jetloop.JetloopError,
         jetloop.NotAuthorized: jetloop.JetloopError,
+        jetloop.ModelError: jetloop.JetloopError,
+        jetloop.ProviderError: jetloop.ModelError,
+        jetloop.ProviderRetryable: jetloop.ProviderError,
+        jetloop.ProviderRejected: jetloop.ProviderError,
+        jetloop.ToolError: jetloop.JetloopError,
+        jetloop.RetryableToolError: jetloop.JetloopError,
     }
     for error, parent in tree.items():
         assert issubclass(error, parent), (error, parent)
         assert error.__name__ in (jetloop.__doc__ or ""), error
     assert issubclass(jetloop.UnknownId, LookupError)
+    assert issubclass(jetloop.NotAuthorized, nats.errors.Error)
+    assert issubclass(jetloop.SettingsError, ValueError)
     assert issubclass(SealBroken, jetloop.RecordNotTrusted)
     assert "JETLOOP_SEAL_KEY" in str(jetloop.SealKeyMissing("the turn"))
+
+
+def test_every_public_error_is_defined_in_one_module() -> None:
+    """Every exception `jetloop` offers is a JetloopError defined in jetloop.schemas.errors,
+    that module defines only those, and no other module derives a class from one of them
+    except the two names the module's docstring gives."""
+    from jetloop.schemas import errors
+
+    public = {
+        name
+        for name in jetloop.__all__
+        if isinstance(getattr(jetloop, name), type)
+        and issubclass(getattr(jetloop, name), BaseException)
+    }
+    elsewhere = {n: getattr(jetloop, n).__module__ for n in public}
+    assert {n: m for n, m in elsewhere.items() if m != errors.__name__} == {}
+    assert [n for n in public if not issubclass(getattr(jetloop, n), jetloop.JetloopError)] == []
+    defined = {
+        name
+        for name, obj in vars(errors).items()
+        if isinstance(obj, type)
+        and issubclass(obj, BaseException)
+        and obj.__module__ == errors.__name__
+    }
+    assert defined == public
+    for name in public:
+        assert name in (errors.__doc__ or ""), name
+
+    # Read from the source, so that a module no test imports cannot hide a second tree.
+    root = Path(jetloop.__file__).parent
+    derived = set()
+    for path in sorted(root.rglob("*.py")):
+        if path == Path(errors.__file__):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                bases = {getattr(b, "id", None) or getattr(b, "attr", "") for b in node.bases}
+                if bases & public:
+                    derived.add(f"{path.relative_to(root).as_posix()}:{node.name}")
+    assert derived == {"streams/seal.py:SealBroken", "streams/clock.py:ClockOff"}
 
 
 def test_every_public_name_is_documented() -> None:

@@ -15,9 +15,9 @@ import pytest
 
 from jetloop.demo.vendor import Vendor
 from jetloop.schemas import Event, SessionRecord, StepKind, StepMessage
+from jetloop.schemas.errors import ControlError
 from jetloop.services.client import Client, TurnFailed
 from jetloop.services.embedded import EmbeddedServer
-from jetloop.sessions.decisions import ControlError
 from jetloop.streams.bus import Bus, step_out
 from jetloop.streams.seal import SEAL_FIELD, SealBroken, Sealer, canonical, key_bytes, with_seal
 from jetloop.streams.state import (

@@ -18,10 +18,11 @@ import aiohttp
 import msgpack
 import pytest
 
+from jetloop.schemas.errors import SettingsError
 from jetloop.services.client import Client
 from jetloop.services.embedded import free_port
 from jetloop.services.natsauth import url_as
-from jetloop.services.settings import SettingsError, load_settings, make_seal_key
+from jetloop.services.settings import load_settings, make_seal_key
 from jetloop.streams.seal import Sealer, key_bytes
 from tests.conftest import SEAL_KEY, WorkerFactory, call, script, until
 from tests.test_up import wait_ready

@@ -329,7 +329,7 @@ async def test_reconcile_outcome_unknown(client: Client, workers: WorkerFactory)
     by_tool = {c.tool: c for c in snap.calls}
     unknown = by_tool["once"]
     assert unknown.state == "outcome_unknown"
-    from jetloop.sessions.decisions import ControlError
+    from jetloop.schemas.errors import ControlError
 
     with pytest.raises(ControlError, match="only an outcome_unknown call"):
         await client.reconcile(by_tool["read"].call_key, True, by="heidi")

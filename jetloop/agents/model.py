@@ -116,10 +116,6 @@ def rough_tokens(messages: list[Message]) -> int:
     return total // 4
 
 
-class ModelError(Exception):
-    """The model call failed; the step is tried again within its attempts."""
-
-
 ScriptFn = Callable[[ModelRequest], ModelResponse | Awaitable[ModelResponse]]
 
 

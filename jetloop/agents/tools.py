@@ -134,14 +134,6 @@ PollFn = Callable[[Any, ToolContext], Awaitable[PollResult]]
 CancelFn = Callable[[Any, ToolContext], Awaitable[None]]
 
 
-class ToolError(Exception):
-    """A tool's failure the model should see as a failed call (not retried)."""
-
-
-class RetryableToolError(Exception):
-    """A transient failure: the call is tried again, within its attempts."""
-
-
 @functools.cache
 def _schema_of(model: type[BaseModel]) -> dict[str, Any]:
     return model.model_json_schema()

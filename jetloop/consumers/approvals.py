@@ -22,9 +22,9 @@ from jetloop.schemas import (
     CallState,
     Decision,
     Event,
-    EventType,
     approval_id_for,
 )
+from jetloop.schemas.events import ApprovalRequestedData
 from jetloop.streams.bus import event_out
 from jetloop.streams.state import Conflict, approval_key
 
@@ -82,17 +82,13 @@ async def gate(env: CallEnv) -> Gate | CallEnv:
                     update={"state": CallState.AWAITING_APPROVAL, "approval_id": aid}
                 ),
             )
-        event = Event(
+        event = Event.of(
+            ApprovalRequestedData(
+                approval_id=aid, call_key=env.ckey, tool=env.call.tool, args=env.call.args
+            ),
             key=f"call.{env.ckey}.approval.requested",
-            type=EventType.APPROVAL_REQUESTED,
             session_id=sid,
             turn_id=env.turn.turn_id,
-            data={
-                "approval_id": aid,
-                "call_key": env.ckey,
-                "tool": env.call.tool,
-                "args": env.call.args,
-            },
         )
         await rt.bus.publish([event_out(event)])
         if env.rec.state != CallState.AWAITING_APPROVAL:

@@ -24,7 +24,7 @@ import time
 import structlog
 from pydantic import BaseModel
 
-from jetloop.agents import Effect, Found, RetryableToolError, ToolError, ToolKind
+from jetloop.agents import Effect, Found, ToolKind
 from jetloop.consumers import delegation, tasks, waits
 from jetloop.consumers.approvals import Gate, gate
 from jetloop.consumers.calls import (
@@ -48,6 +48,7 @@ from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import record_loss, tell_resumed
 from jetloop.consumers.runtime import Delivery
 from jetloop.schemas import CallOutcome, CallState, StepMessage, TurnPhase, call_key
+from jetloop.schemas.errors import RetryableToolError, ToolError
 from jetloop.streams.state import call_state_key
 
 log = structlog.get_logger("jetloop.call_tool")

@@ -23,7 +23,6 @@ from jetloop.schemas import (
     CallRecord,
     CallState,
     Event,
-    EventType,
     PlannedCall,
     StepKind,
     StepMessage,
@@ -33,6 +32,7 @@ from jetloop.schemas import (
     call_key,
     turn_id_for,
 )
+from jetloop.schemas.events import CallOutcomeData, CheckpointRejectedData
 from jetloop.streams.bus import Bus, event_out, step_out
 from jetloop.streams.seal import SealBroken
 from jetloop.streams.state import Conflict, StateStore, call_state_key, turn_key
@@ -125,20 +125,19 @@ async def on_close_turn(d: Delivery, step: StepMessage) -> None:
                 raise RetryLater(0.05, "a call changed while closing the turn") from None
             events.append(
                 event_out(
-                    Event(
+                    Event.of(
+                        CallOutcomeData(
+                            call_key=ckey,
+                            tool=c.tool,
+                            state=outcome.state.value,
+                            effect=c.effect,
+                            attempts=rec.attempts,
+                            settlement="closed",
+                            error=outcome.error,
+                        ),
                         key=f"call.{ckey}.outcome",
-                        type=EventType.CALL_OUTCOME,
                         session_id=sid,
                         turn_id=tid,
-                        data={
-                            "call_key": ckey,
-                            "tool": c.tool,
-                            "state": outcome.state.value,
-                            "effect": c.effect,
-                            "attempts": rec.attempts,
-                            "settlement": "closed",
-                            "error": outcome.error,
-                        },
                     )
                 )
             )
@@ -229,11 +228,10 @@ async def reject_untrusted(d: Delivery, step: StepMessage, exc: SealBroken) -> N
             pass
         else:
             return  # the turn already ended, sealed: the untrusted record was a call's
-    audit = Event(
+    audit = Event.of(
+        CheckpointRejectedData(key=exc.key, reason=exc.reason, step=step.step_key()),
         key=f"{step.session_id}.{step.turn_id}.rejected.{raw.revision}",
-        type=EventType.CHECKPOINT_REJECTED,
         session_id=step.session_id,
         turn_id=step.turn_id,
-        data={"key": exc.key, "reason": exc.reason, "step": step.step_key()},
     )
     await fail_turn(rt, raw.value, raw.revision, f"checkpoint not trusted: {exc}", audit)

@@ -23,7 +23,6 @@ from jetloop.consumers.session import end_turn
 from jetloop.schemas import (
     CompactionRecord,
     Event,
-    EventType,
     HistoryEntry,
     HistoryRole,
     SessionRecord,
@@ -34,6 +33,7 @@ from jetloop.schemas import (
     TurnRecord,
     TurnStatus,
 )
+from jetloop.schemas.events import ContextCompactedData
 from jetloop.streams.bus import event_out, history_out, step_out
 from jetloop.streams.state import Conflict, Versioned, compaction_key, session_key, turn_key
 
@@ -193,11 +193,10 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
         turn_id=tid,
         text=comp.text,
     )
-    event = Event(
+    event = Event.of(
+        ContextCompactedData(covers=covers, compaction=number, attempts=comp.attempts),
         key=f"{sid}.{tid}.m{n}.compacted",
-        type=EventType.CONTEXT_COMPACTED,
         session_id=sid,
         turn_id=tid,
-        data={"covers": covers, "compaction": number, "attempts": comp.attempts},
     )
     await Followers([history_out(sid, entry), event_out(event)], [step_out(resume)]).publish(rt.bus)

@@ -16,7 +16,6 @@ from jetloop.schemas import (
     CallOutcome,
     CallState,
     Event,
-    EventType,
     ParentCall,
     TurnRequest,
     TurnStatus,
@@ -24,6 +23,7 @@ from jetloop.schemas import (
     scoped_msg_id,
     turn_id_for,
 )
+from jetloop.schemas.events import DelegationStartedData
 from jetloop.schemas.ids import _digest
 from jetloop.streams.bus import event_out, headers
 from jetloop.streams.topology import turn_subject
@@ -76,12 +76,11 @@ async def start(env: CallEnv) -> None:
     await env.rt.bus.publish(
         [
             event_out(
-                Event(
+                Event.of(
+                    DelegationStartedData(call_key=env.ckey, agent=args.agent, child_session=sid),
                     key=f"call.{env.ckey}.delegated",
-                    type=EventType.DELEGATION_STARTED,
                     session_id=env.turn.session_id,
                     turn_id=env.turn.turn_id,
-                    data={"call_key": env.ckey, "agent": args.agent, "child_session": sid},
                 )
             )
         ]

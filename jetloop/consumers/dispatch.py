@@ -49,7 +49,8 @@ from jetloop.consumers.closing import fail_turn
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.logcontext import end_step, start_step
 from jetloop.consumers.runtime import Delivery, Runtime
-from jetloop.schemas import DecodeError, Event, EventType
+from jetloop.schemas import DecodeError, Event
+from jetloop.schemas.events import StepDeadLetteredData
 from jetloop.streams.bus import H_KIND, H_SESSION, H_STEP, H_TURN
 from jetloop.streams.clock import ClockOff
 from jetloop.streams.connection import PayloadTooLarge, message_size
@@ -321,12 +322,11 @@ async def _fail_its_turn(rt: Runtime, msg: Msg, reason: str) -> None:
         return
     step = hdrs.get(H_STEP) or hdrs.get("Nats-Msg-Id") or "?"
     short = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + "…"
-    audit = Event(
+    audit = Event.of(
+        StepDeadLetteredData(step=step, reason=short, dead_letter=dead_subject(msg.subject)),
         key=f"{sid}.{tid}.dead.{step}",
-        type=EventType.STEP_DEAD_LETTERED,
         session_id=sid,
         turn_id=tid,
-        data={"step": step, "reason": short, "dead_letter": dead_subject(msg.subject)},
     )
     for _ in range(3):
         try:

@@ -13,7 +13,6 @@ from jetloop.schemas import (
     CallRecord,
     CallState,
     Event,
-    EventType,
     HistoryEntry,
     HistoryRole,
     StepKind,
@@ -21,6 +20,15 @@ from jetloop.schemas import (
     ToolStatus,
     TurnRecord,
     TurnStatus,
+)
+from jetloop.schemas.events import (
+    AnsweredCall,
+    CallOutcomeData,
+    ModelAnsweredData,
+    TurnCancelledData,
+    TurnCompletedData,
+    TurnFailedData,
+    TurnStartedData,
 )
 from jetloop.streams.bus import Bus, Outgoing, event_out, history_out, step_out
 
@@ -62,12 +70,11 @@ def turn_start(turn: TurnRecord) -> Followers:
         text=turn.text if turn.text_ref is None else None,
         text_ref=turn.text_ref,
     )
-    started = Event(
+    started = Event.of(
+        TurnStartedData(request_id=turn.request_id, agent=turn.agent),
         key=f"{base}.started",
-        type=EventType.TURN_STARTED,
         session_id=turn.session_id,
         turn_id=turn.turn_id,
-        data={"request_id": turn.request_id, "agent": turn.agent},
     )
     first = StepMessage(
         kind=StepKind.RUN_MODEL,
@@ -96,20 +103,19 @@ def _assistant_entry(turn: TurnRecord) -> HistoryEntry:
 def answer(turn: TurnRecord) -> Followers:
     """A model step answered with calls: record the answer, then run every call."""
     n = turn.model_step
-    answered = Event(
-        key=f"{_base(turn)}.m{n}.answered",
-        type=EventType.MODEL_ANSWERED,
-        session_id=turn.session_id,
-        turn_id=turn.turn_id,
-        data={
-            "model_step": n,
-            "usage": turn.usage,
-            "text": turn.answer_text,
-            "calls": [
-                {"call_id": c.call_id, "tool": c.tool, "args": c.args, "effect": c.effect}
+    answered = Event.of(
+        ModelAnsweredData(
+            model_step=n,
+            usage=turn.usage,
+            text=turn.answer_text,
+            calls=[
+                AnsweredCall(call_id=c.call_id, tool=c.tool, args=c.args, effect=c.effect)
                 for c in turn.calls
             ],
-        },
+        ),
+        key=f"{_base(turn)}.m{n}.answered",
+        session_id=turn.session_id,
+        turn_id=turn.turn_id,
     )
     steps = [
         step_out(
@@ -138,34 +144,31 @@ def finished(turn: TurnRecord) -> Followers:
     records: list[Outgoing] = []
     if turn.status == TurnStatus.COMPLETED:
         records.append(history_out(turn.session_id, _assistant_entry(turn)))
-        ev = Event(
+        ev = Event.of(
+            TurnCompletedData(
+                request_id=turn.request_id,
+                text=turn.answer_text if turn.answer_ref is None else None,
+                text_ref=turn.answer_ref,
+                model_steps=turn.model_step + 1,
+                usage=turn.usage,
+            ),
             key=f"{base}.completed",
-            type=EventType.TURN_COMPLETED,
             session_id=turn.session_id,
             turn_id=turn.turn_id,
-            data={
-                "request_id": turn.request_id,
-                "text": turn.answer_text if turn.answer_ref is None else None,
-                "text_ref": turn.answer_ref.model_dump() if turn.answer_ref else None,
-                "model_steps": turn.model_step + 1,
-                "usage": turn.usage,
-            },
         )
     elif turn.status == TurnStatus.CANCELLED:
-        ev = Event(
+        ev = Event.of(
+            TurnCancelledData(request_id=turn.request_id, by=turn.cancelled_by),
             key=f"{base}.cancelled",
-            type=EventType.TURN_CANCELLED,
             session_id=turn.session_id,
             turn_id=turn.turn_id,
-            data={"request_id": turn.request_id, "by": turn.cancelled_by},
         )
     else:
-        ev = Event(
+        ev = Event.of(
+            TurnFailedData(request_id=turn.request_id, error=turn.error),
             key=f"{base}.failed",
-            type=EventType.TURN_FAILED,
             session_id=turn.session_id,
             turn_id=turn.turn_id,
-            data={"request_id": turn.request_id, "error": turn.error},
         )
         if turn.tool_calls_made:
             records.append(history_out(turn.session_id, failed_turn_note(turn)))
@@ -193,20 +196,19 @@ def call_done(turn: TurnRecord, rec: CallRecord) -> Followers:
     """A call has its outcome: tell the log. (The step that committed it then joins the
     turn itself, ``jetloop.consumers.join.join_calls``: no message of its own.)"""
     assert rec.outcome is not None
-    ev = Event(
+    ev = Event.of(
+        CallOutcomeData(
+            call_key=rec.key,
+            tool=rec.tool,
+            effect=rec.effect,
+            state=rec.state.value,
+            attempts=rec.attempts,
+            error=rec.outcome.error,
+            settlement=rec.settlement,
+        ),
         key=f"call.{rec.key}.outcome",
-        type=EventType.CALL_OUTCOME,
         session_id=turn.session_id,
         turn_id=turn.turn_id,
-        data={
-            "call_key": rec.key,
-            "tool": rec.tool,
-            "effect": rec.effect,
-            "state": rec.state.value,
-            "attempts": rec.attempts,
-            "error": rec.outcome.error,
-            "settlement": rec.settlement,
-        },
     )
     return Followers([event_out(ev)])
 

@@ -18,7 +18,8 @@ from jetloop.consumers import metrics
 from jetloop.consumers.closing import fail_turn
 from jetloop.consumers.errors import RetryLater
 from jetloop.consumers.runtime import Runtime
-from jetloop.schemas import Attempt, Event, EventType, TurnRecord
+from jetloop.schemas import Attempt, Event, TurnRecord
+from jetloop.schemas.events import CrashResumedData, TurnLostData
 from jetloop.streams.bus import event_out
 from jetloop.streams.state import Conflict, turn_key
 
@@ -35,12 +36,11 @@ def lost_reason(turn: TurnRecord, losses: int, step_key: str) -> str:
 
 
 def lost_event(turn: TurnRecord, losses: int, step_key: str) -> Event:
-    return Event(
+    return Event.of(
+        TurnLostData(losses=losses, step=step_key),
         key=f"{turn.session_id}.{turn.turn_id}.lost",
-        type=EventType.TURN_LOST,
         session_id=turn.session_id,
         turn_id=turn.turn_id,
-        data={"losses": losses, "step": step_key},
     )
 
 
@@ -88,19 +88,18 @@ async def tell_resumed(
     await rt.bus.publish(
         [
             event_out(
-                Event(
+                Event.of(
+                    CrashResumedData(
+                        step=step_key,
+                        losses=losses,
+                        lost_attempt=lost.no,
+                        lost_worker=lost.worker,
+                        lost_incarnation=lost.incarnation,
+                        settled=settled,
+                    ),
                     key=f"{step_key}.resumed.{lost.no}",
-                    type=EventType.CRASH_RESUMED,
                     session_id=turn.session_id,
                     turn_id=turn.turn_id,
-                    data={
-                        "step": step_key,
-                        "losses": losses,
-                        "lost_attempt": lost.no,
-                        "lost_worker": lost.worker,
-                        "lost_incarnation": lost.incarnation,
-                        "settled": settled,
-                    },
                 )
             )
         ]

@@ -17,12 +17,7 @@ import structlog
 from pydantic import ValidationError
 
 from jetloop.agents import Agent, Message, ModelRequest, ModelResponse, ToolSpec
-from jetloop.agents.adapters import (
-    MalformedToolCall,
-    ProviderError,
-    ProviderRejected,
-    ProviderRetryable,
-)
+from jetloop.agents.adapters import MalformedToolCall
 from jetloop.consumers import metrics
 from jetloop.consumers.compact import compact_first, compaction_needed
 from jetloop.consumers.conversation import conversation
@@ -43,6 +38,7 @@ from jetloop.schemas import (
     TurnStatus,
     idempotency_key,
 )
+from jetloop.schemas.errors import ProviderError, ProviderRejected, ProviderRetryable
 from jetloop.streams.bus import event_out
 from jetloop.streams.state import turn_key
 from jetloop.streams.topology import live_subject

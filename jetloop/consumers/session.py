@@ -20,7 +20,6 @@ from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import (
     Event,
-    EventType,
     SessionRecord,
     StepMessage,
     TurnRecord,
@@ -32,6 +31,7 @@ from jetloop.schemas import (
     validate_name,
 )
 from jetloop.schemas.codec import DecodeError, decode_map
+from jetloop.schemas.events import TurnAcceptedData
 from jetloop.streams.bus import event_out
 from jetloop.streams.replies import first_seq
 from jetloop.streams.seal import SealBroken
@@ -128,12 +128,11 @@ async def on_turn_request(d: Delivery) -> None:
         raise RetryLater(0.05, "session changed concurrently") from None
 
     await rt.faults.point("turn_request.after_accept")
-    accepted = Event(
+    accepted = Event.of(
+        TurnAcceptedData(request_id=request_id, queued=session.active != tid),
         key=f"{sid}.{tid}.accepted",
-        type=EventType.TURN_ACCEPTED,
         session_id=sid,
         turn_id=tid,
-        data={"request_id": request_id, "queued": session.active != tid},
     )
     out = Followers([event_out(accepted)], restorable=True)
     if session.active == tid and turn_rec.status == TurnStatus.QUEUED:

@@ -17,7 +17,8 @@ from jetloop.agents import TaskDone, TaskFailed
 from jetloop.consumers.calls import CallEnv, ToolCtx, settle, succeeded, to_jsonable, write
 from jetloop.consumers.errors import RetryLater
 from jetloop.consumers.followers import Followers
-from jetloop.schemas import CallOutcome, CallState, Event, EventType, StepKind, StepMessage
+from jetloop.schemas import CallOutcome, CallState, Event, StepKind, StepMessage
+from jetloop.schemas.events import TaskStartedData
 from jetloop.streams.bus import Outgoing, event_out, step_out
 from jetloop.streams.topology import step_subject_parts
 
@@ -53,12 +54,11 @@ async def started(env: CallEnv, handle: Any) -> None:
 
 def _started_event(env: CallEnv, handle: Any) -> Outgoing:
     return event_out(
-        Event(
+        Event.of(
+            TaskStartedData(call_key=env.ckey, tool=env.call.tool, handle=handle),
             key=f"call.{env.ckey}.task.started",
-            type=EventType.TASK_STARTED,
             session_id=env.turn.session_id,
             turn_id=env.turn.turn_id,
-            data={"call_key": env.ckey, "tool": env.call.tool, "handle": handle},
         )
     )
 

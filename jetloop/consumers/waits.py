@@ -21,13 +21,13 @@ from jetloop.schemas import (
     CallOutcome,
     CallState,
     Event,
-    EventType,
     QuestionRecord,
     StepKind,
     StepMessage,
     encode,
     question_id_for,
 )
+from jetloop.schemas.events import QuestionAskedData, TimerFiredData, TimerSetData
 from jetloop.streams.bus import Outgoing, event_out, headers, subject_of
 from jetloop.streams.state import Conflict, question_key
 from jetloop.streams.topology import timer_subject
@@ -63,12 +63,11 @@ async def ask(env: CallEnv) -> None:
 
 def _asked(env: CallEnv, qid: str, question: str) -> Outgoing:
     return event_out(
-        Event(
+        Event.of(
+            QuestionAskedData(question_id=qid, question=question, call_key=env.ckey),
             key=f"call.{env.ckey}.question.asked",
-            type=EventType.QUESTION_ASKED,
             session_id=env.turn.session_id,
             turn_id=env.turn.turn_id,
-            data={"question_id": qid, "question": question, "call_key": env.ckey},
         )
     )
 
@@ -134,12 +133,11 @@ async def set_timer(env: CallEnv) -> None:
 
 def _timer_set(env: CallEnv, due: float) -> Outgoing:
     return event_out(
-        Event(
+        Event.of(
+            TimerSetData(call_key=env.ckey, due=due, at=_at(due)),
             key=f"call.{env.ckey}.timer.set",
-            type=EventType.TIMER_SET,
             session_id=env.turn.session_id,
             turn_id=env.turn.turn_id,
-            data={"call_key": env.ckey, "due": due, "at": _at(due)},
         )
     )
 
@@ -158,12 +156,11 @@ async def timer_due(env: CallEnv) -> None:
         await _arm(env, due)
         await env.rt.bus.publish([_timer_set(env, due)])
         return
-    event = Event(
+    event = Event.of(
+        TimerFiredData(call_key=env.ckey, due=due, late_seconds=round(time.time() - due, 3)),
         key=f"call.{env.ckey}.timer.fired",
-        type=EventType.TIMER_FIRED,
         session_id=env.turn.session_id,
         turn_id=env.turn.turn_id,
-        data={"call_key": env.ckey, "due": due, "late_seconds": round(time.time() - due, 3)},
     )
     args = WaitArgs.model_validate(env.call.args)
     # The firing is a fact once it is due, so it is told first: a crash after the settle

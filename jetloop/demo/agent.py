@@ -35,13 +35,13 @@ from jetloop.agents import (
     ScriptedModel,
     ToolCallRequest,
     ToolContext,
-    ToolError,
     adapter_from_spec,
     ask_user,
     tool,
     wait,
 )
 from jetloop.demo.vendor import Vendor
+from jetloop.schemas.errors import ToolError
 
 
 def vendor() -> Vendor:

@@ -1,8 +1,9 @@
-"""The exceptions a program using jetloop catches, in one tree (re-exported by ``jetloop``).
+"""Every error a program using jetloop meets, in one tree (re-exported by ``jetloop``).
 
-They live in the lowest package so that every layer's errors can derive from them: the
-seal check in ``streams``, the control operations in ``consumers``, the client in
-``services``. Catch ``JetloopError`` for all of them::
+They live in the lowest package so that every layer can raise them: the seal check and the
+connection in ``streams``, the model adapters and tools in ``agents``, the decisions in
+``sessions``, the settings and the client in ``services``. Catch ``JetloopError`` for all
+of them::
 
     JetloopError
     ├── SealError               state could not be checked
@@ -14,10 +15,30 @@ seal check in ``streams``, the control operations in ``consumers``, the client i
     │   └── UnknownTurn         no such turn in the session (.session_id, .turn_id)
     ├── ControlError            a decision refused (.status as in HTTP, .title, .detail)
     ├── TurnFailed              the turn ended failed or cancelled (.turn)
-    └── SettingsError           a setting has a wrong value (also a ValueError)
+    ├── NotAuthorized           the NATS server refused the credentials (a nats error too)
+    ├── SettingsError           a setting has a wrong value (also a ValueError)
+    ├── ModelError              a model call failed: the step is tried again within its attempts
+    │   └── ProviderError       a provider's HTTP API failed (.provider, .status, .message,
+    │       │                   .error_type, .request_id)
+    │       ├── ProviderRetryable  try again later (.retry_after): 429, 408, 409, 5xx,
+    │       │                      timeouts, lost connections, a cut or failed stream
+    │       └── ProviderRejected   refused as it stands (other 4xx): another attempt with
+    │                              the same input cannot help
+    ├── ToolError               a tool failed: the model sees a failed call, not retried
+    └── RetryableToolError      a tool failed for now: the call is tried again
 
-``ControlError`` is defined in ``jetloop.sessions.decisions`` and ``SettingsError`` in
-``jetloop.services.settings``; both derive from ``JetloopError``. Errors of NATS itself
+The last two branches are raised by model adapters and tools (jetloop's own and a user's)
+to tell the engine how a step went; the engine turns them into the turn's events, so a
+program driving sessions sees them as a failed call or a failed turn (``TurnFailed``).
+A provider error carries what the provider said, never the API key: adapters scrub it from
+the provider's message before the error is built, so ``str``, ``repr`` and logs are safe.
+
+Not here, because no program using jetloop sees them: the outcomes a step handler raises
+for the dispatcher to decide a message's fate (``jetloop.consumers.errors``: ``RetryLater``,
+``TakenOver``, ``DeadLetter``), and the errors one module raises and its caller handles
+(a CAS ``Conflict``, for one). Two layers raise a public error under a name of their
+own, a subclass of it: ``jetloop.streams.seal.SealBroken`` (a ``RecordNotTrusted``) and
+``jetloop.streams.clock.ClockOff`` (a ``SealError``). Errors of NATS itself
 (``nats.errors.*``) pass through: an outage longer than the client rides out is one.
 """
 
@@ -25,12 +46,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from nats.errors import Error as NatsError
+
 if TYPE_CHECKING:
     from jetloop.schemas.records import TurnRecord
 
 
 class JetloopError(Exception):
-    """The base of every error jetloop raises on purpose."""
+    """The base of every error jetloop raises on purpose, and of those a model adapter or a
+    tool raises to tell the engine how a step went."""
 
 
 class SealError(JetloopError):
@@ -99,3 +123,94 @@ class TurnFailed(JetloopError):
     def __init__(self, turn: TurnRecord) -> None:
         super().__init__(f"turn {turn.turn_id} {turn.status.value}: {turn.error}")
         self.turn = turn
+
+
+class ControlError(JetloopError):
+    """A request that cannot be done; ``status`` follows HTTP (404, 409, 422, 503), ``title``
+    says what in a few words, ``detail`` which thing."""
+
+    def __init__(self, status: int, title: str, detail: str = "") -> None:
+        super().__init__(f"{title}: {detail}" if detail else title)
+        self.status = status
+        self.title = title
+        self.detail = detail
+
+
+class NotAuthorized(JetloopError, NatsError):
+    """The server refused the connection's user and password (or that it had none): a
+    setting to fix, not an outage to wait out (also a ``nats.errors.Error``)."""
+
+    def __str__(self) -> str:
+        return (
+            "wrong or missing credentials (set JETLOOP_NATS_USER and JETLOOP_NATS_PASSWORD, "
+            "or run in the directory of `jetloop up`, which keeps them in its store: "
+            "set JETLOOP_STORE_DIR too if `up` was given --store-dir)"
+        )
+
+
+class SettingsError(JetloopError, ValueError):
+    """A setting has a wrong value; the message names it."""
+
+
+class ModelError(JetloopError):
+    """The model call failed; the step is tried again within its attempts."""
+
+
+class ProviderError(ModelError):
+    """A model provider's HTTP API failed or refused a request."""
+
+    def __init__(
+        self,
+        provider: str,
+        message: str,
+        *,
+        status: int | None = None,
+        error_type: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        where = f"{provider} HTTP {status}" if status is not None else provider
+        super().__init__(f"{where}: {message}")
+        self.provider = provider
+        self.message = message
+        self.status = status
+        # The provider's own classification ("rate_limit_error", "context_length_exceeded", …):
+        # lets the engine tell a too-long prompt (compact, then retry) from a bad request.
+        self.error_type = error_type
+        self.request_id = request_id
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(provider={self.provider!r}, status={self.status!r}, "
+            f"error_type={self.error_type!r}, message={self.message!r})"
+        )
+
+
+class ProviderRetryable(ProviderError):
+    """The call may succeed later: retry after ``retry_after`` seconds if the provider said."""
+
+    def __init__(
+        self,
+        provider: str,
+        message: str,
+        *,
+        retry_after: float | None = None,
+        status: int | None = None,
+        error_type: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        super().__init__(
+            provider, message, status=status, error_type=error_type, request_id=request_id
+        )
+        self.retry_after = retry_after
+
+
+class ProviderRejected(ProviderError):
+    """The provider refused this request (bad input, auth, quota): fail the step at once."""
+
+
+class ToolError(JetloopError):
+    """A tool's failure the model should see as a failed call (not retried)."""
+
+
+class RetryableToolError(JetloopError):
+    """A transient failure: the call is tried again, within its attempts."""

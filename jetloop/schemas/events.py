@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from jetloop.schemas.codec import SCHEMA_VERSION
+from jetloop.schemas.codec import SCHEMA_VERSION, decode_map
 from jetloop.schemas.records import BlobRef
 
 
@@ -51,19 +51,48 @@ class Event(BaseModel):
     at: float = Field(default_factory=time.time)
     data: dict[str, Any] = Field(default_factory=dict)
 
+    @classmethod
+    def of(cls, data: EventData, *, key: str, session_id: str, turn_id: str | None) -> Event:
+        """The event that tells ``data``. Its type is the one ``EVENT_DATA`` gives the data's
+        model, so a payload cannot be written under another type's name; its ``data`` is the
+        model as the wire carries it: every field, a missing value as null."""
+        try:
+            etype = _TYPE_OF[type(data)]
+        except KeyError:
+            raise TypeError(f"{type(data).__name__} is not the data of an event type") from None
+        return cls(
+            key=key,
+            type=etype,
+            session_id=session_id,
+            turn_id=turn_id,
+            data=data.model_dump(mode="json"),
+        )
+
+    def payload(self) -> EventData | None:
+        """``data`` read through its type's model (None for a type without one, the reserved
+        ``task.polled``). Fields the model does not know are ignored, as a reader must;
+        data that does not fit the model raises ``DecodeError``, as a bad body does."""
+        model = EVENT_DATA.get(self.type)
+        return None if model is None else decode_map(model, self.data)
+
 
 # The ``data`` of each event type, as the engine writes it. A field shown ``| None`` may be
 # null (present, nil); a reader ignores fields it does not know (docs/protocol.md).
 
 
-class TurnAcceptedData(BaseModel):
+class EventData(BaseModel):
+    """The ``data`` of one event type (``EVENT_DATA`` says which): built with ``Event.of``,
+    read with ``Event.payload``."""
+
+
+class TurnAcceptedData(EventData):
     """The request was accepted: ``Event.turn_id`` is its turn (the same id for a resend)."""
 
     request_id: str
     queued: bool  # another turn of the session runs: this one waits its turn
 
 
-class TurnStartedData(BaseModel):
+class TurnStartedData(EventData):
     request_id: str
     agent: str
 
@@ -75,7 +104,7 @@ class AnsweredCall(BaseModel):
     effect: str
 
 
-class ModelAnsweredData(BaseModel):
+class ModelAnsweredData(EventData):
     """A model step answered with calls (a final answer is ``turn.completed`` instead)."""
 
     model_step: int
@@ -84,7 +113,7 @@ class ModelAnsweredData(BaseModel):
     calls: list[AnsweredCall] = Field(default_factory=list)
 
 
-class CallOutcomeData(BaseModel):
+class CallOutcomeData(EventData):
     call_key: str
     tool: str
     effect: str
@@ -94,7 +123,7 @@ class CallOutcomeData(BaseModel):
     settlement: str | None = None
 
 
-class TurnCompletedData(BaseModel):
+class TurnCompletedData(EventData):
     request_id: str
     text: str | None = None  # the answer, or null when it is in the blob store
     text_ref: BlobRef | None = None
@@ -102,17 +131,17 @@ class TurnCompletedData(BaseModel):
     usage: dict[str, int] = Field(default_factory=dict)
 
 
-class TurnFailedData(BaseModel):
+class TurnFailedData(EventData):
     request_id: str
     error: str | None = None
 
 
-class TurnCancelledData(BaseModel):
+class TurnCancelledData(EventData):
     request_id: str
     by: str | None = None
 
 
-class CrashResumedData(BaseModel):
+class CrashResumedData(EventData):
     step: str  # the step key that was resumed
     losses: int
     lost_attempt: int
@@ -121,13 +150,13 @@ class CrashResumedData(BaseModel):
     settled: dict[str, Any] = Field(default_factory=dict)  # call key -> how it was settled
 
 
-class CheckpointRejectedData(BaseModel):
+class CheckpointRejectedData(EventData):
     key: str  # the jl_state key whose seal did not verify
     reason: str
     step: str
 
 
-class StepDeadLetteredData(BaseModel):
+class StepDeadLetteredData(EventData):
     """A step of the turn failed in a way no retry cures (past the server's size limit, a
     bug): it was moved to ``JL_DEAD`` whole, and the turn fails with the reason."""
 
@@ -136,19 +165,19 @@ class StepDeadLetteredData(BaseModel):
     dead_letter: str  # the subject it waits on in JL_DEAD
 
 
-class TurnLostData(BaseModel):
+class TurnLostData(EventData):
     losses: int
     step: str
 
 
-class ApprovalRequestedData(BaseModel):
+class ApprovalRequestedData(EventData):
     approval_id: str
     call_key: str
     tool: str
     args: dict[str, Any] = Field(default_factory=dict)
 
 
-class ApprovalDecidedData(BaseModel):
+class ApprovalDecidedData(EventData):
     approval_id: str
     status: str  # approved | rejected
     by: str | None = None
@@ -156,50 +185,50 @@ class ApprovalDecidedData(BaseModel):
     call_key: str
 
 
-class QuestionAskedData(BaseModel):
+class QuestionAskedData(EventData):
     question_id: str
     question: str
     call_key: str
 
 
-class QuestionAnsweredData(BaseModel):
+class QuestionAnsweredData(EventData):
     question_id: str
     answer: str | None = None
     by: str | None = None
     call_key: str
 
 
-class TimerSetData(BaseModel):
+class TimerSetData(EventData):
     call_key: str
     due: float  # Unix time, seconds
     at: str  # the same instant, RFC 3339 UTC, whole seconds (rounded up)
 
 
-class TimerFiredData(BaseModel):
+class TimerFiredData(EventData):
     call_key: str
     due: float
     late_seconds: float
 
 
-class TaskStartedData(BaseModel):
+class TaskStartedData(EventData):
     call_key: str
     tool: str
     handle: Any = None  # what the task tool's start returned
 
 
-class DelegationStartedData(BaseModel):
+class DelegationStartedData(EventData):
     call_key: str
     agent: str
     child_session: str
 
 
-class ContextCompactedData(BaseModel):
+class ContextCompactedData(EventData):
     covers: int  # history entries, from the start, the summary replaces
     compaction: int
     attempts: int
 
 
-class CallReconciledData(BaseModel):
+class CallReconciledData(EventData):
     call_key: str
     state: str  # succeeded | failed
     by: str
@@ -207,7 +236,7 @@ class CallReconciledData(BaseModel):
     error: str | None = None
 
 
-EVENT_DATA: dict[EventType, type[BaseModel]] = {
+EVENT_DATA: dict[EventType, type[EventData]] = {
     EventType.TURN_ACCEPTED: TurnAcceptedData,
     EventType.TURN_STARTED: TurnStartedData,
     EventType.MODEL_ANSWERED: ModelAnsweredData,
@@ -231,3 +260,4 @@ EVENT_DATA: dict[EventType, type[BaseModel]] = {
     EventType.CALL_RECONCILED: CallReconciledData,
 }
 # ``task.polled`` is reserved: this version does not write it.
+_TYPE_OF: dict[type[EventData], EventType] = {model: etype for etype, model in EVENT_DATA.items()}

@@ -31,6 +31,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError
 
 from jetloop.agents.agent import Trigger
 from jetloop.schemas import (
@@ -50,13 +51,22 @@ from jetloop.schemas import (
     turn_id_for,
     validate_name,
 )
-from jetloop.schemas.errors import SealKeyMissing, UnknownSession, UnknownTurn
+from jetloop.schemas.errors import ControlError, SealKeyMissing, UnknownSession, UnknownTurn
 
 # Raised by the client, defined with the rest of the public tree: importable from here too.
 from jetloop.schemas.errors import TurnFailed as TurnFailed
 from jetloop.schemas.errors import UnknownAgent as UnknownAgent
 from jetloop.services.control import PREFIX as CONTROL_PREFIX
-from jetloop.sessions.decisions import Control, ControlError
+from jetloop.sessions.decisions import Control
+from jetloop.sessions.requests import (
+    AnswerRequest,
+    ApprovalPolicyRequest,
+    ApproveRequest,
+    CancelRequest,
+    DecisionRequest,
+    ReconcileRequest,
+    RejectRequest,
+)
 from jetloop.sessions.snapshot import MOST_CALLS, SessionSnapshot, snapshot, with_workers
 from jetloop.sessions.turns import TurnDetail, TurnPage, list_turns, turn_detail
 from jetloop.streams import topology
@@ -431,24 +441,17 @@ class Client:
     async def _control(self) -> Control:
         return Control(await self._state(), Bus(self.js, retry_for=self.retry_for))
 
-    async def _decide(
-        self,
-        op: str,
-        body: dict[str, Any],
-        record: type[R],
-        direct: Callable[[Control], Awaitable[R]],
-    ) -> R:
-        """One control operation (all are idempotent: one the servers could not answer is
-        repeated). With the seal key the client writes the records itself, as a worker
-        does; without it, it asks the workers over NATS (``jl.control.<op>``, served by
-        ``jetloop.services.control``): that needs only the ``client`` role, and the workers seal."""
-        if "session_id" in body:  # a name a subject or key could not hold is refused here
-            validate_name("session id", body["session_id"])
+    async def decide(self, request: DecisionRequest[R]) -> R:
+        """Do one decision (``jetloop.sessions.requests``) and return the record after it. All
+        are idempotent: one the servers could not answer is repeated. With the seal key the
+        client writes the records itself, as a worker does; without it, it asks the workers
+        over NATS (``jl.control.<op>``, served by ``jetloop.services.control``): that needs only
+        the ``client`` role, and the workers seal."""
         if self.sealer is not None:
             control = await self._control()
             await self._measure_clock(self.sealer)
-            return await retrying(lambda: direct(control), self.retry_for, "control")
-        return record.model_validate(await self._request(op, body))
+            return await retrying(lambda: request.run(control), self.retry_for, "control")
+        return request.recorded(await self._request(request))
 
     async def _measure_clock(self, sealer: Sealer) -> None:
         """Deciding with the seal key seals records: measure this process's clock against the
@@ -463,14 +466,14 @@ class Client:
             except Exception:  # an outage: the decision itself meets it, and says so
                 pass
 
-    async def _request(self, op: str, body: dict[str, Any]) -> Any:
+    async def _request(self, request: DecisionRequest[Any]) -> Any:
         """A control request over NATS; a refusal is the ``ControlError`` the direct path
         raises, and nobody answering is one, too (503)."""
         try:
-            data = json.dumps(body).encode()
-        except (TypeError, ValueError) as exc:
+            data = json.dumps(request.model_dump(mode="json")).encode()
+        except (PydanticSerializationError, TypeError, ValueError) as exc:
             raise ControlError(422, "invalid request", f"not JSON: {exc}") from None
-        subject = f"{CONTROL_PREFIX}.{op}"
+        subject = f"{CONTROL_PREFIX}.{request.op}"
         timeout = min(CONTROL_TIMEOUT, self.retry_for)
         unavailable: list[ControlError] = []
 
@@ -504,11 +507,8 @@ class Client:
     ) -> ApprovalRecord:
         """Approve a held call; the first decision wins: a repeat returns it, and approving
         a rejected call raises ``ControlError`` (409)."""
-        return await self._decide(
-            "approve",
-            {"session_id": session_id, "approval_id": approval_id, "by": by, "reason": reason},
-            ApprovalRecord,
-            lambda c: c.decide(session_id, approval_id, True, by, reason),
+        return await self.decide(
+            ApproveRequest(session_id=session_id, approval_id=approval_id, by=by, reason=reason)
         )
 
     async def reject(
@@ -516,11 +516,8 @@ class Client:
     ) -> ApprovalRecord:
         """Reject a held call: the model sees it denied, with the reason. Rejecting an
         approved call raises ``ControlError`` (409); a repeat returns the rejection."""
-        return await self._decide(
-            "reject",
-            {"session_id": session_id, "approval_id": approval_id, "by": by, "reason": reason},
-            ApprovalRecord,
-            lambda c: c.decide(session_id, approval_id, False, by, reason),
+        return await self.decide(
+            RejectRequest(session_id=session_id, approval_id=approval_id, by=by, reason=reason)
         )
 
     async def answer(
@@ -528,23 +525,15 @@ class Client:
     ) -> QuestionRecord:
         """Answer the model's question; the same answer again returns it, another raises
         ``ControlError`` (409)."""
-        return await self._decide(
-            "answer",
-            {"session_id": session_id, "question_id": question_id, "answer": answer, "by": by},
-            QuestionRecord,
-            lambda c: c.answer(session_id, question_id, answer, by),
+        return await self.decide(
+            AnswerRequest(session_id=session_id, question_id=question_id, answer=answer, by=by)
         )
 
     async def cancel(
         self, session_id: str, turn_id: str | None = None, by: str = "python"
     ) -> TurnRecord:
         """Cancel the session's running turn (or the given one)."""
-        return await self._decide(
-            "cancel",
-            {"session_id": session_id, "turn_id": turn_id, "by": by},
-            TurnRecord,
-            lambda c: c.cancel(session_id, turn_id, by),
-        )
+        return await self.decide(CancelRequest(session_id=session_id, turn_id=turn_id, by=by))
 
     async def reconcile(
         self,
@@ -555,28 +544,18 @@ class Client:
         error: str | None = None,
     ) -> CallRecord:
         """Settle an ``outcome_unknown`` call as succeeded (with a result) or failed."""
-        return await self._decide(
-            "reconcile",
-            {
-                "call_key": call_key,
-                "succeeded": succeeded,
-                "by": by,
-                "result": result,
-                "error": error,
-            },
-            CallRecord,
-            lambda c: c.reconcile(call_key, succeeded, by, result, error),
+        return await self.decide(
+            ReconcileRequest(
+                call_key=call_key, succeeded=succeeded, by=by, result=result, error=error
+            )
         )
 
     async def set_approval(
         self, session_id: str, tool: str, required: bool | None, agent: str | None = None
     ) -> SessionRecord:
         """Require (True) or waive (False) approval of a tool in one session; None resets."""
-        return await self._decide(
-            "approval_policy",
-            {"session_id": session_id, "tool": tool, "required": required, "agent": agent},
-            SessionRecord,
-            lambda c: c.set_approval(session_id, tool, required, agent),
+        return await self.decide(
+            ApprovalPolicyRequest(session_id=session_id, tool=tool, required=required, agent=agent)
         )
 
     async def call(

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from pydantic import AfterValidator, BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError
 
-from jetloop.schemas.ids import validate_name
-from jetloop.sessions.decisions import Control, ControlError, dump
+from jetloop.schemas.errors import ControlError
+from jetloop.sessions.decisions import Control, dump
+from jetloop.sessions.requests import DECISIONS, DecisionRequest, SessionId
 from jetloop.sessions.snapshot import snapshot, with_workers
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.clock import ClockOff
@@ -40,44 +41,7 @@ log = structlog.get_logger("jetloop.control")
 PREFIX = "jl.control"
 QUEUE = "jl_control"
 
-
-# A session id as every subject and key holds it: a request naming another is refused (422).
-SessionId = Annotated[str, AfterValidator(functools.partial(validate_name, "session id"))]
-
-
-class DecideReq(BaseModel):
-    session_id: SessionId
-    approval_id: str
-    by: str = "nats"
-    reason: str | None = None
-
-
-class AnswerReq(BaseModel):
-    session_id: SessionId
-    question_id: str
-    answer: str
-    by: str = "nats"
-
-
-class CancelReq(BaseModel):
-    session_id: SessionId
-    turn_id: str | None = None
-    by: str = "nats"
-
-
-class ReconcileReq(BaseModel):
-    call_key: str
-    succeeded: bool
-    result: Any = None
-    error: str | None = None
-    by: str = "nats"
-
-
-class PolicyReq(BaseModel):
-    session_id: SessionId
-    tool: str
-    required: bool | None
-    agent: str | None = None
+M = TypeVar("M", bound=BaseModel)
 
 
 class SnapshotReq(BaseModel):
@@ -102,16 +66,9 @@ class Reply(BaseModel):
     error: Problem | None = None
 
 
-# The request body of each operation (``jl.control.<op>``), and what its result is.
-REQUESTS: dict[str, type[BaseModel]] = {
-    "approve": DecideReq,
-    "reject": DecideReq,
-    "answer": AnswerReq,
-    "cancel": CancelReq,
-    "reconcile": ReconcileReq,
-    "approval_policy": PolicyReq,
-    "snapshot": SnapshotReq,
-}
+# The request body of each operation (``jl.control.<op>``): the decisions'
+# (``jetloop.sessions.requests``), and the one read.
+REQUESTS: dict[str, type[BaseModel]] = {**DECISIONS, "snapshot": SnapshotReq}
 
 
 class ControlService:
@@ -131,14 +88,9 @@ class ControlService:
         self._registry: Registry | None = None
         self._sub: Subscription | None = None
         self._routes: dict[str, Callable[[bytes], Awaitable[Any]]] = {
-            "approve": lambda b: self._decide(b, True),
-            "reject": lambda b: self._decide(b, False),
-            "answer": self._answer,
-            "cancel": self._cancel,
-            "reconcile": self._reconcile,
-            "approval_policy": self._policy,
-            "snapshot": self._snapshot,
+            op: functools.partial(self._decide, model) for op, model in DECISIONS.items()
         }
+        self._routes["snapshot"] = self._snapshot
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(f"{PREFIX}.*", queue=QUEUE, cb=self._on_msg)
@@ -180,7 +132,7 @@ class ControlService:
             await msg.respond(reply.model_dump_json(exclude_none=True).encode())
 
     @staticmethod
-    def _parse(model: type[Any], data: bytes) -> Any:
+    def _parse(model: type[M], data: bytes) -> M:
         try:
             return model.model_validate_json(data or b"{}")
         except ValidationError as exc:
@@ -188,25 +140,8 @@ class ControlService:
             where = ".".join(str(p) for p in first["loc"]) or "body"
             raise ControlError(422, "invalid request", f"{where}: {first['msg']}") from None
 
-    async def _decide(self, data: bytes, approve: bool) -> Any:
-        r = self._parse(DecideReq, data)
-        return dump(await self.control.decide(r.session_id, r.approval_id, approve, r.by, r.reason))
-
-    async def _answer(self, data: bytes) -> Any:
-        r = self._parse(AnswerReq, data)
-        return dump(await self.control.answer(r.session_id, r.question_id, r.answer, r.by))
-
-    async def _cancel(self, data: bytes) -> Any:
-        r = self._parse(CancelReq, data)
-        return dump(await self.control.cancel(r.session_id, r.turn_id, r.by))
-
-    async def _reconcile(self, data: bytes) -> Any:
-        r = self._parse(ReconcileReq, data)
-        return dump(await self.control.reconcile(r.call_key, r.succeeded, r.by, r.result, r.error))
-
-    async def _policy(self, data: bytes) -> Any:
-        r = self._parse(PolicyReq, data)
-        return dump(await self.control.set_approval(r.session_id, r.tool, r.required, r.agent))
+    async def _decide(self, model: type[DecisionRequest[Any]], data: bytes) -> Any:
+        return dump(await self._parse(model, data).run(self.control))
 
     async def _snapshot(self, data: bytes) -> Any:
         r = self._parse(SnapshotReq, data)

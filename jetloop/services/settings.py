@@ -24,7 +24,7 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as PydanticSettingsError
 
-from jetloop.schemas.errors import JetloopError
+from jetloop.schemas.errors import SettingsError
 from jetloop.services.gateway.config import HookTrigger, Scope, Tokens, fingerprint
 from jetloop.streams.seal import DEFAULT_TOLERANCE, Sealer, key_bytes
 from jetloop.streams.topology import TopologyConfig
@@ -32,10 +32,6 @@ from jetloop.streams.topology import TopologyConfig
 SEAL_KEY_FILE = "seal.key"
 # Measured (docs/performance.md, issue 15): fewer collections without a longer p99.
 DEFAULT_GC_THRESHOLD = 5_000
-
-
-class SettingsError(JetloopError, ValueError):
-    """A setting has a wrong value; the message names it."""
 
 
 class Settings(BaseSettings):

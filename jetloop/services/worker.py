@@ -33,6 +33,7 @@ from jetloop.consumers.dispatch import Handler
 from jetloop.consumers.liveness import HOLDING
 from jetloop.consumers.metrics import watch_lag
 from jetloop.consumers.runtime import new_incarnation
+from jetloop.schemas.errors import NotAuthorized
 from jetloop.services.client import publish_trigger
 from jetloop.services.control import ControlService
 from jetloop.services.lifecycle import Service
@@ -44,7 +45,7 @@ from jetloop.streams import topology
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus
 from jetloop.streams.clock import ClockGuard, describe
-from jetloop.streams.connection import ConnectionLost, NotAuthorized, connect
+from jetloop.streams.connection import ConnectionLost, connect
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.holds import Holds
 from jetloop.streams.intake import Intake

@@ -5,5 +5,6 @@ import nothing from here) and the processes (``jetloop.services``).
 - ``snapshot``: everything about a session in one read (``SessionSnapshot``);
 - ``turns``: a session's turns, a page at a time, and one turn in detail;
 - ``decisions``: approve, reject, answer, cancel, reconcile, approval policy — each a CAS on
-  its record and a publish of the step that moves the turn on (``Control``, ``ControlError``).
+  its record and a publish of the step that moves the turn on (``Control``; a refusal is a
+  ``ControlError``).
 """

@@ -30,7 +30,6 @@ from jetloop.schemas import (
     CallState,
     Decision,
     Event,
-    EventType,
     QuestionRecord,
     SessionRecord,
     StepKind,
@@ -40,7 +39,8 @@ from jetloop.schemas import (
     TurnStatus,
     validate_name,
 )
-from jetloop.schemas.errors import JetloopError
+from jetloop.schemas.errors import ControlError
+from jetloop.schemas.events import ApprovalDecidedData, CallReconciledData, QuestionAnsweredData
 from jetloop.streams.bus import Bus, event_out, step_out
 from jetloop.streams.seal import SealBroken
 from jetloop.streams.state import (
@@ -55,17 +55,6 @@ from jetloop.streams.state import (
 log = structlog.get_logger("jetloop.control")
 
 CAS_TRIES = 20
-
-
-class ControlError(JetloopError):
-    """A request that cannot be done; ``status`` follows HTTP (404, 409, 422, 503), ``title``
-    says what in a few words, ``detail`` which thing."""
-
-    def __init__(self, status: int, title: str, detail: str = "") -> None:
-        super().__init__(f"{title}: {detail}" if detail else title)
-        self.status = status
-        self.title = title
-        self.detail = detail
 
 
 P = ParamSpec("P")
@@ -131,18 +120,17 @@ class Control:
                 ap.model_step,
                 ap.call_index,
                 StepKind.AWAIT_TOOL_APPROVAL,
-                Event(
+                Event.of(
+                    ApprovalDecidedData(
+                        approval_id=approval_id,
+                        status=ap.status.value,
+                        by=ap.decided_by,
+                        reason=ap.reason,
+                        call_key=ap.call_key,
+                    ),
                     key=f"approval.{approval_id}.decided",
-                    type=EventType.APPROVAL_DECIDED,
                     session_id=ap.session_id,
                     turn_id=ap.turn_id,
-                    data={
-                        "approval_id": approval_id,
-                        "status": ap.status.value,
-                        "by": ap.decided_by,
-                        "reason": ap.reason,
-                        "call_key": ap.call_key,
-                    },
                 ),
             )
             # Woken first even for a refused decision: whoever asks about a decided call
@@ -182,17 +170,16 @@ class Control:
                 q.model_step,
                 q.call_index,
                 StepKind.AWAIT_QUESTION_ANSWER,
-                Event(
+                Event.of(
+                    QuestionAnsweredData(
+                        question_id=question_id,
+                        answer=q.answer,
+                        by=q.answered_by,
+                        call_key=q.call_key,
+                    ),
                     key=f"question.{question_id}.answered",
-                    type=EventType.QUESTION_ANSWERED,
                     session_id=q.session_id,
                     turn_id=q.turn_id,
-                    data={
-                        "question_id": question_id,
-                        "answer": q.answer,
-                        "by": q.answered_by,
-                        "call_key": q.call_key,
-                    },
                 ),
             )
             if q.answer != answer:  # woken first, as for an approval
@@ -285,18 +272,17 @@ class Control:
             await self.bus.publish(
                 [
                     event_out(
-                        Event(
+                        Event.of(
+                            CallReconciledData(
+                                call_key=call_key,
+                                state=state.value,
+                                by=by,
+                                result=result,
+                                error=error,
+                            ),
                             key=f"call.{call_key}.reconciled",
-                            type=EventType.CALL_RECONCILED,
                             session_id=sid,
                             turn_id=tid,
-                            data={
-                                "call_key": call_key,
-                                "state": state.value,
-                                "by": by,
-                                "result": result,
-                                "error": error,
-                            },
                         )
                     ),
                     note(

@@ -22,11 +22,10 @@ from nats.errors import (
     NoRespondersError,
     OutboundBufferLimitError,
 )
-from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
-from jetloop.schemas.errors import JetloopError
+from jetloop.schemas.errors import NotAuthorized
 from jetloop.streams.headers import parse_header_lines, read_header_block
 from jetloop.streams.liblog import LibraryLogger
 from jetloop.streams.loops import running_loop
@@ -153,18 +152,6 @@ def credentials_in(urls: Sequence[str]) -> tuple[str | None, str | None]:
         if parts.username:
             return urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
     return None, None
-
-
-class NotAuthorized(JetloopError, NatsError):
-    """The server refused the connection's user and password (or that it had none): a
-    setting to fix, not an outage to wait out (also a ``nats.errors.Error``)."""
-
-    def __str__(self) -> str:
-        return (
-            "wrong or missing credentials (set JETLOOP_NATS_USER and JETLOOP_NATS_PASSWORD, "
-            "or run in the directory of `jetloop up`, which keeps them in its store: "
-            "set JETLOOP_STORE_DIR too if `up` was given --store-dir)"
-        )
 
 
 class PayloadTooLarge(MaxPayloadError):

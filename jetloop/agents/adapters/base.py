@@ -38,9 +38,9 @@ import aiohttp
 import structlog
 from pydantic import SecretStr
 
-from jetloop.agents.adapters.errors import ProviderError, ProviderRejected, ProviderRetryable
 from jetloop.agents.adapters.history import Item, conversation
 from jetloop.agents.model import Message, ModelRequest, ModelResponse, ToolCallRequest
+from jetloop.schemas.errors import ProviderError, ProviderRejected, ProviderRetryable
 
 log = structlog.get_logger("jetloop.adapters")
 

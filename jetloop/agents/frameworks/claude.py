@@ -49,11 +49,11 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, create_model, model_validator
 
 from jetloop.agents.adapters.anthropic import AnthropicAdapter
-from jetloop.agents.adapters.errors import ProviderRejected, ProviderRetryable
 from jetloop.agents.adapters.history import NOTE_PREFIX, Item, UserText, conversation
 from jetloop.agents.agent import Agent, Limits
 from jetloop.agents.model import Message, ModelRequest, ModelResponse, ToolCallRequest, rough_tokens
-from jetloop.agents.tools import ApprovalPolicy, Effect, Tool, ToolContext, ToolError
+from jetloop.agents.tools import ApprovalPolicy, Effect, Tool, ToolContext
+from jetloop.schemas.errors import ProviderRejected, ProviderRetryable, ToolError
 
 try:
     import claude_agent_sdk

@@ -57,11 +57,11 @@ from openai.types.responses.response_prompt_param import ResponsePromptParam
 from pydantic import BaseModel, ConfigDict
 
 from jetloop.agents.adapters.base import MalformedToolCall, tool_call, usage
-from jetloop.agents.adapters.errors import ProviderRejected, ProviderRetryable
 from jetloop.agents.adapters.history import Context, Item, UserText, conversation
 from jetloop.agents.agent import Agent, Limits
 from jetloop.agents.model import Message, ModelRequest, ModelResponse, ToolCallRequest, rough_tokens
 from jetloop.agents.tools import Effect, Tool, ToolContext
+from jetloop.schemas.errors import ProviderRejected, ProviderRetryable
 
 # Tools the provider runs inside the model call: they cannot be deferred to a CallTool step.
 HOSTED_TOOLS = (

@@ -73,18 +73,11 @@ from pydantic_ai.tools import ToolDenied
 from pydantic_ai.usage import RunUsage
 from pydantic_graph import End
 
-from jetloop.agents.adapters.errors import ProviderRejected, ProviderRetryable
 from jetloop.agents.adapters.history import Context, Exchange, UserText, conversation
 from jetloop.agents.agent import Agent, Limits, Trigger
-from jetloop.agents.model import (
-    Message,
-    ModelError,
-    ModelRequest,
-    ModelResponse,
-    ToolCallRequest,
-    rough_tokens,
-)
-from jetloop.agents.tools import Effect, Tool, ToolContext, ToolError
+from jetloop.agents.model import Message, ModelRequest, ModelResponse, ToolCallRequest, rough_tokens
+from jetloop.agents.tools import Effect, Tool, ToolContext
+from jetloop.schemas.errors import ModelError, ProviderRejected, ProviderRetryable, ToolError
 
 __all__ = ["DurablePydanticAgent", "PydanticAIModel", "durable", "tool_context"]
 

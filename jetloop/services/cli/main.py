@@ -62,7 +62,8 @@ def load_commands() -> None:
 
 
 def _settings(**overrides: Any) -> Settings:
-    from jetloop.services.settings import SettingsError, load_settings
+    from jetloop.schemas.errors import SettingsError
+    from jetloop.services.settings import load_settings
 
     clean = {k: v for k, v in overrides.items() if v is not None}
     try:
@@ -157,10 +158,9 @@ async def _with_client(urls: list[str], body: Body, timeout: float | None) -> No
     from nats.errors import ConnectionClosedError, NoServersError
     from nats.errors import Error as NatsError
 
-    from jetloop.schemas.errors import JetloopError
+    from jetloop.schemas.errors import ControlError, JetloopError
     from jetloop.services.cli.inspector import Missing
     from jetloop.services.client import Client
-    from jetloop.sessions.decisions import ControlError
 
     # The URLs carry the NATS password (jetloop.services.settings): shown without it.
     where = ", ".join(re.sub(r"//[^/@]*@", "//", u) for u in urls)

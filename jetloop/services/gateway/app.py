@@ -53,7 +53,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import structlog
@@ -61,7 +61,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
-from jetloop.schemas.errors import TurnFailed
+from jetloop.schemas.errors import SettingsError, TurnFailed
 from jetloop.services.client import Client
 from jetloop.services.gateway import console, hooks, sse
 from jetloop.services.gateway.browser import browser_rules, json_writes
@@ -116,8 +116,16 @@ from jetloop.services.gateway.state import (
 )
 from jetloop.services.lifecycle import Service
 from jetloop.services.logs import configure
-from jetloop.services.settings import SettingsError, describe_errors, load_settings
+from jetloop.services.settings import describe_errors, load_settings
 from jetloop.sessions.decisions import dump
+from jetloop.sessions.requests import (
+    AnswerRequest,
+    ApproveRequest,
+    CancelRequest,
+    DecisionRequest,
+    ReconcileRequest,
+    RejectRequest,
+)
 from jetloop.streams import topology
 from jetloop.streams.connection import ConnectionLost, connect
 
@@ -126,6 +134,8 @@ log = structlog.get_logger("jetloop.gateway")
 CALL_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64}){3}$")
 REQUEST_ID_RE = re.compile(REQUEST_ID)
 SEQ_RE = re.compile(r"^[0-9]{1,19}$")
+
+D = TypeVar("D", bound=DecisionRequest[Any])
 
 
 # --- handlers --------------------------------------------------------------------------
@@ -218,39 +228,39 @@ async def stream_events(request: web.Request) -> web.StreamResponse:
         app[METRICS].streams.dec()
 
 
+def decision(request: web.Request, model: type[D], body: dict[str, Any], **path: str) -> D:
+    """The decision a request asks for: the path's names, the body's fields and, as who
+    decides, the token's name (``by_whom``: the body may not name one)."""
+    return model.model_validate({**body, **path, "by": by_whom(request)})
+
+
 async def decide_approval(request: web.Request) -> web.Response:
     session, approval_id = path_name(request, "session"), path_name(request, "approval_id")
-    body = await read_body(request, DecisionIn)
-    client = request.app[CLIENT]
-    by = by_whom(request)
-    if body.approve:
-        rec = await client.approve(session, approval_id, by=by, reason=body.reason)
-    else:
-        rec = await client.reject(session, approval_id, by=by, reason=body.reason)
-    return ok(dump(rec))
+    fields = (await read_body(request, DecisionIn)).model_dump()
+    model = ApproveRequest if fields.pop("approve") else RejectRequest
+    req = decision(request, model, fields, session_id=session, approval_id=approval_id)
+    return ok(dump(await request.app[CLIENT].decide(req)))
 
 
 async def answer_question(request: web.Request) -> web.Response:
     session, question_id = path_name(request, "session"), path_name(request, "question_id")
-    body = await read_body(request, AnswerIn)
-    rec = await request.app[CLIENT].answer(session, question_id, body.answer, by=by_whom(request))
-    return ok(dump(rec))
+    body = (await read_body(request, AnswerIn)).model_dump()
+    req = decision(request, AnswerRequest, body, session_id=session, question_id=question_id)
+    return ok(dump(await request.app[CLIENT].decide(req)))
 
 
 async def cancel_turn(request: web.Request) -> web.Response:
     session = path_name(request, "session")
-    body = await read_body(request, CancelIn, optional=True)
-    rec = await request.app[CLIENT].cancel(session, body.turn_id, by=by_whom(request))
-    return ok(dump(rec))
+    body = (await read_body(request, CancelIn, optional=True)).model_dump()
+    req = decision(request, CancelRequest, body, session_id=session)
+    return ok(dump(await request.app[CLIENT].decide(req)))
 
 
 async def reconcile_call(request: web.Request) -> web.Response:
     key = path_name(request, "call_key", CALL_KEY_RE)
-    body = await read_body(request, ReconcileIn)
-    rec = await request.app[CLIENT].reconcile(
-        key, body.succeeded, by=by_whom(request), result=body.result, error=body.error
-    )
-    return ok(dump(rec))
+    body = (await read_body(request, ReconcileIn)).model_dump()
+    req = decision(request, ReconcileRequest, body, call_key=key)
+    return ok(dump(await request.app[CLIENT].decide(req)))
 
 
 async def receive_webhook(request: web.Request) -> web.Response:

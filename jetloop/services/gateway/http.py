@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ValidationError
 
 from jetloop.schemas.errors import (
+    ControlError,
     RecordNotTrusted,
     SealKeyMissing,
     UnknownAgent,
@@ -37,7 +38,6 @@ from jetloop.schemas.errors import (
     UnknownTurn,
 )
 from jetloop.services.gateway.config import GatewayConfig, Scope, TokenGrant
-from jetloop.sessions.decisions import ControlError
 from jetloop.streams.clock import CHECK_EVERY, ClockOff
 from jetloop.streams.connection import TRANSIENT, PayloadTooLarge
 

@@ -1,7 +1,9 @@
 """The HTTP API's shapes (pydantic models) and its OpenAPI 3.1 document.
 
 The request models validate what the gateway reads; their JSON Schemas are the request
-bodies and query parameters of the document, so the two cannot drift apart. The paths are
+bodies and query parameters of the document, so the two cannot drift apart. A decision's
+body is derived from its request model (``jetloop.sessions.requests``, ``body_of``), the one
+the client sends and the control service parses. The paths are
 written out here by hand and a test compares them (paths, methods, scopes) with the
 gateway's router.
 """
@@ -10,11 +12,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic.fields import FieldInfo
 from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
 
 from jetloop.schemas import ApprovalRecord, CallRecord, QuestionRecord, TurnRecord
+from jetloop.sessions.requests import (
+    AnswerRequest,
+    ApprovalPolicyRequest,
+    ApproveRequest,
+    CancelRequest,
+    DecisionRequest,
+    ReconcileRequest,
+    RejectRequest,
+)
 from jetloop.sessions.snapshot import SessionSnapshot
 from jetloop.sessions.turns import TurnDetail, TurnPage
 
@@ -48,23 +60,65 @@ class MessageIn(Body):
     text: str = Field(min_length=1, description="the user's message")
 
 
-class DecisionIn(Decision):
-    approve: bool
-    reason: str | None = Field(None, max_length=4000)
+def body_of(
+    request: type[DecisionRequest[Any]],
+    name: str,
+    path: tuple[str, ...],
+    bounds: dict[str, FieldInfo],
+    first: dict[str, Any] | None = None,
+) -> type[Decision]:
+    """The HTTP body of a decision: the fields of its request model
+    (``jetloop.sessions.requests``) less the ones the ``path`` gives and ``by`` (the token's
+    name), strict, with the gateway's ``bounds`` on what a stranger may send; ``first``: fields
+    of the route's own, before them."""
+    fields: dict[str, Any] = dict(first or {})
+    unknown = (set(path) | set(bounds)) - set(request.model_fields)
+    if unknown:
+        raise ValueError(f"{request.__name__} has no field {sorted(unknown)}")
+    for field, info in request.model_fields.items():
+        if field in path or field == "by":
+            continue
+        if field in bounds:
+            info = FieldInfo.merge_field_infos(info, bounds[field])
+        fields[field] = (info.annotation, info)
+    body: type[Decision] = create_model(name, __base__=Decision, **fields)
+    return body
 
 
-class AnswerIn(Decision):
-    answer: str = Field(max_length=100_000)
+# One route serves both approval decisions: ``approve`` in the body picks the request.
+DecisionIn = body_of(
+    ApproveRequest,
+    "DecisionIn",
+    ("session_id", "approval_id"),
+    {"reason": Field(max_length=4000)},
+    first={"approve": (bool, ...)},
+)
+AnswerIn = body_of(
+    AnswerRequest,
+    "AnswerIn",
+    ("session_id", "question_id"),
+    {"answer": Field(max_length=100_000)},
+)
+ReconcileIn = body_of(
+    ReconcileRequest, "ReconcileIn", ("call_key",), {"error": Field(max_length=4000)}
+)
+CancelIn = body_of(
+    CancelRequest,
+    "CancelIn",
+    ("session_id",),
+    {"turn_id": Field(pattern=NAME, description="default: the running turn")},
+)
 
-
-class ReconcileIn(Decision):
-    succeeded: bool
-    result: Any = None
-    error: str | None = Field(None, max_length=4000)
-
-
-class CancelIn(Decision):
-    turn_id: str | None = Field(None, pattern=NAME, description="default: the running turn")
+# The decisions the gateway serves: op -> (the route's operationId, its body). Setting an
+# approval policy is not on HTTP (the CLI, the Python client and NATS set it).
+HTTP_DECISIONS: dict[str, tuple[str, type[Decision]]] = {
+    ApproveRequest.op: ("decideApproval", DecisionIn),
+    RejectRequest.op: ("decideApproval", DecisionIn),
+    AnswerRequest.op: ("answerQuestion", AnswerIn),
+    CancelRequest.op: ("cancelTurn", CancelIn),
+    ReconcileRequest.op: ("reconcileCall", ReconcileIn),
+}
+NOT_ON_HTTP = frozenset({ApprovalPolicyRequest.op})
 
 
 class Query(BaseModel):

@@ -36,7 +36,25 @@ from typing import Any
 import aiosqlite
 import structlog
 
-from jetloop.schemas import DecodeError, Event, EventType, HistoryEntry, HistoryRole, decode
+from jetloop.schemas import DecodeError, Event, HistoryEntry, HistoryRole, decode
+from jetloop.schemas.events import (
+    ApprovalDecidedData,
+    ApprovalRequestedData,
+    CallOutcomeData,
+    CallReconciledData,
+    EventData,
+    ModelAnsweredData,
+    QuestionAnsweredData,
+    QuestionAskedData,
+    TaskStartedData,
+    TimerFiredData,
+    TimerSetData,
+    TurnAcceptedData,
+    TurnCancelledData,
+    TurnCompletedData,
+    TurnFailedData,
+    TurnStartedData,
+)
 from jetloop.streams.topology import EVENTS_STREAM
 
 log = structlog.get_logger("jetloop.readmodel")
@@ -385,6 +403,7 @@ class ReadModel:
             await self._history(parts[2], entry)
             return
         ev = decode(Event, item.data)
+        data = ev.payload()  # before any write: data that does not fit is unreadable, whole
         await self.db.execute(
             "INSERT OR IGNORE INTO audit (seq, key, session_id, turn_id, type, at, data) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -396,7 +415,7 @@ class ReadModel:
             "updated_at = max(COALESCE(updated_at, 0), ?), last_seq = ? WHERE session_id = ?",
             (ev.at, ev.at, item.seq, ev.session_id),
         )
-        await self._event(item.seq, ev)
+        await self._event(item.seq, ev, data)
 
     async def _history(self, session_id: str, entry: HistoryEntry) -> None:
         # Only the user's words are needed (search); answers come with turn.completed.
@@ -407,176 +426,159 @@ class ReadModel:
                 {"user_text": entry.text},
             )
 
-    async def _event(self, seq: int, ev: Event) -> None:
-        d = ev.data
+    async def _event(self, seq: int, ev: Event, data: EventData | None) -> None:
         sid, tid = ev.session_id, ev.turn_id or ""
         turn = {"session_id": sid, "turn_id": tid}
-        t = ev.type
-        if t == EventType.TURN_ACCEPTED:
-            await self._merge(
-                "turns", turn, {"request_id": d.get("request_id"), "accepted_at": ev.at}
-            )
-            await self.db.execute(
-                "UPDATE turns SET accepted_seq = COALESCE(accepted_seq, ?) "
-                "WHERE session_id = ? AND turn_id = ?",
-                (seq, sid, tid),
-            )
-            await self._advance_turn(sid, tid, "queued")
-        elif t == EventType.TURN_STARTED:
-            await self._merge(
-                "turns",
-                turn,
-                {"request_id": d.get("request_id"), "agent": d.get("agent"), "started_at": ev.at},
-            )
-            await self._advance_turn(sid, tid, "running")
-        elif t == EventType.MODEL_ANSWERED:
-            n = int(d.get("model_step", 0))
-            await self._merge("turns", turn, {})
-            await self.db.execute(
-                "UPDATE turns SET model_steps = max(COALESCE(model_steps, 0), ?) "
-                "WHERE session_id = ? AND turn_id = ?",
-                (n + 1, sid, tid),
-            )
-            for i, c in enumerate(d.get("calls") or []):
-                key = f"{sid}.{tid}.{n}.{i}"
+        match data:
+            case TurnAcceptedData():
                 await self._merge(
-                    "calls",
-                    {"call_key": key},
+                    "turns", turn, {"request_id": data.request_id, "accepted_at": ev.at}
+                )
+                await self.db.execute(
+                    "UPDATE turns SET accepted_seq = COALESCE(accepted_seq, ?) "
+                    "WHERE session_id = ? AND turn_id = ?",
+                    (seq, sid, tid),
+                )
+                await self._advance_turn(sid, tid, "queued")
+            case TurnStartedData():
+                await self._merge(
+                    "turns",
+                    turn,
+                    {"request_id": data.request_id, "agent": data.agent, "started_at": ev.at},
+                )
+                await self._advance_turn(sid, tid, "running")
+            case ModelAnsweredData():
+                n = data.model_step
+                await self._merge("turns", turn, {})
+                await self.db.execute(
+                    "UPDATE turns SET model_steps = max(COALESCE(model_steps, 0), ?) "
+                    "WHERE session_id = ? AND turn_id = ?",
+                    (n + 1, sid, tid),
+                )
+                for i, c in enumerate(data.calls):
+                    key = f"{sid}.{tid}.{n}.{i}"
+                    await self._merge(
+                        "calls",
+                        {"call_key": key},
+                        {
+                            "session_id": sid,
+                            "turn_id": tid,
+                            "model_step": n,
+                            "call_index": i,
+                            "call_id": c.call_id,
+                            "tool": c.tool,
+                            "effect": c.effect,
+                            "args": _json(c.args),
+                        },
+                    )
+                    await self._advance_call(key, "planned", ev.at)
+            case TurnCompletedData():
+                values = {"answer_text": data.text, "model_steps": data.model_steps}
+                await self._end_turn(ev, data.request_id, "completed", values)
+            case TurnFailedData():
+                await self._end_turn(ev, data.request_id, "failed", {"error": data.error})
+            case TurnCancelledData():
+                await self._end_turn(ev, data.request_id, "cancelled", {"cancelled_by": data.by})
+            case CallOutcomeData():
+                key = data.call_key
+                await self._call(key, sid, tid)
+                await self.db.execute(
+                    "UPDATE calls SET tool = COALESCE(?, tool), effect = COALESCE(?, effect), "
+                    "attempts = ?, error = ?, settlement = ? "
+                    "WHERE call_key = ? AND reconciled_by IS NULL",
+                    (data.tool, data.effect, data.attempts, data.error, data.settlement, key),
+                )
+                await self._advance_call(key, data.state, ev.at)
+            case ApprovalRequestedData():
+                key, aid = data.call_key, data.approval_id
+                await self._merge(
+                    "approvals",
+                    {"session_id": sid, "approval_id": aid},
                     {
-                        "session_id": sid,
                         "turn_id": tid,
-                        "model_step": n,
-                        "call_index": i,
-                        "call_id": c.get("call_id"),
-                        "tool": c.get("tool"),
-                        "effect": c.get("effect"),
-                        "args": _json(c.get("args", {})),
+                        "call_key": key,
+                        "tool": data.tool,
+                        "args": _json(data.args),
+                        "requested_at": ev.at,
                     },
                 )
-                await self._advance_call(key, "planned", ev.at)
-        elif t in (EventType.TURN_COMPLETED, EventType.TURN_FAILED, EventType.TURN_CANCELLED):
-            status = {
-                EventType.TURN_COMPLETED: "completed",
-                EventType.TURN_FAILED: "failed",
-                EventType.TURN_CANCELLED: "cancelled",
-            }[t]
-            values: dict[str, Any] = {"request_id": d.get("request_id"), "ended_at": ev.at}
-            if t == EventType.TURN_COMPLETED:
-                values["answer_text"] = d.get("text")
-                values["model_steps"] = d.get("model_steps")
-            elif t == EventType.TURN_FAILED:
-                values["error"] = d.get("error")
-            else:
-                values["cancelled_by"] = d.get("by")
-            await self._merge("turns", turn, values)
-            await self._advance_turn(sid, tid, status)
-        elif t == EventType.CALL_OUTCOME:
-            key = str(d.get("call_key"))
-            await self._call(key, sid, tid)
-            await self.db.execute(
-                "UPDATE calls SET tool = COALESCE(?, tool), effect = COALESCE(?, effect), "
-                "attempts = ?, error = ?, settlement = ? "
-                "WHERE call_key = ? AND reconciled_by IS NULL",
-                (
-                    d.get("tool"),
-                    d.get("effect"),
-                    d.get("attempts"),
-                    d.get("error"),
-                    d.get("settlement"),
-                    key,
-                ),
-            )
-            await self._advance_call(key, str(d.get("state")), ev.at)
-        elif t == EventType.APPROVAL_REQUESTED:
-            key = str(d.get("call_key"))
-            aid = str(d.get("approval_id"))
-            await self._merge(
-                "approvals",
-                {"session_id": sid, "approval_id": aid},
-                {
-                    "turn_id": tid,
-                    "call_key": key,
-                    "tool": d.get("tool"),
-                    "args": _json(d.get("args", {})),
-                    "requested_at": ev.at,
-                },
-            )
-            await self.db.execute(
-                "UPDATE approvals SET status = COALESCE(status, 'pending') "
-                "WHERE session_id = ? AND approval_id = ?",
-                (sid, aid),
-            )
-            await self._call(key, sid, tid, approval_id=aid)
-            await self._advance_call(key, "awaiting_approval", ev.at)
-        elif t == EventType.APPROVAL_DECIDED:
-            aid = str(d.get("approval_id"))
-            key = str(d.get("call_key"))
-            status = str(d.get("status"))
-            # The first decision wins (as in state): a decided approval keeps its decision.
-            await self._merge(
-                "approvals", {"session_id": sid, "approval_id": aid}, {"turn_id": tid}
-            )
-            await self.db.execute(
-                "UPDATE approvals SET status = ?, decided_by = ?, reason = ?, decided_at = ?, "
-                "call_key = COALESCE(call_key, ?) "
-                "WHERE session_id = ? AND approval_id = ? AND COALESCE(status, 'pending') = "
-                "'pending'",
-                (status, d.get("by"), d.get("reason"), ev.at, key, sid, aid),
-            )
-            await self._call(key, sid, tid, approval_id=aid)
-            await self._advance_call(key, "approved" if status == "approved" else "rejected", ev.at)
-        elif t == EventType.QUESTION_ASKED:
-            qid = str(d.get("question_id"))
-            key = str(d.get("call_key"))
-            await self._merge(
-                "questions",
-                {"session_id": sid, "question_id": qid},
-                {
-                    "turn_id": tid,
-                    "call_key": key,
-                    "question": d.get("question"),
-                    "asked_at": ev.at,
-                },
-            )
-            await self._call(key, sid, tid, question_id=qid)
-            await self._advance_call(key, "awaiting_answer", ev.at)
-        elif t == EventType.QUESTION_ANSWERED:
-            qid = str(d.get("question_id"))
-            key = str(d.get("call_key"))
-            await self._merge(
-                "questions", {"session_id": sid, "question_id": qid}, {"turn_id": tid}
-            )
-            await self.db.execute(
-                "UPDATE questions SET answer = ?, answered_by = ?, answered_at = ?, "
-                "call_key = COALESCE(call_key, ?) "
-                "WHERE session_id = ? AND question_id = ? AND answered_at IS NULL",
-                (d.get("answer"), d.get("by"), ev.at, key, sid, qid),
-            )
-            await self._call(key, sid, tid, question_id=qid)
-            await self._advance_call(key, "answered", ev.at)
-        elif t == EventType.TIMER_SET:
-            key = str(d.get("call_key"))
-            await self._call(key, sid, tid, timer_due=d.get("due"))
-            await self._advance_call(key, "waiting_timer", ev.at)
-        elif t == EventType.TIMER_FIRED:
-            key = str(d.get("call_key"))
-            await self._call(key, sid, tid)
-            await self._advance_call(key, "timer_fired", ev.at)
-        elif t == EventType.TASK_STARTED:
-            key = str(d.get("call_key"))
-            await self._call(key, sid, tid, task_handle=_json(d.get("handle")))
-            await self._advance_call(key, "task_running", ev.at)
-        elif t == EventType.CALL_RECONCILED:
-            key = str(d.get("call_key"))
-            await self._call(key, sid, tid)
-            # Reconciling settles an outcome_unknown call for good: it overrides the outcome.
-            await self.db.execute(
-                "UPDATE calls SET state = ?, error = ?, settlement = 'reconciled', "
-                "reconciled_by = ?, reconciled_at = ?, updated_at = ? "
-                "WHERE call_key = ? AND reconciled_by IS NULL",
-                (d.get("state"), d.get("error"), d.get("by"), ev.at, ev.at, key),
-            )
-        # Other types (crash resumptions, compactions, task polls) live in the audit only.
+                await self.db.execute(
+                    "UPDATE approvals SET status = COALESCE(status, 'pending') "
+                    "WHERE session_id = ? AND approval_id = ?",
+                    (sid, aid),
+                )
+                await self._call(key, sid, tid, approval_id=aid)
+                await self._advance_call(key, "awaiting_approval", ev.at)
+            case ApprovalDecidedData():
+                key, aid, status = data.call_key, data.approval_id, data.status
+                # The first decision wins (as in state): a decided approval keeps its decision.
+                await self._merge(
+                    "approvals", {"session_id": sid, "approval_id": aid}, {"turn_id": tid}
+                )
+                await self.db.execute(
+                    "UPDATE approvals SET status = ?, decided_by = ?, reason = ?, "
+                    "decided_at = ?, call_key = COALESCE(call_key, ?) "
+                    "WHERE session_id = ? AND approval_id = ? AND COALESCE(status, 'pending') = "
+                    "'pending'",
+                    (status, data.by, data.reason, ev.at, key, sid, aid),
+                )
+                await self._call(key, sid, tid, approval_id=aid)
+                decided = "approved" if status == "approved" else "rejected"
+                await self._advance_call(key, decided, ev.at)
+            case QuestionAskedData():
+                key, qid = data.call_key, data.question_id
+                await self._merge(
+                    "questions",
+                    {"session_id": sid, "question_id": qid},
+                    {
+                        "turn_id": tid,
+                        "call_key": key,
+                        "question": data.question,
+                        "asked_at": ev.at,
+                    },
+                )
+                await self._call(key, sid, tid, question_id=qid)
+                await self._advance_call(key, "awaiting_answer", ev.at)
+            case QuestionAnsweredData():
+                key, qid = data.call_key, data.question_id
+                await self._merge(
+                    "questions", {"session_id": sid, "question_id": qid}, {"turn_id": tid}
+                )
+                await self.db.execute(
+                    "UPDATE questions SET answer = ?, answered_by = ?, answered_at = ?, "
+                    "call_key = COALESCE(call_key, ?) "
+                    "WHERE session_id = ? AND question_id = ? AND answered_at IS NULL",
+                    (data.answer, data.by, ev.at, key, sid, qid),
+                )
+                await self._call(key, sid, tid, question_id=qid)
+                await self._advance_call(key, "answered", ev.at)
+            case TimerSetData():
+                await self._call(data.call_key, sid, tid, timer_due=data.due)
+                await self._advance_call(data.call_key, "waiting_timer", ev.at)
+            case TimerFiredData():
+                await self._call(data.call_key, sid, tid)
+                await self._advance_call(data.call_key, "timer_fired", ev.at)
+            case TaskStartedData():
+                await self._call(data.call_key, sid, tid, task_handle=_json(data.handle))
+                await self._advance_call(data.call_key, "task_running", ev.at)
+            case CallReconciledData():
+                await self._call(data.call_key, sid, tid)
+                # Reconciling settles an outcome_unknown call for good: it overrides the outcome.
+                await self.db.execute(
+                    "UPDATE calls SET state = ?, error = ?, settlement = 'reconciled', "
+                    "reconciled_by = ?, reconciled_at = ?, updated_at = ? "
+                    "WHERE call_key = ? AND reconciled_by IS NULL",
+                    (data.state, data.error, data.by, ev.at, ev.at, data.call_key),
+                )
+            case _:
+                pass  # crash resumptions, compactions and the like live in the audit only
+
+    async def _end_turn(
+        self, ev: Event, request_id: str, status: str, values: dict[str, Any]
+    ) -> None:
+        turn = {"session_id": ev.session_id, "turn_id": ev.turn_id or ""}
+        await self._merge("turns", turn, {"request_id": request_id, "ended_at": ev.at, **values})
+        await self._advance_turn(ev.session_id, ev.turn_id or "", status)
 
     async def _merge(self, table: str, keys: Mapping[str, Any], values: Mapping[str, Any]) -> None:
         """Insert the row, or fill in the given non-null values of the existing one."""

@@ -50,10 +50,11 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from jetloop.consumers.faults import Faults
+from jetloop.schemas.errors import SettingsError
 from jetloop.services.lifecycle import Service
 from jetloop.services.logs import configure
 from jetloop.services.readmodel.model import Incoming, ReadModel
-from jetloop.services.settings import SettingsError, load_settings
+from jetloop.services.settings import load_settings
 from jetloop.services.supervisor import Component, GaveUp, Part, Supervisor
 from jetloop.streams import topology
 from jetloop.streams.connection import connect

@@ -18,6 +18,7 @@ Errors (catch ``JetloopError`` for all of them)::
     ├── TurnFailed              the turn ended failed or cancelled (.turn)
     ├── NotAuthorized           the NATS server refused the credentials (a nats error too)
     ├── SettingsError           a setting has a wrong value
+    ├── InvalidName             a session id or name no subject or key can hold
     ├── ModelError              a model call failed: the step is tried again
     │   └── ProviderError       a provider's HTTP API failed (.provider, .status, .message)
     │       ├── ProviderRetryable   try again later (.retry_after)
@@ -46,6 +47,7 @@ __all__ = [
     "Event",
     "EventType",
     "Found",
+    "InvalidName",
     "JetloopError",
     "Limits",
     "MalformedToolCall",

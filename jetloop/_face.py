@@ -38,6 +38,7 @@ from jetloop.consumers import TOOL_CALL_NOT_RUN_ERROR_PREFIX
 from jetloop.schemas import Event, EventType, TurnRecord, TurnStatus
 from jetloop.schemas.errors import (
     ControlError,
+    InvalidName,
     JetloopError,
     ModelError,
     NotAuthorized,

@@ -296,3 +296,19 @@ async def test_sessions_lists_from_the_read_model(
     )
     found = json.loads(out.stdout)
     assert found["total"] == 1 and found["sessions"][0]["session_id"] == "findme"
+
+
+def test_a_model_step_without_text_reads_cleanly() -> None:
+    """A model step that only calls tools prints ``model step 0: → tool(…)``, one space
+    before the arrow; one with text prints the text before it."""
+    from jetloop.schemas import Event
+    from jetloop.schemas.events import AnsweredCall, ModelAnsweredData
+    from jetloop.services.cli.main import _describe
+
+    call = AnsweredCall(call_id="c0", tool="refund", args={"order": "42"}, effect="write")
+    for text, line in (
+        (None, '· model step 0: → refund({"order": "42"})'),
+        ("Refunding.", '· model step 0: Refunding. → refund({"order": "42"})'),
+    ):
+        data = ModelAnsweredData(model_step=0, text=text, calls=[call])
+        assert _describe(Event.of(data, key="k", session_id="s", turn_id="t")) == line

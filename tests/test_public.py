@@ -36,6 +36,7 @@ def test_public_names_are_pinned() -> None:
             "ScriptedModel",
             "Settings",
             "SettingsError",
+            "InvalidName",
             "Tool",
             "ToolCallRequest",
             "ToolContext",
@@ -116,6 +117,7 @@ def test_errors_form_one_documented_tree() -> None:
         jetloop.ControlError: jetloop.JetloopError,
         jetloop.TurnFailed: jetloop.JetloopError,
         jetloop.SettingsError: jetloop.JetloopError,
+        jetloop.InvalidName: jetloop.JetloopError,
         jetloop.NotAuthorized: jetloop.JetloopError,
         jetloop.ModelError: jetloop.JetloopError,
         jetloop.ProviderError: jetloop.ModelError,
@@ -130,6 +132,7 @@ def test_errors_form_one_documented_tree() -> None:
     assert issubclass(jetloop.UnknownId, LookupError)
     assert issubclass(jetloop.NotAuthorized, nats.errors.Error)
     assert issubclass(jetloop.SettingsError, ValueError)
+    assert issubclass(jetloop.InvalidName, ValueError)
     assert issubclass(SealBroken, jetloop.RecordNotTrusted)
     assert "JETLOOP_SEAL_KEY" in str(jetloop.SealKeyMissing("the turn"))
 

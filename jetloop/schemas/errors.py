@@ -17,6 +17,8 @@ of them::
     ├── TurnFailed              the turn ended failed or cancelled (.turn)
     ├── NotAuthorized           the NATS server refused the credentials (a nats error too)
     ├── SettingsError           a setting has a wrong value (also a ValueError)
+    ├── InvalidName             a session id or name no subject or key can hold (also a
+    │                           ValueError)
     ├── ModelError              a model call failed: the step is tried again within its attempts
     │   └── ProviderError       a provider's HTTP API failed (.provider, .status, .message,
     │       │                   .error_type, .request_id)
@@ -150,6 +152,11 @@ class NotAuthorized(JetloopError, NatsError):
 
 class SettingsError(JetloopError, ValueError):
     """A setting has a wrong value; the message names it."""
+
+
+class InvalidName(JetloopError, ValueError):
+    """A session id, agent name or other name that becomes a subject token and a key part is
+    not one (1-64 characters from ``A-Z a-z 0-9 _ -``); the message names what it is."""
 
 
 class ModelError(JetloopError):

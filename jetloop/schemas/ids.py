@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import re
 
+from jetloop.schemas.errors import InvalidName
+
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -16,7 +18,9 @@ def validate_name(kind: str, value: str) -> str:
     # fullmatch: with match, `$` also matches before a trailing newline ("abc\n" passed, and
     # made a subject NATS refuses).
     if not NAME_RE.fullmatch(value):
-        raise ValueError(f"{kind} {value!r} is not valid: use 1-64 characters from A-Z a-z 0-9 _ -")
+        raise InvalidName(
+            f"{kind} {value!r} is not valid: use 1-64 characters from A-Z a-z 0-9 _ -"
+        )
     return value
 
 

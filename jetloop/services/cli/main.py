@@ -238,7 +238,8 @@ def _describe(ev: Any) -> str:
             return "· started"
         case EventType.MODEL_ANSWERED:
             calls = ", ".join(f"{c['tool']}({json.dumps(c['args'])})" for c in d.get("calls", []))
-            return f"· model step {d.get('model_step')}: {d.get('text') or ''} → {calls}"
+            said = f"{d['text']} " if d.get("text") else ""
+            return f"· model step {d.get('model_step')}: {said}→ {calls}"
         case EventType.CALL_OUTCOME:
             err = f": {d['error']}" if d.get("error") else ""
             return f"· {d.get('tool')} {d.get('state')}{err}"

@@ -49,7 +49,7 @@ from jetloop.consumers.closing import fail_turn
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.logcontext import end_step, start_step
 from jetloop.consumers.runtime import Delivery, Runtime
-from jetloop.schemas import DecodeError, Event
+from jetloop.schemas import DecodeError, Event, StepKind
 from jetloop.schemas.events import StepDeadLetteredData
 from jetloop.streams.bus import H_KIND, H_SESSION, H_STEP, H_TURN
 from jetloop.streams.clock import ClockOff
@@ -236,15 +236,13 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
     except RetryLater as exc:
         outcome = "retry_later"
         log.info("step.retry_later", delay=exc.delay, reason=exc.reason)
-        await _let_go(rt, msg)
-        await _quietly(msg.nak(delay=exc.delay))
+        await _hand_back(d, msg, exc.delay)
     except ClockOff as exc:
         # Nothing this process seals would be trusted: not the step's fault, so no failure
         # is counted; another worker takes it (this one takes no more while it is off).
         outcome = "clock_off"
         log.warning("step.handed_back", reason=str(exc))
-        await _let_go(rt, msg)
-        await _quietly(msg.nak())
+        await _hand_back(d, msg, None)
     except (DeadLetter, DecodeError) as exc:
         outcome = "dead_letter"
         reason = exc.reason if isinstance(exc, DeadLetter) else str(exc)
@@ -283,6 +281,17 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
         end_step(ids)
 
 
+async def _hand_back(d: Delivery, msg: Msg, delay: float | None) -> None:
+    """Give the message back to be delivered again (after ``delay``), unless this attempt
+    lost its claim meanwhile: then the message is another attempt's, and a nak from here
+    would redeliver it under that attempt (JetStream does not fence naks): nothing is sent."""
+    await _let_go(d.rt, msg)
+    if d.lost:
+        log.warning("step.taken_over", key=d.fence_key or "?")
+        return
+    await _quietly(msg.nak(delay=delay))
+
+
 async def _let_go(rt: Runtime, msg: Msg) -> None:
     """This process is about to settle ``msg``: take it off the list a rescuer would read
     first, so a settled step is never handed on as if it were held (``jetloop.streams.holds``)."""
@@ -318,7 +327,9 @@ async def _fail_its_turn(rt: Runtime, msg: Msg, reason: str) -> None:
     ``close_turn`` itself; a turn that ended meanwhile is left as it is."""
     hdrs = msg.headers or {}
     sid, tid, kind = hdrs.get(H_SESSION), hdrs.get(H_TURN), hdrs.get(H_KIND)
-    if msg.metadata.stream != STEPS_STREAM or not sid or not tid or kind == "close_turn":
+    if msg.metadata.stream != STEPS_STREAM or not (sid and tid):
+        return
+    if kind == StepKind.CLOSE_TURN.value:
         return
     step = hdrs.get(H_STEP) or hdrs.get("Nats-Msg-Id") or "?"
     short = reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS] + "…"

@@ -113,6 +113,16 @@ def replaced_revision(headers: dict[str, str] | None) -> int | None:
     return int(text) if text is not None and text.isdigit() else None
 
 
+def _marker(headers: dict[str, str] | None) -> bool:
+    """Whether a stored message is a key's delete or purge marker, not a value."""
+    return (headers or {}).get("KV-Operation") in ("DEL", "PURGE")
+
+
+def _stored(data: bytes, seq: int, headers: dict[str, str] | None) -> Stored:
+    """A stored message as read, its time and replaced revision from its headers."""
+    return Stored(data, seq, stored_time(headers), replaced_revision(headers))
+
+
 def stored_time(headers: dict[str, str] | None) -> float:
     """The ``Nats-Time-Stamp`` of a direct get (RFC 3339, nanoseconds) as unix seconds."""
     text = (headers or {}).get("Nats-Time-Stamp", "")
@@ -251,23 +261,28 @@ class StateStore:
         return self._typed(model, key, await self._raw(key), verify)
 
     async def _raw(self, key: str) -> Stored | None:
+        last = await self._last(key)
+        return None if last is None or last[1] else last[0]
+
+    async def _last(self, key: str) -> tuple[Stored, bool] | None:
+        """The last message stored at ``key`` (None when there is none), and whether it is a
+        delete or purge marker."""
         subject = self._prefix + key
         if self._gets is not None:
             found = await self._gets.last(self._stream, subject, self.read_timeout)
-            if found is None or found.headers.get("KV-Operation") in ("DEL", "PURGE"):
+            if found is None:
                 return None
-            return Stored(
-                found.data, found.seq, stored_time(found.headers), replaced_revision(found.headers)
-            )
+            stored = _stored(found.data, found.seq, found.headers)
+            return stored, _marker(found.headers)
         try:
             async with asyncio.timeout(self.read_timeout):
                 msg = await self.js.get_msg(self._stream, subject=subject, direct=self.allow_direct)
         except NotFoundError:
             return None
-        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or msg.data is None:
-            return None
-        at = msg.time.timestamp() if msg.time is not None else stored_time(msg.headers)
-        return Stored(msg.data, msg.seq or 0, at, replaced_revision(msg.headers))
+        stored = _stored(msg.data or b"", msg.seq or 0, msg.headers)
+        if msg.time is not None:
+            stored = stored._replace(stored_at=msg.time.timestamp())
+        return stored, _marker(msg.headers) or msg.data is None
 
     async def _raw_many(self, keys: Sequence[str]) -> dict[str, Stored]:
         """The current value and revision of every key that has one, in one request."""
@@ -284,11 +299,8 @@ class StateStore:
         found, _ = await gets.batch(self._stream, req, self.read_timeout)
         out: dict[str, Stored] = {}
         for m in found:
-            if m.headers.get("KV-Operation") in ("DEL", "PURGE"):
-                continue
-            out[m.subject.removeprefix(self._prefix)] = Stored(
-                m.data, m.seq, stored_time(m.headers), replaced_revision(m.headers)
-            )
+            if not _marker(m.headers):
+                out[m.subject.removeprefix(self._prefix)] = _stored(m.data, m.seq, m.headers)
         return out
 
     def _typed(
@@ -370,20 +382,8 @@ class StateStore:
 
     async def _tombstone(self, key: str) -> int | None:
         """The revision of ``key``'s last message when that is a delete or purge marker."""
-        subject = self._prefix + key
-        if self._gets is not None:
-            found = await self._gets.last(self._stream, subject, self.read_timeout)
-            if found is not None and found.headers.get("KV-Operation") in ("DEL", "PURGE"):
-                return found.seq
-            return None
-        try:
-            async with asyncio.timeout(self.read_timeout):
-                msg = await self.js.get_msg(self._stream, subject=subject, direct=self.allow_direct)
-        except NotFoundError:
-            return None
-        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
-            return msg.seq
-        return None
+        last = await self._last(key)
+        return last[0].revision if last is not None and last[1] else None
 
     async def _cas(self, key: str, data: bytes, revision: int) -> int:
         """One CAS publish into the bucket's stream (what ``kv.update`` sends, without its
@@ -467,10 +467,8 @@ class StateStore:
             found, left = await self._gets.batch(self._stream, req, self.read_timeout)
             out: dict[str, Stored] = {}
             for m in found:
-                if m.headers.get("KV-Operation") not in ("DEL", "PURGE"):
-                    out[m.subject.removeprefix(self._prefix)] = Stored(
-                        m.data, m.seq, stored_time(m.headers), replaced_revision(m.headers)
-                    )
+                if not _marker(m.headers):
+                    out[m.subject.removeprefix(self._prefix)] = _stored(m.data, m.seq, m.headers)
             return out, left
         keys = await self.keys(pattern)
         return await self._raw_many(keys[:most]), max(0, len(keys) - most)

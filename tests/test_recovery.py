@@ -22,6 +22,7 @@ from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams import topology
 from jetloop.streams.holds import read_holds
 from tests.conftest import WorkerFactory, body, call, script, until
+from tests.paused import paused
 
 LONG_LEASE = {"JETLOOP_LEASE_SECONDS": "30"}
 
@@ -210,3 +211,49 @@ async def test_a_holder_past_its_lease_but_beating_is_live(
     turn = await client.turn("beat", h.turn_id)
     assert turn is not None and turn.lost == []
     assert await resumed_events(client, "beat") == []
+
+
+async def test_a_worker_stopped_across_a_server_restart_keeps_its_step(
+    client: Client,
+    workers: WorkerFactory,
+    vendor: Vendor,
+    nats_ready: EmbeddedServer,
+    tmp_path: Path,
+) -> None:
+    """A live worker runs a single-attempt write; it is stopped (SIGSTOP, for less than its
+    lease) while nats-server is SIGKILLed and restarted, and a new worker starts meanwhile —
+    as after a deploy, or on a busy machine where the holder is the last to connect again.
+    The new worker's look at start, and the running worker's redelivery, find the holder
+    silent and not connected; neither takes its step. Once resumed, it finishes: the write is
+    made once, ends ``ok``, nothing is settled ``outcome_unknown``, no loss is charged."""
+    lease = 10.0
+    env = {"JETLOOP_LEASE_SECONDS": str(lease)}
+    release = tmp_path / "release"
+    holder = workers.start("holder", hold="call_tool.in_tool", release_file=release, env=env)
+    h = await client.send("tester", "stopped", script([call("once", name="x")]))
+    await holder.wait_for("fault.hold", point="call_tool.in_tool")
+    other = workers.start("other", env=env)
+    await other.wait_for("worker.started")
+    stopped = time.monotonic()
+    with paused(holder.pid):
+        nats_ready.kill()
+        await asyncio.sleep(0.3)
+        nats_ready.start()
+        await nats_ready.wait_jetstream()
+        fresh = workers.start("fresh", env=env)
+        await fresh.wait_for("worker.started", timeout=60)
+        await asyncio.sleep(0.5)  # the fresh worker looks around while the holder is away
+        stopped_for = time.monotonic() - stopped
+    assert stopped_for < lease, f"stopped {stopped_for:.1f}s: past the lease, a takeover is due"
+    await holder.wait_for("nats.reconnected")
+    # The fresh worker's look at start is done (with the holder back) before the write ends.
+    swept = await fresh.wait_for("worker.swept", timeout=30)
+    release.touch()
+    res = await client.wait(h, timeout=30)
+    [seen] = body(res.text)["seen"]
+    assert seen["status"] == "ok"
+    assert await vendor.effect_count("once") == 1
+    turn = await client.turn("stopped", h.turn_id)
+    assert turn is not None and turn.lost == []
+    assert await resumed_events(client, "stopped") == []
+    assert swept["messages"] == 0, "the fresh worker handed on a live worker's step"

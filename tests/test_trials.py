@@ -1,7 +1,8 @@
 """Kill trials at a reduced count: worker kills and server restarts lose no turn and double no
-write; a worker kill takes no claim from a live worker.
+write, and take no claim from a live worker — also with busy processes beside the workers.
 
-Marked ``slow``; CI runs two rounds of each mode (``JETLOOP_TRIALS`` sets more,
+Marked ``slow``; CI runs two rounds of each single-server mode and one round of a worker
+killed with the server while two busy processes load the machine (``JETLOOP_TRIALS`` sets more,
 ``JETLOOP_KILL_SEED`` fixes the kill moments). The timing targets (detection, completion) are
 reported by ``jetloop trials``, not asserted here: on a shared CI machine they measure the
 machine.
@@ -84,10 +85,11 @@ def test_false_takeovers_name_live_holders_once_per_loss() -> None:
     ]
 
 
-def test_targets_follow_issue_14() -> None:
-    """Worker kill: detection p99 ≤ 1 s and no false takeover; server restart: completion p99
-    ≤ restart p99 + 1 s; takeover: completion p99 ≤ election p99 + 1 s, false takeovers not
-    judged."""
+def test_targets_follow_issues_14_and_31() -> None:
+    """Worker kill: detection p99 ≤ 1 s (2 s with busy processes beside); a worker killed
+    with the server: detection p99 ≤ restart p99 + lease + that slack; server restart:
+    completion p99 ≤ restart p99 + 1 s; takeover: completion p99 ≤ election p99 + 1 s; and
+    whatever failed, no false takeover."""
     row = {
         "detection_p99": 1.2,
         "completion_p99": 2.5,
@@ -95,27 +97,46 @@ def test_targets_follow_issue_14() -> None:
         "election_p99": 1.6,
         "false_takeovers": 0,
     }
-    kill = {t.measure: t.met for t in targets("worker_kill", row)}
+    kill = {t.measure: t.met for t in targets("worker_kill", row, 2.0)}
     assert kill == {"detection p99": False, "false takeovers": True}
-    restart = {t.measure: (t.limit, t.met) for t in targets("server_restart", row)}
+    loaded = {t.measure: t.met for t in targets("worker_kill", row, 2.0, loaded=True)}
+    assert loaded == {"detection p99": True, "false takeovers": True}
+    both = {t.measure: t.limit for t in targets("worker_kill+server_restart", row, 2.0)}
+    assert both == {"detection p99": pytest.approx(3.05), "false takeovers": 0.0}
+    restart = {t.measure: (t.limit, t.met) for t in targets("server_restart", row, 2.0)}
     assert restart == {"completion p99": (1.05, False), "false takeovers": (0.0, True)}
-    takeover = targets("takeover", row)
-    assert [(t.measure, t.limit, t.met) for t in takeover] == [("completion p99", 2.6, True)]
-    assert targets("node_restart", row) == []
+    takeover = targets("takeover", row, 2.0)
+    assert [(t.measure, t.limit, t.met) for t in takeover] == [
+        ("completion p99", 2.6, True),
+        ("false takeovers", 0.0, True),
+    ]
+    assert [t.measure for t in targets("node_restart", {**row, "false_takeovers": 1}, 2.0)] == [
+        "false takeovers"
+    ]
+    assert not targets("node_restart", {**row, "false_takeovers": 1}, 2.0)[0].met
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", ["worker_kill", "server_restart"])
-async def test_kill_trials(mode: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "load", "rounds"),
+    [
+        ("worker_kill", 0, ROUNDS),
+        ("server_restart", 0, ROUNDS),
+        ("kill_and_restart", 0, ROUNDS),
+        ("kill_and_restart", 2, 1),
+    ],
+)
+async def test_kill_trials(mode: str, load: int, rounds: int, tmp_path: Path) -> None:
     """Every turn caught by a kill ends, completed, no vendor write applies twice, and no live
     worker's claim is taken over; the report names the turns caught in flight and
     their detection and completion times, also as JSON."""
     print(f"JETLOOP_KILL_SEED={SEED}")
     out = tmp_path / "report.json"
-    report = await run_trials(mode, ROUNDS, SEED, out, work_dir=tmp_path / "run")
+    report = await run_trials(mode, rounds, SEED, out, work_dir=tmp_path / "run", load=load)
     print(format_reports([report]))
-    assert report.turns >= ROUNDS
+    assert report.load == load
+    assert report.turns >= rounds
     assert report.lost == [], report.lost
     assert report.duplicates == [], report.duplicates
     assert report.stray_keys == [], "a write reached the vendor under a key no call owns"
@@ -125,9 +146,9 @@ async def test_kill_trials(mode: str, tmp_path: Path) -> None:
     assert report.completion_p99 is not None and report.completion_max is not None
     # With no worker dead, a round with turns in flight sees the engine move again; after a
     # worker kill there is nothing to detect when the victim held no step.
-    moved = [r for r in report.trials if r.failure != "worker_kill" and r.in_flight]
+    moved = [r for r in report.trials if r.failure == "server_restart" and r.in_flight]
     assert all(r.detection is not None for r in moved), [r.round for r in moved]
     saved = json.loads(out.read_text())
-    assert saved["mode"] == mode and saved["rounds"] == ROUNDS
-    assert len(saved["trials"]) == ROUNDS
+    assert saved["mode"] == mode and saved["rounds"] == rounds and saved["load"] == load
+    assert len(saved["trials"]) == rounds
     assert {t["measure"] for t in saved["targets"]} >= {"false takeovers"}

@@ -5,17 +5,24 @@ model step's or a summary's attempt) must not settle it while its holder lives: 
 count says nothing about that (a nats-server restarted on its store may deliver a message a
 live worker still holds as delivery 1). The holder's own writes do: its claim, then a
 heartbeat every third of the lease, each rewrites the claimed record, so the time the server
-stored the record is the holder's last sign of life. The claim is lost when:
+stored the record is the holder's last sign of life.
 
-- the record's last write is older than the lease (the holder died, stalled or was cut off
-  for longer than the lease: the rule of the lease) — unless the holder, asked on
+Silence is counted only while the holder could have broken it. A server restart or a
+failover cuts every process off at once; a live one connects again when it can — later on a
+busy machine — and until it has, it neither beats nor answers. So the holder's silence runs
+from its last write or from the moment this process's own link to the servers last opened,
+whichever is later, and "no responders" from a process is no evidence of anything until this
+process has been linked for ``RECONNECT_GRACE``. The claim is lost when:
+
+- the holder has been silent for longer than the lease (it died, stalled or was cut off for
+  longer than the lease: the rule of the lease) — unless the holder, asked on
   ``jl.alive.<incarnation>`` with the key, answers that it still works on it: its heartbeat
   writes are then waiting out an election or a restart, and it is given up to ``BEAT_GRACE``
   more for one of them to land (a stalled holder does not answer in time); or
-- the message was handed on by ``jetloop.services.rescue`` after the server reported the holder's
-  connection closed (header ``Jl-Holder-Lost`` naming the holder's incarnation) and the
-  holder does not answer on ``jl.alive.<incarnation>`` — asked again here, so a forged or
-  stale header cannot take a live worker's step; or
+- the message was handed on by ``jetloop.services.rescue`` (header ``Jl-Holder-Lost`` naming the
+  holder's incarnation), this process has been linked for ``RECONNECT_GRACE``, and the holder
+  does not answer on ``jl.alive.<incarnation>`` — asked again here, so a forged or stale
+  header cannot take a live worker's step; or
 - the holder is this very process, which no longer works on the step (its delivery ended).
 
 Otherwise the delivery waits: ``RetryLater`` until the lease would lapse, then it looks again.
@@ -34,6 +41,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from jetloop.consumers.errors import RetryLater
 from jetloop.consumers.runtime import Delivery
 from jetloop.schemas import Attempt
+from jetloop.streams.connection import linked_for
 from jetloop.streams.topology import alive_subject
 
 log = structlog.get_logger("jetloop.liveness")
@@ -44,6 +52,22 @@ ASK_TIMEOUT = 0.5
 HOLDING = b"holding"
 # How long a holder's state writes are tried again through an outage (StateStore.retry_for).
 BEAT_GRACE = 15.0
+# How long a live process is given to connect again after an outage that cut this one off
+# too, counted from this process's own new link: until then its silence and its "no
+# responders" say nothing. nats-py tries again every 0.5 s; a worker on a machine with
+# other work on it was seen back 1.2 s after a server restart (and taken for dead then).
+RECONNECT_GRACE = 3.0
+
+
+async def settled_link(nc: Client) -> None:
+    """Return once this process's link has been up for ``RECONNECT_GRACE``: from then on, a
+    process that does not answer is not merely still connecting again."""
+    while True:
+        linked = linked_for(nc)
+        if linked >= RECONNECT_GRACE:
+            return
+        # Not an event: the link may drop and open again meanwhile, so it is measured again.
+        await asyncio.sleep(RECONNECT_GRACE - linked + 0.01)
 
 
 async def answers(nc: Client, incarnation: str, timeout: float = ASK_TIMEOUT) -> bool:
@@ -106,14 +130,17 @@ async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) ->
         if key in rt.holding:
             raise RetryLater(rt.lease_seconds / 2, f"this worker still runs attempt {held.no}")
         return  # our own earlier delivery ended without finishing it
-    age = time.time() - stored_at
-    if age > rt.lease_seconds:
+    linked = linked_for(rt.nc)
+    # Silent since its last write, or since this process's link opened, if later: an outage
+    # that cut this process off cut the holder off too.
+    silence = min(time.time() - stored_at, linked)
+    if silence > rt.lease_seconds:
         # No sign of life within the lease. A holder that still works on the step and says so
         # is waiting out an election or a restart (its writes are tried again for up to
         # BEAT_GRACE): give its next beat a chance. One that is gone, stalled (no answer in
         # time) or done with the step is lost, as the lease says.
         said = None
-        if age < rt.lease_seconds + BEAT_GRACE:
+        if silence < rt.lease_seconds + BEAT_GRACE:
             said = await still_holds(rt.nc, held.incarnation, key)
             if said:
                 why = f"attempt {held.no} of worker {held.worker} still runs (its beats are late)"
@@ -123,15 +150,20 @@ async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) ->
             holder=held.worker,
             incarnation=held.incarnation,
             key=key,
-            age=round(age, 2),
+            silence=round(silence, 2),
             said=said,
         )
         return
     if (d.msg.headers or {}).get(H_HOLDER_LOST) == held.incarnation:
+        if linked < RECONNECT_GRACE:
+            # This process is just back from an outage (or just started): the holder may be
+            # too, still connecting. Asked once it has had the time.
+            why = f"worker {held.worker} may still be connecting again ({linked:.1f}s linked)"
+            raise RetryLater(RECONNECT_GRACE - linked + 0.05, why)
         # Asked again here, so a stale or forged header cannot take a live worker's step.
         if await gone(rt.nc, held.incarnation, closed_cleanly=True):
             log.info("step.holder_gone", holder=held.worker, incarnation=held.incarnation)
             return
-    wait = max(0.05, rt.lease_seconds - age + 0.05)
-    why = f"attempt {held.no} of worker {held.worker} is alive (its last beat {age:.1f}s ago)"
+    wait = max(0.05, rt.lease_seconds - silence + 0.05)
+    why = f"attempt {held.no} of worker {held.worker} is alive (silent {silence:.1f}s)"
     raise RetryLater(wait, why)

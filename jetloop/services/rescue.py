@@ -26,7 +26,10 @@ server's pings notice only after minutes), so its lease catches it, as before.
 
 At start a worker also sweeps: any ``held.<incarnation>`` list in ``jl_workers`` whose
 process does not answer is handed on the same way (a worker restarted by ``jetloop up``
-rescues what its predecessor held, even without the system account).
+rescues what its predecessor held, even without the system account). It asks only once its
+own link has been up for ``jetloop.consumers.liveness.RECONNECT_GRACE``: a worker started
+just after a server restart would otherwise hear "no responders" from every live worker
+still connecting again, and hand on their steps.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
-from jetloop.consumers.liveness import H_HOLDER_LOST, gone
+from jetloop.consumers.liveness import H_HOLDER_LOST, gone, settled_link
 from jetloop.consumers.session import UnscopedRequestId, request_id_of
 from jetloop.services.natsauth import DISCONNECT_ADVISORIES
 from jetloop.streams.connection import connect
@@ -81,8 +84,10 @@ class Rescuer:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def sweep(self) -> int:
-        """Hand on what every process that no longer answers said it held; returns how
-        many messages were handed on."""
+        """Hand on what every process that no longer answers said it held, once this
+        process's link has been up long enough for a live one to have connected again;
+        returns how many messages were handed on."""
+        await settled_link(self.nc)
         kv = await self.js.key_value(WORKERS_BUCKET)
         try:
             keys = await kv.keys()

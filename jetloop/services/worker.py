@@ -186,12 +186,6 @@ class Worker(Service):
                 self._control = control
                 if self._serving.is_set():
                     await control.start()
-            try:
-                handed = await rescuer.sweep()
-                if handed:
-                    log.info("worker.rescued", messages=handed)
-            except Exception as exc:  # an outage: the leases bring those steps back
-                log.warning("worker.sweep_failed", error=str(exc))
             loops = []
             # One budget per pool, shared by the agents this worker serves.
             turn_slots = Slots(s.session_concurrency)
@@ -238,6 +232,7 @@ class Worker(Service):
                 tg.create_task(watch_lag(js, self._stopping, self._consumers()))
                 tg.create_task(self._advertise(registry, holds))
                 tg.create_task(self._watch_clock(nc))
+                tg.create_task(self._sweep(rescuer))
                 watch_urls = s.nats_watch_urls
                 if watch_urls is not None:
                     tg.create_task(self._watch(rescuer, watch_urls))
@@ -254,6 +249,17 @@ class Worker(Service):
             log.info("worker.stopped", worker=self.worker_id)
         if lost:
             raise lost[0]
+
+    async def _sweep(self, rescuer: Rescuer) -> None:
+        """Hand on what dead predecessors held (``Rescuer.sweep``), beside serving: the sweep
+        first waits for this process's link to settle."""
+        try:
+            handed = await rescuer.sweep()
+            log.info("worker.swept", messages=handed)
+            if handed:
+                log.info("worker.rescued", messages=handed)
+        except Exception as exc:  # an outage: the leases bring those steps back
+            log.warning("worker.sweep_failed", error=str(exc))
 
     async def _first_clock(self, nc: Client) -> None:
         """Measure the clock until the server answers (it may still be starting)."""

@@ -95,6 +95,7 @@ async def connect(
         note("nats.disconnected")
 
     async def on_reconnect() -> None:
+        nc.link_opened()
         log.info("nats.reconnected")
         if reconnected_cb is not None:
             reconnected_cb()
@@ -142,6 +143,7 @@ async def connect(
         raise
     connected.append(True)
     closing.append(nc)
+    nc.link_opened()
     return nc
 
 
@@ -228,6 +230,7 @@ class SizedClient(Client):
         self._kick: asyncio.Future[None] | None = None
         self._kick_due = False
         self._ended = False  # closed for good (see _close)
+        self._linked_at: float | None = None  # monotonic time the current link opened
 
     async def _close(self, status: int, do_cbs: bool = True) -> None:
         # CLOSED is the end (close(), drain, given up); nats-py's first connect also calls
@@ -259,7 +262,18 @@ class SizedClient(Client):
         disconnect callback), before it is made again."""
         self._on_link_lost.append(callback)
 
+    def link_opened(self) -> None:
+        """The link to a server is (again) up: ``connect`` calls this after the first connect
+        and after each reconnect."""
+        self._linked_at = time.monotonic()
+
+    @property
+    def linked_for(self) -> float:
+        """Seconds the current link to a server has been up; 0 while there is none."""
+        return 0.0 if self._linked_at is None else time.monotonic() - self._linked_at
+
     def link_lost(self) -> None:
+        self._linked_at = None
         for callback in self._on_link_lost:
             try:
                 callback()
@@ -436,6 +450,12 @@ class AnswerLost(NatsTimeoutError):
 
     def __str__(self) -> str:
         return "nats: the connection was lost before the answer came"
+
+
+def linked_for(nc: Client) -> float:
+    """``SizedClient.linked_for`` where ``nc`` is one; another client counts as linked for
+    ever (its outages are not seen here)."""
+    return nc.linked_for if isinstance(nc, SizedClient) else math.inf
 
 
 def when_link_lost(nc: Client, callback: Callable[[], None]) -> None:

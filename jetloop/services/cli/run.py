@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from jetloop.services.logs import configure
+from jetloop.tooling.trials import MODES as TRIAL_MODES
 
 if TYPE_CHECKING:
     from jetloop.services.client import Client
@@ -189,20 +190,24 @@ def credentials(store_dir: str | None) -> None:
 
 @main.command()
 @click.option(
-    "--mode",
-    "modes",
-    multiple=True,
-    default=("worker_kill",),
-    type=click.Choice(["worker_kill", "server_restart", "takeover", "mixed", "control"]),
+    "--mode", "modes", multiple=True, default=("worker_kill",), type=click.Choice(TRIAL_MODES)
 )
 @click.option("--rounds", type=int, help="default JETLOOP_TRIALS (10)")
 @click.option("--seed", type=int, help="default JETLOOP_KILL_SEED (random)")
+@click.option(
+    "--load",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="busy processes (one core each) beside the workers for the whole run",
+)
 @click.option("--json", "out_json", type=click.Path(dir_okay=False))
 @click.option("--keep", type=click.Path(file_okay=False), help="keep logs and stores here")
 def trials(
     modes: tuple[str, ...],
     rounds: int | None,
     seed: int | None,
+    load: int,
     out_json: str | None,
     keep: str | None,
 ) -> None:
@@ -212,7 +217,7 @@ def trials(
 
     from jetloop.tooling.trials.run import main as run
 
-    sys.exit(run(modes, rounds, seed, out_json, Path(keep) if keep else None))
+    sys.exit(run(modes, rounds, seed, out_json, Path(keep) if keep else None, load=load))
 
 
 @main.command()

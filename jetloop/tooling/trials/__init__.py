@@ -5,4 +5,9 @@
 - ``servers``  the servers a trial kills and restarts (one, or a cluster)
 - ``run``      ``jetloop trials``: random kills, every turn judged from state
 - ``measures`` detection, false takeovers and the targets, read from the events stream
+- ``load``     busy processes beside a trial (``--load N``)
+
+The modes are named here, where the CLI can read them without loading the trials.
 """
+
+MODES = ("worker_kill", "server_restart", "kill_and_restart", "takeover", "mixed", "control")

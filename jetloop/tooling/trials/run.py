@@ -88,7 +88,9 @@ from jetloop.services.logs import configure
 from jetloop.streams import topology
 from jetloop.streams.connection import connect
 from jetloop.streams.seal import Sealer, key_bytes
+from jetloop.tooling.trials import MODES
 from jetloop.tooling.trials.harness import WorkerProcess
+from jetloop.tooling.trials.load import busy
 from jetloop.tooling.trials.measures import (
     VICTIM_KILLED,
     Target,
@@ -100,7 +102,6 @@ from jetloop.tooling.trials.measures import (
 )
 from jetloop.tooling.trials.servers import Cluster, Servers, SingleServer
 
-MODES = ("worker_kill", "server_restart", "takeover", "mixed", "control")
 MIXED_FAILURES = ("worker_kill", "node_restart", "takeover", "worker_kill+takeover")
 
 APP = "tests.apps:app"
@@ -118,6 +119,7 @@ DEADLINES = {
     "control": 40.0,
     "worker_kill": 40.0,
     "server_restart": 60.0,
+    "worker_kill+server_restart": 60.0,
     "node_restart": 60.0,
     "takeover": 90.0,
     "worker_kill+takeover": 90.0,
@@ -160,6 +162,7 @@ class RoundTrial:
     kill_after: float
     kill_at: float
     victim: str
+    replacement: str | None = None  # the worker started in the victim's place, if any
     kill_wall: float = math.inf  # time.time() of the kill, the clock events carry
     election: float | None = None  # the kill until all the killed node led has new leaders
     steps_election: float | None = None  # the kill until JL_STEPS alone has a new leader
@@ -191,6 +194,7 @@ class Report:
     rounds: int
     seed: int
     lease_seconds: float
+    load: int  # busy processes beside the workers (jetloop.tooling.trials.load)
     turns: int
     in_flight: int
     lost: list[str]
@@ -353,6 +357,8 @@ class Trials:
     def failure_of(self) -> str:
         if self.mode == "mixed":
             return self.rng.choice(MIXED_FAILURES)
+        if self.mode == "kill_and_restart":
+            return "worker_kill+server_restart"
         return self.mode
 
     async def round(self, r: int) -> RoundTrial:
@@ -386,6 +392,14 @@ class Trials:
             # The random kill moment is the point of the trial, not a wait for a condition.
             await asyncio.sleep(kill_after)
             stop_sending.set()
+            if failure == "worker_kill+server_restart":
+                # As a supervisor would: a new worker in the dead one's place. Started just
+                # before the kill, it connects while the restarted server is new and the
+                # survivor may still be connecting again: a worker that looks around at
+                # start must not take the survivor for dead.
+                replacement = self._worker(f"replacement{r}")
+                self.victims.append(replacement)
+                trial.replacement = replacement.worker_id
             kill = await self.servers.fail(failure, victim, self.rng)
             trial.kill_at = kill.at - start
             trial.kill_wall = kill.wall
@@ -395,6 +409,9 @@ class Trials:
         if elected is not None:
             trial.steps_election, trial.election = elected.steps, elected.every_group
         victim.kill()
+        for w in self.victims:
+            if w.worker_id == trial.replacement:
+                w.kill()
         for t in trial.turns:
             t.in_flight = t.sent_at < trial.kill_at and (
                 t.ended_at is None or t.ended_at > trial.kill_at
@@ -415,6 +432,8 @@ class Trials:
             in_flight = {t.turn_id for t in trial.in_flight}
             trial.detection = engine_detection(events, in_flight, trial.kill_wall)
         alive = {self.survivor.worker_id} | ({trial.victim} if killed is None else set())
+        if trial.replacement is not None:
+            alive.add(trial.replacement)
         losses = {t.turn_id: t.lost for t in trial.turns}
         trial.false_takeovers = false_takeovers(losses, events, alive, killed, trial.kill_wall)
 
@@ -571,8 +590,10 @@ async def run_trials(
     out_json: Path | str | None,
     *,
     work_dir: Path | None = None,
+    load: int = 0,
 ) -> Report:
-    """Run ``rounds`` rounds of ``mode`` (one of ``MODES``) and judge them.
+    """Run ``rounds`` rounds of ``mode`` (one of ``MODES``) and judge them, with ``load``
+    busy processes beside the workers throughout (``jetloop.tooling.trials.load``).
 
     ``seed`` fixes the kill moments, failures and turn plans (not the scheduler). The report
     is written as JSON to ``out_json`` when given; worker and server logs stay in
@@ -585,20 +606,36 @@ async def run_trials(
     began = time.monotonic()
     rng = random.Random(seed)
     info = machine()
-    async with _work_dir(work_dir) as base:
-        servers: Servers = Cluster(base) if mode in ("takeover", "mixed") else SingleServer(base)
-        try:
-            await servers.start()
-            trials = Trials(mode, servers, base, rng, seed)
-            done: list[RoundTrial] = []
-            async with trials.running():
-                for r in range(rounds):
-                    done.append(await trials.round(r))
-            dups, stray = await asyncio.to_thread(
-                vendor_duplicates, trials.vendor_db, trials.calls_by_key
-            )
-        finally:
-            servers.close()
+    with busy(load):
+        async with _work_dir(work_dir) as base:
+            return await _run(mode, rounds, seed, out_json, base, rng, info, began, load)
+
+
+async def _run(
+    mode: str,
+    rounds: int,
+    seed: int,
+    out_json: Path | str | None,
+    base: Path,
+    rng: random.Random,
+    info: dict[str, str],
+    began: float,
+    load: int,
+) -> Report:
+    """One run on its work directory: servers up, the rounds, the verdict."""
+    servers: Servers = Cluster(base) if mode in ("takeover", "mixed") else SingleServer(base)
+    try:
+        await servers.start()
+        trials = Trials(mode, servers, base, rng, seed)
+        done: list[RoundTrial] = []
+        async with trials.running():
+            for r in range(rounds):
+                done.append(await trials.round(r))
+        dups, stray = await asyncio.to_thread(
+            vendor_duplicates, trials.vendor_db, trials.calls_by_key
+        )
+    finally:
+        servers.close()
     turns = [t for rnd in done for t in rnd.turns]
     lost = [
         f"round {rnd.round} {t.session_id}/{t.turn_id} {t.status or 'not ended'}: {t.error}"
@@ -614,13 +651,15 @@ async def run_trials(
     for failure in sorted({rnd.failure for rnd in done}):
         row = summarize([rnd for rnd in done if rnd.failure == failure])
         by_failure[failure] = row
-        judged += targets(failure, row)
+        judged += targets(failure, row, LEASE_SECONDS, loaded=load > 0)
     whole = summarize(done)
+    info["load_1m_end"] = f"{os.getloadavg()[0]:.2f}"
     report = Report(
         mode=mode,
         rounds=rounds,
         seed=seed,
         lease_seconds=LEASE_SECONDS,
+        load=load,
         turns=len(turns),
         in_flight=sum(1 for t in turns if t.in_flight),
         lost=lost,
@@ -716,7 +755,12 @@ def format_reports(reports: Sequence[Report]) -> str:
     )
     for rep in reports:
         lines.append("")
-        lines.append(f"{rep.mode} (seed {rep.seed}, {rep.wall_seconds:.0f}s)")
+        busy_note = f", {rep.load} busy processes beside" if rep.load else ", no added load"
+        lines.append(
+            f"{rep.mode} (seed {rep.seed}, {rep.wall_seconds:.0f}s{busy_note},"
+            f" 1-min load {rep.machine.get('load_1m')} at its start,"
+            f" {rep.machine.get('load_1m_end')} at its end)"
+        )
         for failure, f in rep.by_failure.items():
             lines.append(
                 f"  {failure:<22} rounds {f['rounds']:>3}  in flight {f['in_flight']:>3}"
@@ -767,6 +811,7 @@ def main(
     seed: int | None = None,
     out_json: Path | str | None = None,
     work_dir: Path | None = None,
+    load: int = 0,
 ) -> int:
     """What ``jetloop trials`` runs: each mode in turn; prints the table; 0 if all targets met.
 
@@ -783,7 +828,7 @@ def main(
         out = []
         for i, mode in enumerate(modes):
             wd = work_dir / mode if work_dir is not None else None
-            out.append(await run_trials(mode, rounds, seed + i, None, work_dir=wd))
+            out.append(await run_trials(mode, rounds, seed + i, None, work_dir=wd, load=load))
         return out
 
     configure("console", "warning")  # the client's own log lines would drown the table

@@ -1,9 +1,10 @@
 """The NATS side of a kill trial: one server or a 3-node cluster, and the failures it takes.
 
-``SingleServer`` (``EmbeddedServer`` on a store directory) takes a worker kill or a
-server restart; ``Cluster`` (``LocalCluster``, R3) takes a worker kill, a node restart, a
-takeover (SIGKILL of the node leading ``JL_STEPS``) or a worker kill and a takeover at once,
-and heals after each round: the killed node restarted on its store, every replica caught up.
+``SingleServer`` (``EmbeddedServer`` on a store directory) takes a worker kill, a
+server restart, or both at once; ``Cluster`` (``LocalCluster``, R3) takes a worker kill, a
+node restart, a takeover (SIGKILL of the node leading ``JL_STEPS``) or a worker kill and a
+takeover at once, and heals after each round: the killed node restarted on its store, every
+replica caught up.
 
 Every server starts with a config file naming the system account (``SYS``) and its ``watch``
 user, with a password made for the run (``jetloop.services.natsauth.system_account``): workers may
@@ -101,7 +102,7 @@ class Servers(Protocol):
 
 
 class SingleServer:
-    """One nats-server on a store directory: a worker kill or a server restart."""
+    """One nats-server on a store directory: a worker kill, a server restart, or both."""
 
     replicas = 1
 
@@ -127,8 +128,10 @@ class SingleServer:
             kill = Kill.now()
             victim.kill()
             return kill
-        if failure == "server_restart":
+        if failure in ("server_restart", "worker_kill+server_restart"):
             kill = Kill.now()
+            if failure == "worker_kill+server_restart":
+                victim.kill()
             self.server.kill()
             # start() waits for the port with blocking sleeps: keep the event loop free.
             # nats-server opens its client port after it has recovered JetStream's store.

@@ -292,10 +292,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "holder-lost-header-trusted",
         "jetloop/consumers/liveness.py",
-        "        if await gone(rt.nc, held.incarnation, closed_cleanly=True):\n",
+        "        if await gone(rt.nc, held.incarnation):\n",
         "        if True:\n",
         "a copy whose header says the holder is dead is believed without asking the holder",
         ("tests/test_recovery.py::test_live_holder_is_never_taken_over",),
+    ),
+    Mutation(
+        "sweep-trusts-a-new-link",
+        "jetloop/consumers/liveness.py",
+        "    while True:\n        linked = linked_for(nc)\n",
+        "    return\n    while True:\n        linked = linked_for(nc)\n",
+        "a worker that starts just after a server restart takes every live worker still"
+        " connecting again for dead",
+        ("tests/test_recovery.py::test_a_worker_stopped_across_a_server_restart_keeps_its_step",),
     ),
     Mutation(
         "heartbeat-only-reads",

@@ -83,27 +83,42 @@ async def answers(nc: Client, incarnation: str, timeout: float = ASK_TIMEOUT) ->
 
 
 # How long a process whose connection the server reported closed is asked, again and again,
-# before it counts as gone. A live process that lost its connection (a network blip, its
-# server restarting) connects again and answers well within it. On a cluster a request can
+# before it counts as gone, by the reason the server gave (``patience_after``). A live process
+# that lost its connection connects again and answers within it. On a cluster a request can
 # also go unanswered for a moment after a death (the dead subscription is still known on
 # other nodes): silence is asked again, not taken as an answer either way.
+CLIENT_CLOSED = "Client Closed"  # the process closed its socket: its kernel did, if killed
+READ_ERROR = "Read Error"  # also what a process killed with unread data in its socket gives
 GONE_PATIENCE = 0.75
 ASK_AGAIN_TIMEOUT = 0.2
 
 
-async def gone(nc: Client, incarnation: str, closed_cleanly: bool) -> bool:
+def patience_after(reason: str) -> float:
+    """How long a process whose connection closed for ``reason`` is given to answer.
+
+    Its own close: none ("no responders" is final at once). A read error: ``GONE_PATIENCE``,
+    short, since that is also how the server sees most killed workers, and a live process that
+    had a read error reconnects at once. Any other (a slow consumer, a stale connection, a
+    write error: the server gave up on a live process that was slow): ``RECONNECT_GRACE``."""
+    if reason == CLIENT_CLOSED:
+        return 0.0
+    if reason == READ_ERROR:
+        return GONE_PATIENCE
+    return RECONNECT_GRACE
+
+
+async def gone(nc: Client, incarnation: str, patience: float = 0.0) -> bool:
     """Whether the process ``incarnation``, whose connection the server reported closed, is
-    gone: it does not answer on ``jl.alive`` within ``GONE_PATIENCE``. ``closed_cleanly``:
-    the client's own close (what a killed process's socket gives): then "no responders" is
-    final at once; after any other close (a read error, a stale connection) the process may
-    be reconnecting, and is given the patience."""
-    deadline = time.monotonic() + GONE_PATIENCE
+    gone: it does not answer on ``jl.alive`` within ``patience`` seconds. With none, "no
+    responders" is final at once; with some, the process may be connecting again, and
+    silence is asked again until the patience runs out."""
+    deadline = time.monotonic() + patience
     while True:
         try:
             await nc.request(alive_subject(incarnation), b"", timeout=ASK_AGAIN_TIMEOUT)
             return False
         except NoRespondersError:
-            if closed_cleanly:
+            if patience <= 0:
                 return True
         except (NatsTimeoutError, TimeoutError):
             pass
@@ -161,7 +176,7 @@ async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) ->
             why = f"worker {held.worker} may still be connecting again ({linked:.1f}s linked)"
             raise RetryLater(RECONNECT_GRACE - linked + 0.05, why)
         # Asked again here, so a stale or forged header cannot take a live worker's step.
-        if await gone(rt.nc, held.incarnation, closed_cleanly=True):
+        if await gone(rt.nc, held.incarnation):
             log.info("step.holder_gone", holder=held.worker, incarnation=held.incarnation)
             return
     wait = max(0.05, rt.lease_seconds - silence + 0.05)

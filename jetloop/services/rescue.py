@@ -5,13 +5,14 @@ the socket) and says so on ``$SYS.ACCOUNT.<account>.DISCONNECT``, which the syst
 ``watch`` user may hear (``jetloop.services.natsauth``). Every worker given that user's password
 listens; when a connection named ``jetloop-worker-<id>#<incarnation>`` closes:
 
-1. it asks ``jl.alive.<incarnation>``, again and again for up to
-   ``jetloop.consumers.liveness.GONE_PATIENCE`` (0.75 s): an answer means the process lives (it
-   reconnected after a network blip, or another server of the cluster has it) — nothing to
-   do. After the client's own close ("Client Closed": what a killed process's socket gives)
-   "no responders" settles it at once; after another close (a read error — also what a
-   process killed with unread data gives — or a stale connection) the process may be
-   reconnecting, and silence is asked again until the patience runs out;
+1. it asks ``jl.alive.<incarnation>``: an answer means the process lives (it reconnected
+   after a network blip, or another server of the cluster has it) — nothing to do. After the
+   client's own close ("Client Closed": what a killed process's socket gives) "no
+   responders" settles it at once; after another close the process may be connecting again,
+   and silence is asked again for a patience that depends on the reason
+   (``jetloop.consumers.liveness.patience_after``): 0.75 s after a read error (also what a
+   process killed with unread data gives), 3 s after the server gave up on a slow process
+   (a slow consumer, a stale connection);
 2. it reads the messages that process held (``jetloop.streams.holds``) and, for each one
    still in its stream (a work queue deletes what was acked), publishes a copy on the same
    subject with the header ``Jl-Holder-Lost: <incarnation>`` and the message id
@@ -45,7 +46,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
-from jetloop.consumers.liveness import H_HOLDER_LOST, gone, settled_link
+from jetloop.consumers.liveness import H_HOLDER_LOST, gone, patience_after, settled_link
 from jetloop.consumers.session import UnscopedRequestId, request_id_of
 from jetloop.services.natsauth import DISCONNECT_ADVISORIES
 from jetloop.streams.connection import connect
@@ -55,7 +56,6 @@ from jetloop.streams.topology import TURNS_STREAM, WORKERS_BUCKET, held_key
 log = structlog.get_logger("jetloop.rescue")
 
 CONNECTION_PREFIX = "jetloop-worker-"
-CLIENT_CLOSED = "Client Closed"
 # The watch connection gives up after this long (and is made again later): an outage, or a
 # server without the system account's user, costs only the fast path.
 WATCH_CONNECT_SECONDS = 10.0
@@ -98,7 +98,7 @@ class Rescuer:
             if not key.startswith("held."):
                 continue
             inc = key.removeprefix("held.")
-            if inc != self.incarnation and await gone(self.nc, inc, closed_cleanly=True):
+            if inc != self.incarnation and await gone(self.nc, inc):
                 n = await self.rescue(inc)
                 log.info("rescue.swept", incarnation=inc, messages=n)
                 handed += n
@@ -149,7 +149,7 @@ class Rescuer:
     async def _after(self, inc: str, reason: str) -> None:
         self._busy.add(inc)
         try:
-            if not await gone(self.nc, inc, closed_cleanly=reason == CLIENT_CLOSED):
+            if not await gone(self.nc, inc, patience_after(reason)):
                 log.info("rescue.still_alive", incarnation=inc, reason=reason)
                 return
             handed = await self.rescue(inc)

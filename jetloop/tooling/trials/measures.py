@@ -13,11 +13,13 @@
   records (its ``lost`` list, ``worker/incarnation``) and every resumed event is checked
   against who was alive: the survivor always is, the victim is unless the round killed it,
   and a resume of the killed victim made before the kill is false as well.
-- *Targets* (issue 14): worker kill detection p99 ≤ 1 s; server restart completion p99 ≤
-  the p99 restart time + 1 s; takeover completion p99 ≤ the p99 election time + 1 s, the
-  election counted until every group the killed node led (the jetloop streams and their
-  durable consumers) has a new leader, since a step needs each it touches; no false
-  takeover after a worker kill, a server restart, or in a control run where nothing fails.
+- *Targets* (issues 14 and 31): worker kill detection p99 ≤ 1 s, ≤ 2 s with busy processes
+  beside the workers; a worker killed together with the server: detection p99 ≤ the p99
+  restart time + the lease + that slack (no one heard it die: its lease, counted from the
+  server's return, finds it); server restart completion p99 ≤ the p99 restart time + 1 s;
+  takeover completion p99 ≤ the p99 election time + 1 s, the election counted until every
+  group the killed node led (the jetloop streams and their durable consumers) has a new
+  leader, since a step needs each it touches; no false takeover, whatever failed.
 
 All times are wall-clock (``time.time()``) on one machine: the harness records it at the
 kill, workers stamp events with it (``Event.at``), the servers stamp what they store.

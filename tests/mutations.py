@@ -307,6 +307,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_recovery.py::test_a_worker_stopped_across_a_server_restart_keeps_its_step",),
     ),
     Mutation(
+        "silence-counted-through-an-outage",
+        "jetloop/consumers/liveness.py",
+        "    silence = min(time.time() - stored_at, linked)\n",
+        "    silence = time.time() - stored_at\n",
+        "a holder's silence counts the time no one could hear it (a server restart)",
+        ("tests/test_liveness.py::test_silence_counts_from_the_judges_new_link",),
+    ),
+    Mutation(
+        "copy-believed-on-a-new-link",
+        "jetloop/consumers/liveness.py",
+        "        if linked < RECONNECT_GRACE:\n",
+        "        if False:\n",
+        "a handed-on copy takes the step of a holder that may still be connecting again",
+        ("tests/test_liveness.py::test_a_handed_on_copy_waits_for_the_judges_link_to_settle",),
+    ),
+    Mutation(
         "heartbeat-only-reads",
         "jetloop/consumers/runtime.py",
         "            await self._rewrite()\n",
@@ -419,6 +435,8 @@ CI_SUBSET: tuple[str, ...] = (
     "reconcile-without-join",
     "history-not-restored",
     "read-delivered-again-unclaimed",
+    "silence-counted-through-an-outage",
+    "copy-believed-on-a-new-link",
 )
 
 BY_NAME = {m.name: m for m in MUTATIONS}

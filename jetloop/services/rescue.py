@@ -87,7 +87,16 @@ class Rescuer:
         """Hand on what every process that no longer answers said it held, once this
         process's link has been up long enough for a live one to have connected again;
         returns how many messages were handed on."""
-        await settled_link(self.nc)
+        # A worker stopped meanwhile sweeps nothing (its stop must not wait for the link).
+        settled = asyncio.ensure_future(settled_link(self.nc))
+        stopped = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({settled, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            settled.cancel()
+            stopped.cancel()
+        if self.stopping.is_set():
+            return 0
         kv = await self.js.key_value(WORKERS_BUCKET)
         try:
             keys = await kv.keys()

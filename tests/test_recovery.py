@@ -17,7 +17,7 @@ from pathlib import Path
 
 from jetloop.demo.vendor import Vendor
 from jetloop.schemas import CallState, EventType
-from jetloop.services.client import Client
+from jetloop.services.client import Client, TurnHandle
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams import topology
 from jetloop.streams.holds import read_holds
@@ -36,6 +36,20 @@ async def resumed_events(client: Client, session: str) -> list[object]:
         if ev.type in (EventType.TURN_COMPLETED, EventType.TURN_FAILED):
             return out
     return out
+
+
+async def made_once_by_its_holder(
+    client: Client, vendor: Vendor, h: TurnHandle, session: str
+) -> None:
+    """The released single-attempt write ends ``ok``, the vendor saw it once, and no loss was
+    charged or resumed: its live holder kept it."""
+    res = await client.wait(h, timeout=30)
+    [seen] = body(res.text)["seen"]
+    assert seen["status"] == "ok"
+    assert await vendor.effect_count("once") == 1
+    turn = await client.turn(session, h.turn_id)
+    assert turn is not None and turn.lost == []
+    assert await resumed_events(client, session) == []
 
 
 async def test_dead_workers_step_moves_on_at_once(
@@ -125,13 +139,7 @@ async def test_live_holder_is_never_taken_over(
 
     await until(both_waited, timeout=15)
     release.touch()
-    res = await client.wait(h, timeout=30)
-    [seen] = body(res.text)["seen"]
-    assert seen["status"] == "ok"
-    assert await vendor.effect_count("once") == 1
-    turn = await client.turn("live", h.turn_id)
-    assert turn is not None and turn.lost == []
-    assert await resumed_events(client, "live") == []
+    await made_once_by_its_holder(client, vendor, h, "live")
 
 
 async def test_server_restart_does_not_take_over_a_live_holder(
@@ -158,13 +166,7 @@ async def test_server_restart_does_not_take_over_a_live_holder(
     await other.wait_for("nats.reconnected")
     await asyncio.sleep(1.0)  # time for any redelivery to reach the other worker
     release.touch()
-    res = await client.wait(h, timeout=30)
-    [seen] = body(res.text)["seen"]
-    assert seen["status"] == "ok"
-    assert await vendor.effect_count("once") == 1
-    turn = await client.turn("restart", h.turn_id)
-    assert turn is not None and turn.lost == []
-    assert await resumed_events(client, "restart") == []
+    await made_once_by_its_holder(client, vendor, h, "restart")
 
 
 async def test_a_holder_past_its_lease_but_beating_is_live(
@@ -204,13 +206,7 @@ async def test_a_holder_past_its_lease_but_beating_is_live(
 
     await until(waited, timeout=10)
     release.touch()
-    res = await client.wait(h, timeout=30)
-    [seen] = body(res.text)["seen"]
-    assert seen["status"] == "ok"
-    assert await vendor.effect_count("once") == 1
-    turn = await client.turn("beat", h.turn_id)
-    assert turn is not None and turn.lost == []
-    assert await resumed_events(client, "beat") == []
+    await made_once_by_its_holder(client, vendor, h, "beat")
 
 
 async def test_a_worker_stopped_across_a_server_restart_keeps_its_step(
@@ -249,11 +245,5 @@ async def test_a_worker_stopped_across_a_server_restart_keeps_its_step(
     # The fresh worker's look at start is done (with the holder back) before the write ends.
     swept = await fresh.wait_for("worker.swept", timeout=30)
     release.touch()
-    res = await client.wait(h, timeout=30)
-    [seen] = body(res.text)["seen"]
-    assert seen["status"] == "ok"
-    assert await vendor.effect_count("once") == 1
-    turn = await client.turn("stopped", h.turn_id)
-    assert turn is not None and turn.lost == []
-    assert await resumed_events(client, "stopped") == []
+    await made_once_by_its_holder(client, vendor, h, "stopped")
     assert swept["messages"] == 0, "the fresh worker handed on a live worker's step"

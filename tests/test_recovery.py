@@ -93,7 +93,7 @@ async def test_restarted_worker_hands_on_what_its_predecessor_held(
     [seen] = body(res.text)["seen"]
     assert seen["status"] == "ok"  # an idempotent write: made again with the same key
     assert await vendor.effect_count("write") == 1
-    rescued = await successor.wait_for("worker.rescued")
+    rescued = await successor.wait_for("worker.swept")
     assert rescued["messages"] >= 1
     await successor.wait_for("worker.watch_failed")  # and it keeps running without it
 

@@ -70,18 +70,6 @@ async def settled_link(nc: Client) -> None:
         await asyncio.sleep(RECONNECT_GRACE - linked + 0.01)
 
 
-async def answers(nc: Client, incarnation: str, timeout: float = ASK_TIMEOUT) -> bool:
-    """Whether the worker process ``incarnation`` answers now. No responders means its
-    connection is gone; a timeout is not proof of death, so it counts as an answer."""
-    try:
-        await nc.request(alive_subject(incarnation), b"", timeout=timeout)
-    except NoRespondersError:
-        return False
-    except (NatsTimeoutError, TimeoutError):
-        return True
-    return True
-
-
 # How long a process whose connection the server reported closed is asked, again and again,
 # before it counts as gone, by the reason the server gave (``patience_after``). A live process
 # that lost its connection connects again and answers within it. On a cluster a request can

@@ -254,10 +254,7 @@ class Worker(Service):
         """Hand on what dead predecessors held (``Rescuer.sweep``), beside serving: the sweep
         first waits for this process's link to settle."""
         try:
-            handed = await rescuer.sweep()
-            log.info("worker.swept", messages=handed)
-            if handed:
-                log.info("worker.rescued", messages=handed)
+            log.info("worker.swept", messages=await rescuer.sweep())
         except Exception as exc:  # an outage: the leases bring those steps back
             log.warning("worker.sweep_failed", error=str(exc))
 

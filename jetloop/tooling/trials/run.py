@@ -388,6 +388,7 @@ class Trials:
             victim=victim.worker_id,
         )
         stop_sending = asyncio.Event()
+        replacement: WorkerProcess | None = None
         deadline: list[float] = []  # set at the kill: [monotonic deadline]
         sids = [f"{self.mode[:2]}{r}s{s}" for s in range(SESSIONS_PER_ROUND)]
 
@@ -405,7 +406,7 @@ class Trials:
                 # survivor may still be connecting again: a worker that looks around at
                 # start must not take the survivor for dead.
                 replacement = self._worker(f"replacement{r}")
-                self.victims.append(replacement)
+                self.victims.append(replacement)  # killed on the way out, whatever happens
                 trial.replacement = replacement.worker_id
             kill = await self.servers.fail(failure, victim, self.rng)
             trial.kill_at = kill.at - start
@@ -416,9 +417,8 @@ class Trials:
         if elected is not None:
             trial.steps_election, trial.election = elected.steps, elected.every_group
         victim.kill()
-        for w in self.victims:
-            if w.worker_id == trial.replacement:
-                w.kill()
+        if replacement is not None:
+            replacement.kill()
         for t in trial.turns:
             t.in_flight = t.sent_at < trial.kill_at and (
                 t.ended_at is None or t.ended_at > trial.kill_at
@@ -610,12 +610,10 @@ async def run_trials(
         raise ValueError(f"unknown trial mode {mode!r}; modes are {', '.join(MODES)}")
     if rounds < 1:
         raise ValueError("trials need at least one round")
-    began = time.monotonic()
-    rng = random.Random(seed)
-    info = machine()
+    info = machine()  # the load before the busy processes start
     with busy(load):
         async with _work_dir(work_dir) as base:
-            return await _run(mode, rounds, seed, out_json, base, rng, info, began, load)
+            return await _run(mode, rounds, seed, out_json, base, load, info)
 
 
 async def _run(
@@ -624,12 +622,12 @@ async def _run(
     seed: int,
     out_json: Path | str | None,
     base: Path,
-    rng: random.Random,
-    info: dict[str, str],
-    began: float,
     load: int,
+    info: dict[str, str],
 ) -> Report:
     """One run on its work directory: servers up, the rounds, the verdict."""
+    began = time.monotonic()
+    rng = random.Random(seed)
     servers: Servers = Cluster(base) if mode in ("takeover", "mixed") else SingleServer(base)
     try:
         await servers.start()

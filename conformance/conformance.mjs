@@ -2,10 +2,13 @@
 //
 //   JL_NATS_URL=nats://client:<password>@127.0.0.1:4222 JL_AGENT=demo node conformance.mjs
 //
+// The credential decides the namespace (docs/protocol.md, "Namespaces"): with the one of
+// <store>/namespaces/<ns>.json (user <ns>.client) everything below happens in <ns>.
+//
 // Against `jetloop up` (the demo agent): publish a turn (JSON body, scoped Nats-Msg-Id), a
 // duplicate, follow the session's events to the answer, a turn held for approval and approved
-// over jl.control.approve (the same decision again returns it, a conflicting one is 409), a
-// snapshot over jl.control.snapshot, the turn record from the jl_state bucket, an answer too
+// over jl.control.approve.<who> (the same decision again returns it, a conflicting one is 409,
+// the decider is the credential's user), a snapshot over jl.control.snapshot.<who>, the turn record from the jl_state bucket, an answer too
 // large to travel inline fetched from jl_blobs, and dead letters (an invalid body, an unscoped
 // request id, a body that is neither msgpack nor JSON, with its headers kept). Prints one JSON
 // line per check and exits 0 when all pass; 1 (with the reason) otherwise.
@@ -34,6 +37,9 @@ function left() {
 }
 
 const parsed = new URL(url);
+const natsUser = parsed.username ? decodeURIComponent(parsed.username) : "client";
+// <namespace>.<who>, or a role of the default namespace (docs/protocol.md, "Namespaces").
+const who = natsUser.includes(".") ? natsUser.slice(natsUser.indexOf(".") + 1) : natsUser;
 const nc = await connect({
   servers: `${parsed.hostname}:${parsed.port || 4222}`,
   user: parsed.username ? decodeURIComponent(parsed.username) : undefined,
@@ -104,9 +110,9 @@ const ended = (tid) =>
     `end of ${tid}`,
   );
 
-// --- Control: JSON request/reply on jl.control.<op> ---------------------------------------
+// --- Control: JSON request/reply on jl.control.<op>.<who> ---------------------------------
 async function control(op, request) {
-  const reply = await nc.request(`jl.control.${op}`, JSON.stringify(request), {
+  const reply = await nc.request(`jl.control.${op}.${who}`, JSON.stringify(request), {
     timeout: Math.min(10000, left()),
   });
   return JSON.parse(dec.decode(reply.data));
@@ -147,8 +153,9 @@ try {
   // Every request is idempotent and the first decision wins: the same decision again returns
   // the recorded one; another one is 409 (not possible now: already decided otherwise).
   const repeat = await control("approve", { session_id: session, approval_id: asked.data.approval_id });
+  // Who decided is the credential's user, not the body's "by".
   check("same decision repeats", repeat.ok === true && repeat.result.status === "approved" &&
-    repeat.result.decided_by === "node", { reply: repeat });
+    repeat.result.decided_by === natsUser, { reply: repeat });
   const conflict = await control("reject", { session_id: session, approval_id: asked.data.approval_id });
   check("conflicting decision is 409", conflict.ok === false && conflict.error?.status === 409,
     { reply: conflict });

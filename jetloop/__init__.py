@@ -17,6 +17,8 @@ Errors (catch ``JetloopError`` for all of them)::
     ├── ControlError            a decision refused (.status as in HTTP, .title, .detail)
     ├── TurnFailed              the turn ended failed or cancelled (.turn)
     ├── NotAuthorized           the NATS server refused the credentials (a nats error too)
+    ├── WrongNamespace          a credential of one namespace used to act in another (also
+    │                           a ValueError)
     ├── SettingsError           a setting has a wrong value
     ├── InvalidName             a session id or name no subject or key can hold
     ├── ModelError              a model call failed: the step is tried again
@@ -91,6 +93,7 @@ __all__ = [
     "UnknownSession",
     "UnknownTurn",
     "Worker",
+    "WrongNamespace",
     "adapter_from_spec",
     "ask_user",
     "delegate",

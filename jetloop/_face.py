@@ -56,6 +56,7 @@ from jetloop.schemas.errors import (
     UnknownId,
     UnknownSession,
     UnknownTurn,
+    WrongNamespace,
 )
 from jetloop.services.client import Client, TurnHandle, TurnResult
 from jetloop.services.embedded import EmbeddedServer

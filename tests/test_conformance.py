@@ -1,5 +1,6 @@
 """A second language speaks the documented protocol: conformance/conformance.mjs (Node.js,
-written from docs/protocol.md alone) against `jetloop up`, connected as the `client` role.
+written from docs/protocol.md alone) against `jetloop up`, connected with the client credential
+of a namespace other than the default one, made while `up` runs.
 
 Skipped, saying why, when ``node`` or the script's packages (``npm ci`` in conformance/,
 which ``.ci/run`` does when npm is there) are missing."""
@@ -11,12 +12,15 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
+from jetloop.services.client import Client
 from jetloop.services.embedded import free_port
-from jetloop.services.natsauth import url_as
+from tests.conftest import until
 from tests.test_up import start_up, stop, wait_ready
 
 HERE = Path(__file__).resolve().parent.parent / "conformance"
@@ -31,6 +35,15 @@ def _skip_reason() -> str | None:
     return None
 
 
+async def served(url: str) -> bool:
+    """Whether a worker serves the demo agent in the credential's namespace yet."""
+    try:
+        async with await Client.connect(url, verify=False, give_up_after=2) as c:
+            return any("demo" in w.agents for w in await (await c.registry()).workers())
+    except Exception:
+        return False
+
+
 @pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
 async def test_node_client_follows_the_protocol_doc(tmp_path: Path) -> None:
     """Publish, duplicate, follow events to the answer, approve over jl.control (a repeat
@@ -42,7 +55,19 @@ async def test_node_client_follows_the_protocol_doc(tmp_path: Path) -> None:
     log = tmp_path / "up.log"
     try:
         await asyncio.to_thread(wait_ready, proc, log)
-        url = url_as(f"nats://127.0.0.1:{port}", tmp_path / "store", "client")
+        store = tmp_path / "store"
+        made = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "jetloop.services.cli", "namespace", "create", "conf"],
+            env={**os.environ, "JETLOOP_STORE_DIR": str(store)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert made.returncode == 0, made.stderr
+        cred = json.loads((store / "namespaces" / "conf.json").read_text())
+        url = f"nats://{cred['user']}:{quote(cred['password'], safe='')}@127.0.0.1:{port}"
+        await until(lambda: served(url), timeout=30)
         env = {**os.environ, "JL_NATS_URL": url, "JL_AGENT": "demo", "JL_TIMEOUT_MS": "40000"}
         run = await asyncio.to_thread(
             subprocess.run,

@@ -66,9 +66,9 @@ def test_every_relative_link_resolves() -> None:
 
 def test_heading_ids_are_githubs() -> None:
     """The slugs are GitHub's: code, colons and angle brackets dropped, so the protocol's
-    control API heading is ``the-control-api-jlcontrolop``."""
-    assert slug("The control API: `jl.control.<op>`") == "the-control-api-jlcontrolop"
+    control API heading is ``the-control-api-jlcontrolopwho``."""
+    assert slug("The control API: `jl.control.<op>.<who>`") == "the-control-api-jlcontrolopwho"
     assert slug("Dead letters: `jl.dead.<original subject>`") == (
         "dead-letters-jldeadoriginal-subject"
     )
-    assert "the-control-api-jlcontrolop" in anchors(ROOT / "docs" / "protocol.md")
+    assert "the-control-api-jlcontrolopwho" in anchors(ROOT / "docs" / "protocol.md")

@@ -277,7 +277,7 @@ async def test_a_client_without_the_seal_key_decides_through_the_workers(
             **as_client,
         )
         assert out.returncode == 0, out.stderr
-        assert out.stdout.strip() == f"{approval_id}: approved by carol", out.stdout
+        assert out.stdout.strip() == f"{approval_id}: approved by client", out.stdout
         res = await c.wait(h, timeout=30)
         assert res.text is not None and "closed" in res.text, res
         closes = await Vendor(up.cwd / "vendor.sqlite").request_counts("close_ticket")

@@ -16,6 +16,8 @@ of them::
     ├── ControlError            a decision refused (.status as in HTTP, .title, .detail)
     ├── TurnFailed              the turn ended failed or cancelled (.turn)
     ├── NotAuthorized           the NATS server refused the credentials (a nats error too)
+    ├── WrongNamespace          a credential of one namespace used to act in another (also
+    │                           a ValueError)
     ├── SettingsError           a setting has a wrong value (also a ValueError)
     ├── InvalidName             a session id or name no subject or key can hold (also a
     │                           ValueError)
@@ -147,6 +149,22 @@ class NotAuthorized(JetloopError, NatsError):
             "wrong or missing credentials (set JETLOOP_NATS_USER and JETLOOP_NATS_PASSWORD, "
             "or run in the directory of `jetloop up`, which keeps them in its store: "
             "set JETLOOP_STORE_DIR too if `up` was given --store-dir)"
+        )
+
+
+class WrongNamespace(JetloopError, ValueError):
+    """A credential of one namespace used to act in another: the server would show it only
+    its own namespace, so the request is refused before it is made."""
+
+    def __init__(self, user: str, has: str, wanted: str) -> None:
+        super().__init__(user, has, wanted)
+        self.user, self.has, self.wanted = user, has, wanted
+
+    def __str__(self) -> str:
+        return (
+            f"the NATS user {self.user!r} belongs to namespace {self.has!r}, not "
+            f"{self.wanted!r}: use a credential of {self.wanted!r} "
+            f"(<store>/namespaces/{self.wanted}.json)"
         )
 
 

@@ -51,12 +51,20 @@ from jetloop.schemas import (
     turn_id_for,
     validate_name,
 )
-from jetloop.schemas.errors import ControlError, SealKeyMissing, UnknownSession, UnknownTurn
+from jetloop.schemas.errors import (
+    ControlError,
+    SealKeyMissing,
+    UnknownSession,
+    UnknownTurn,
+    WrongNamespace,
+)
 
 # Raised by the client, defined with the rest of the public tree: importable from here too.
 from jetloop.schemas.errors import TurnFailed as TurnFailed
 from jetloop.schemas.errors import UnknownAgent as UnknownAgent
+from jetloop.services import namespaces
 from jetloop.services.control import PREFIX as CONTROL_PREFIX
+from jetloop.services.control import subject as control_subject
 from jetloop.sessions.decisions import Control
 from jetloop.sessions.requests import (
     AnswerRequest,
@@ -73,7 +81,7 @@ from jetloop.streams import topology
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus
 from jetloop.streams.clock import CHECK_EVERY, ClockGuard
-from jetloop.streams.connection import connect, retrying
+from jetloop.streams.connection import connect, credentials_in, retrying
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.intake import Intake
 from jetloop.streams.registry import AgentStatus, Registry
@@ -193,6 +201,7 @@ class Client:
         give_up_after: float | None = None,
         on_closed: Callable[[], Awaitable[None]] | None = None,
         verify: bool | None = None,
+        namespace: str | None = None,
     ) -> Client:
         """Connect to the NATS servers ``urls`` (a list, or one comma-separated string).
 
@@ -208,16 +217,26 @@ class Client:
         raises (``nats.errors.NoServersError`` or ``TimeoutError``) after about that long,
         a lost connection is given up as soon (it closes, and ``on_closed`` runs), requests
         are retried only that long, and outages are not logged as warnings.
+
+        ``namespace`` (default ``JETLOOP_NAMESPACE``, else ``default``) is the namespace to
+        act in: a URL without credentials gets its workers' from the store directory; when it
+        is named (here or by ``JETLOOP_NAMESPACE``), credentials of another namespace raise
+        ``WrongNamespace`` before anything is sent. Credentials alone decide otherwise: a
+        credential's namespace is the only one the server shows it.
         """
         if isinstance(urls, str):
             urls = [u.strip() for u in urls.split(",") if u.strip()]
         from jetloop.services.settings import load_settings
 
-        settings = load_settings()
+        settings = load_settings() if namespace is None else load_settings(namespace=namespace)
         sealer = sealer or settings.sealer()
         verify = not settings.read_unverified if verify is None else verify
         # A URL without a user connects as the settings' (the store's, beside `jetloop up`).
         urls = settings.with_credentials(list(urls))
+        user = credentials_in(urls)[0]
+        named = namespace is not None or "namespace" in settings.model_fields_set
+        if named and user is not None and namespaces.identity(user)[0] != settings.namespace:
+            raise WrongNamespace(user, namespaces.identity(user)[0], settings.namespace)
         nc = await connect(
             urls, name="jetloop-client", give_up_after=give_up_after, closed_cb=on_closed
         )
@@ -466,6 +485,18 @@ class Client:
             except Exception:  # an outage: the decision itself meets it, and says so
                 pass
 
+    def _control_subject(self, op: str) -> str:
+        """Made as the identity this client connected as (``jl.control.<op>.<who>``): the
+        workers record it as who decided. The workers' role (or an unnamed connection) uses
+        ``jl.control.<op>``, where the request's ``by`` is kept."""
+        user = getattr(self.nc, "user", None)
+        if user is None:
+            return f"{CONTROL_PREFIX}.{op}"
+        who = namespaces.identity(user)[1]
+        if who == namespaces.WORKER:
+            return f"{CONTROL_PREFIX}.{op}"
+        return control_subject(op, who)
+
     async def _request(self, request: DecisionRequest[Any]) -> Any:
         """A control request over NATS; a refusal is the ``ControlError`` the direct path
         raises, and nobody answering is one, too (503)."""
@@ -473,7 +504,7 @@ class Client:
             data = json.dumps(request.model_dump(mode="json")).encode()
         except (PydanticSerializationError, TypeError, ValueError) as exc:
             raise ControlError(422, "invalid request", f"not JSON: {exc}") from None
-        subject = f"{CONTROL_PREFIX}.{request.op}"
+        subject = self._control_subject(request.op)
         timeout = min(CONTROL_TIMEOUT, self.retry_for)
         unavailable: list[ControlError] = []
 

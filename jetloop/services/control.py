@@ -2,10 +2,16 @@
 
 Requests and replies are JSON, so the NATS CLI can drive it:
 
-    nats req jl.control.approve '{"session_id":"s1","approval_id":"a…","by":"alice"}'
-    nats req jl.control.snapshot '{"session_id":"s1"}'
+    nats req jl.control.approve.client '{"session_id":"s1","approval_id":"a…"}'
+    nats req jl.control.snapshot.client '{"session_id":"s1"}'
 
-Subjects: ``jl.control.{approve,reject,answer,cancel,reconcile,approval_policy,snapshot}``.
+Subjects: ``jl.control.<op>.<who>``, ``<op>`` one of ``approve``, ``reject``, ``answer``,
+``cancel``, ``reconcile``, ``approval_policy``, ``snapshot``. ``<who>`` is the identity the
+request is made as, and the server lets only that identity's credential publish there
+(``jetloop.services.natsauth``): a decision records ``by`` = that identity's NATS user
+(``jetloop.services.namespaces.user_name``), whatever the body says. The workers' own role
+may also use ``jl.control.<op>``, where the body's ``by`` is kept (it may write state
+directly anyway).
 A reply is ``{"ok": true, "result": …}`` or ``{"ok": false, "error": {"status", "title",
 "detail"}}``; a malformed request gets an error reply and changes nothing, and a request
 the servers could not serve just then (an election, a restart, this worker's clock found
@@ -26,6 +32,7 @@ from nats.aio.subscription import Subscription
 from pydantic import BaseModel, ValidationError
 
 from jetloop.schemas.errors import ControlError
+from jetloop.services.namespaces import DEFAULT, user_name
 from jetloop.sessions.decisions import Control, dump
 from jetloop.sessions.requests import DECISIONS, DecisionRequest, SessionId
 from jetloop.sessions.snapshot import snapshot, with_workers
@@ -40,6 +47,12 @@ log = structlog.get_logger("jetloop.control")
 
 PREFIX = "jl.control"
 QUEUE = "jl_control"
+
+
+def subject(op: str, who: str) -> str:
+    """The subject of control request ``op`` made as identity ``who``."""
+    return f"{PREFIX}.{op}.{who}"
+
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -79,34 +92,40 @@ class ControlService:
         control: Control,
         history: HistoryReader,
         blobs: BlobStore,
+        namespace: str = DEFAULT,
     ) -> None:
         self.nc = nc
+        self.namespace = namespace
         self.state = state
         self.control = control
         self.history = history
         self.blobs = blobs
         self._registry: Registry | None = None
-        self._sub: Subscription | None = None
-        self._routes: dict[str, Callable[[bytes], Awaitable[Any]]] = {
+        self._subs: list[Subscription] = []
+        self._routes: dict[str, Callable[[bytes, str | None], Awaitable[Any]]] = {
             op: functools.partial(self._decide, model) for op, model in DECISIONS.items()
         }
         self._routes["snapshot"] = self._snapshot
 
     async def start(self) -> None:
-        self._sub = await self.nc.subscribe(f"{PREFIX}.*", queue=QUEUE, cb=self._on_msg)
+        if not self._subs:
+            for pattern in (f"{PREFIX}.*", f"{PREFIX}.*.*"):
+                self._subs.append(await self.nc.subscribe(pattern, queue=QUEUE, cb=self._on_msg))
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            await sub.unsubscribe()
 
     async def _on_msg(self, msg: Msg) -> None:
-        op = msg.subject.rsplit(".", 1)[-1]
+        # jl.control.<op>.<who>: made as <who>; jl.control.<op>: by the workers' role.
+        _, _, op, *who = msg.subject.split(".")
+        by = user_name(self.namespace, who[0]) if who else None
         route = self._routes.get(op)
         try:
             if route is None:
                 raise ControlError(404, "unknown operation", f"{op}; one of {sorted(self._routes)}")
-            reply = Reply(ok=True, result=await route(msg.data))
+            reply = Reply(ok=True, result=await route(msg.data, by))
         except ControlError as exc:
             reply = Reply(
                 ok=False, error=Problem(status=exc.status, title=exc.title, detail=exc.detail)
@@ -140,10 +159,14 @@ class ControlService:
             where = ".".join(str(p) for p in first["loc"]) or "body"
             raise ControlError(422, "invalid request", f"{where}: {first['msg']}") from None
 
-    async def _decide(self, model: type[DecisionRequest[Any]], data: bytes) -> Any:
-        return dump(await self._parse(model, data).run(self.control))
+    async def _decide(self, model: type[DecisionRequest[Any]], data: bytes, by: str | None) -> Any:
+        request = self._parse(model, data)
+        if by is not None and "by" in type(request).model_fields:
+            # Who decided is the credential's, never the message's.
+            request = request.model_copy(update={"by": by})
+        return dump(await request.run(self.control))
 
-    async def _snapshot(self, data: bytes) -> Any:
+    async def _snapshot(self, data: bytes, by: str | None) -> Any:
         r = self._parse(SnapshotReq, data)
         snap = await snapshot(
             self.state,

@@ -216,6 +216,13 @@ class EmbeddedServer:
             await asyncio.sleep(0.02)
         raise TimeoutError(f"nats-server did not listen on {self.port} within {timeout}s")
 
+    def reload(self) -> None:
+        """Have the running server read its config file again (its accounts and users): the
+        clients stay connected."""
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGHUP)
+
     def kill(self) -> None:
         """SIGKILL: no flush, no goodbye (a crash)."""
         if self.proc is not None and self.proc.poll() is None:

@@ -38,13 +38,15 @@ and hand that worker's steps on without waiting for their leases (``jetloop.serv
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import urllib.parse
 from pathlib import Path
 
+from jetloop.services import namespaces
+from jetloop.services.control import subject as control_subject
 from jetloop.services.readmodel.projector import DEFAULT_DURABLE as PROJECTOR_DURABLE
-from jetloop.services.settings import LOCAL_USER, NATS_USERS_FILE, WATCH_USER, write_once
+from jetloop.services.settings import LOCAL_USER, NATS_USERS_FILE, WATCH_USER
+from jetloop.services.storefiles import replace, write_once
 from jetloop.streams.connection import INBOX_PREFIXES
 from jetloop.streams.topology import BLOB_BUCKET, STATE_BUCKET
 
@@ -132,17 +134,27 @@ def _inbox(role: str) -> str:
 # ``jetloop.streams.seal``). jetloop never purges the bucket; a key is deleted by a marker.
 NO_ONE = [f"$JS.API.STREAM.PURGE.KV_{STATE_BUCKET}"]
 
-PERMISSIONS: dict[str, dict[str, dict[str, list[str]]] | None] = {
-    LOCAL_USER: {"publish": {"allow": [">"], "deny": NO_ONE}},
-    "client": {
+WORKER_PERMISSIONS = {"publish": {"allow": [">"], "deny": NO_ONE}}
+
+
+def client_permissions(who: str) -> dict[str, dict[str, list[str]]]:
+    """A client's: start and follow turns, read, and make control requests as ``who`` only
+    (``jl.control.<op>.<who>``: the workers take who decided from that subject, which the
+    server lets no other credential publish)."""
+    return {
         "publish": {
-            "allow": ["jl.turn.>", "jl.control.>", *_READS],
+            "allow": ["jl.turn.>", control_subject("*", who), *_READS],
             "deny": [*_WRITES, *_NOT_THEIRS],
         },
         # Its own inboxes (answers, its consumers' deliveries) and the live text of turns
         # (``jetloop send`` prints it as it comes).
         "subscribe": {"allow": [_inbox("client"), "jl.live.>"]},
-    },
+    }
+
+
+PERMISSIONS: dict[str, dict[str, dict[str, list[str]]] | None] = {
+    LOCAL_USER: WORKER_PERMISSIONS,
+    "client": client_permissions(namespaces.CLIENT),
     "operator": {
         "publish": {"allow": _READS, "deny": [*_WRITES, *_NOT_THEIRS]},
         "subscribe": {"allow": [_inbox("operator")]},
@@ -162,7 +174,7 @@ def make_users(store_dir: Path) -> dict[str, str]:
         raise ValueError(f"{path} has no password for {', '.join(missing)}: delete it")
     if not isinstance(users.get(WATCH_USER), str) or not users[WATCH_USER]:
         users[WATCH_USER] = secrets.token_urlsafe(24)
-        _replace(path, json.dumps(users, indent=2))
+        replace(path, json.dumps(users, indent=2))
     return {r: users[r] for r in ROLES}
 
 
@@ -173,34 +185,56 @@ def system_account(watch_password: str) -> dict[str, object]:
     return {"accounts": {SYSTEM_ACCOUNT: {"users": [watch]}}, "system_account": SYSTEM_ACCOUNT}
 
 
-def server_config(users: dict[str, str]) -> str:
-    """The ``authorization`` block of nats-server's config (JSON is valid config syntax)."""
-    entries = []
-    for role in ACCOUNT_ROLES:
-        entry: dict[str, object] = {"user": role, "password": users[role]}
-        perms = PERMISSIONS[role]
-        if perms is not None:
-            entry["permissions"] = perms
-        entries.append(entry)
-    config = {"authorization": {"users": entries}, **system_account(users[WATCH_USER])}
+def server_config(users: dict[str, str], store_dir: Path | None = None) -> str:
+    """nats-server's config (JSON is valid config syntax): one account per namespace
+    (``jetloop.services.namespaces``), each with its users and their permissions, and the
+    system account. ``store_dir`` names where the namespaces' credentials are; without it,
+    the default namespace alone."""
+    accounts: dict[str, object] = {}
+    names = namespaces.names(store_dir) if store_dir is not None else [namespaces.DEFAULT]
+    for ns in names:
+        entries: list[dict[str, object]] = []
+        if ns == namespaces.DEFAULT:
+            for role in ACCOUNT_ROLES:
+                entry: dict[str, object] = {"user": role, "password": users[role]}
+                perms = PERMISSIONS[role]
+                if perms is not None:
+                    entry["permissions"] = perms
+                entries.append(entry)
+        else:
+            assert store_dir is not None
+            worker = namespaces.read_credential(store_dir, ns, namespaces.WORKER)
+            assert worker is not None
+            entries.append(_entry(worker, WORKER_PERMISSIONS))
+        if store_dir is not None:
+            for who in namespaces.identities(store_dir, ns):
+                if ns == namespaces.DEFAULT and who in namespaces.DEFAULT_ROLES:
+                    continue
+                cred = namespaces.read_credential(store_dir, ns, who)
+                if cred is not None:
+                    entries.append(_entry(cred, client_permissions(who)))
+        # Every namespace's account has JetStream: its streams and buckets are its own.
+        accounts[ns] = {"jetstream": "enabled", "users": entries}
+    system = system_account(users[WATCH_USER])
+    config = {**system, "accounts": {**accounts, **system["accounts"]}}  # type: ignore[dict-item]
     return json.dumps(config, indent=2) + "\n"
 
 
-def write_config(store_dir: Path) -> Path:
-    """Make the users if needed and write the server's config beside them (0600)."""
-    text = server_config(make_users(store_dir))
+def _entry(cred: namespaces.Credential, perms: object) -> dict[str, object]:
+    return {"user": cred.user, "password": cred.password, "permissions": perms}
+
+
+def write_config(store_dir: Path, server_name: str | None = None) -> Path:
+    """Make the users if needed and write the server's config beside them (0600).
+    ``server_name``: the name the server is started with, for a server that will reload the
+    file (nats-server refuses a reload whose file names no server, or another, even when the
+    command line names it)."""
+    text = server_config(make_users(store_dir), store_dir)
+    if server_name is not None:
+        text = json.dumps({"server_name": server_name, **json.loads(text)}, indent=2) + "\n"
     path = store_dir / CONFIG_FILE
-    _replace(path, text)
+    replace(path, text)
     return path
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write ``path`` whole (0600) under another name, then move it in place."""
-    draft = path.parent / f".{path.name}.{os.getpid()}"
-    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(draft, path)
 
 
 def url_as(url: str, store_dir: Path, role: str = LOCAL_USER) -> str:

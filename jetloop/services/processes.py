@@ -119,8 +119,9 @@ def child_components(
     numbers: Sequence[int],
     pools: Sequence[str] | None = None,
     log_format: str | None = None,
+    name: str = "worker",
 ) -> list[Component]:
-    """A supervisor's component for each child ``number``: ``worker-<number>``, running
+    """A supervisor's component for each child ``number``: ``<name>-<number>``, running
     ``jetloop worker --id <base_id>-<number>`` with ``settings`` (``log_format`` instead of
     theirs when given) and the pools given (default all)."""
     grace = settings.drain_seconds + CLOSE_SECONDS
@@ -146,7 +147,7 @@ def child_components(
         ) -> ChildWorker:
             return ChildWorker(argv, env, wid, grace)
 
-        out.append(Component(f"worker-{n}", factory))
+        out.append(Component(f"{name}-{n}", factory))
     return out
 
 

@@ -13,7 +13,6 @@ The NATS credentials are found the same way: ``JETLOOP_NATS_USER`` and
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import urllib.parse
@@ -25,7 +24,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as PydanticSettingsError
 
 from jetloop.schemas.errors import SettingsError
+from jetloop.services import namespaces
 from jetloop.services.gateway.config import HookTrigger, Scope, Tokens, fingerprint
+from jetloop.services.namespaces import DEFAULT as DEFAULT_NAMESPACE
+from jetloop.services.storefiles import write_once
 from jetloop.streams.seal import DEFAULT_TOLERANCE, Sealer, key_bytes
 from jetloop.streams.topology import TopologyConfig
 
@@ -46,10 +48,15 @@ class Settings(BaseSettings):
         "nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated"
     )
     store_dir: Path = Field(Path(".jetloop"), description="store directory of `jetloop up`")
+    namespace: str = Field(
+        DEFAULT_NAMESPACE,
+        description="the namespace to act in (docs/design.md, Namespaces): without "
+        "JETLOOP_NATS_USER, its workers' credential in the store directory is used",
+    )
     nats_user: str | None = Field(
         None,
-        description="NATS user to connect as; unset: the worker user of "
-        "<store dir>/nats-users.json if it exists, else none",
+        description="NATS user to connect as; unset: the worker user of JETLOOP_NAMESPACE in "
+        "<store dir> (nats-users.json, namespaces/) if it exists, else none",
     )
     nats_password: SecretStr | None = Field(
         None,
@@ -102,8 +109,9 @@ class Settings(BaseSettings):
     gateway_port: int = Field(8080, ge=0, le=65535, description="the gateway's port")
     gateway_tokens: Tokens = Field(
         default_factory=dict,
-        description='bearer tokens, JSON: {"<token>": {"name": "alice", "scopes": ["read"]}}; '
-        "a token has at least 16 characters",
+        description='bearer tokens, JSON: {"<token>": {"name": "alice", "scopes": ["read"], '
+        '"namespaces": ["a"]}}; a token has at least 16 characters and acts in the namespaces '
+        "it lists (default: default)",
     )
     gateway_anonymous_scopes: frozenset[Scope] | None = Field(
         None, description="scopes of requests without a token (jetloop up: all, on loopback)"
@@ -206,6 +214,11 @@ class Settings(BaseSettings):
         store = info.data.get("store_dir")  # absent when the store directory is invalid
         return read_seal_key(store) if store is not None else None
 
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        return namespaces.check_name(v)
+
     @field_validator("nats_password", mode="after")
     @classmethod
     def _stored_password(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
@@ -214,7 +227,18 @@ class Settings(BaseSettings):
         if info.data.get("nats_user"):
             raise ValueError("required when JETLOOP_NATS_USER is set")
         store = info.data.get("store_dir")
-        return read_local_password(store) if store is not None else None
+        namespace = info.data.get("namespace", DEFAULT_NAMESPACE)
+        if store is None:
+            return None
+        if namespace == DEFAULT_NAMESPACE:
+            return read_local_password(store)
+        cred = namespaces.read_credential(store, namespace, namespaces.WORKER)
+        if cred is None and (store / NATS_USERS_FILE).exists():
+            raise ValueError(
+                f"JETLOOP_NAMESPACE {namespace!r}: no such namespace in {store} "
+                f"(`jetloop namespace create {namespace}`)"
+            )
+        return SecretStr(cred.password) if cred is not None else None
 
     @field_validator("nats_watch_password", mode="after")
     @classmethod
@@ -244,12 +268,33 @@ class Settings(BaseSettings):
         them there); ``nats_url`` stays without them, for logs."""
         return self.with_credentials([u.strip() for u in self.nats_url.split(",") if u.strip()])
 
+    def for_namespace(self, namespace: str) -> Settings:
+        """These settings acting in ``namespace`` as its workers, with the store directory's
+        credential of them (the local processes of ``jetloop up`` serve every namespace)."""
+        if namespace == self.namespace:
+            return self
+        cred = namespaces.read_credential(self.store_dir, namespace, namespaces.WORKER)
+        if cred is None:
+            raise namespaces.NamespaceError(f"no namespace {namespace!r} in {self.store_dir}")
+        return self.model_copy(
+            update={
+                "namespace": namespace,
+                "nats_user": cred.user,
+                "nats_password": SecretStr(cred.password),
+            }
+        )
+
+    @property
+    def local_user(self) -> str:
+        """The user of the store's credentials: the workers' of ``namespace``."""
+        return namespaces.user_name(self.namespace, namespaces.WORKER)
+
     def with_credentials(self, urls: list[str]) -> list[str]:
         """``urls`` with these settings' user and password in each that has none (unchanged
         without a password: ``JETLOOP_NATS_PASSWORD``, or the store directory's)."""
         if self.nats_password is None:
             return urls
-        user = urllib.parse.quote(self.nats_user or LOCAL_USER, safe="")
+        user = urllib.parse.quote(self.nats_user or self.local_user, safe="")
         password = urllib.parse.quote(self.nats_password.get_secret_value(), safe="")
         out = []
         for u in urls:
@@ -301,25 +346,6 @@ def read_seal_key(store_dir: Path) -> SecretStr | None:
     if not text:
         raise ValueError(f"{path} is empty: delete it (`jetloop up` makes a new one) or fill it")
     return SecretStr(text)
-
-
-def write_once(path: Path, text: str) -> None:
-    """Create ``path`` (0600) holding ``text``, unless it exists. Written whole under another
-    name and then linked in place, so a process reading it beside the writer never sees a
-    partial file, and of two writers racing the first one's file stays."""
-    if path.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    draft = path.parent / f".{path.name}.{os.getpid()}"
-    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    try:
-        os.link(draft, path)
-    except FileExistsError:
-        pass  # another process made it a moment ago: that one stays
-    finally:
-        draft.unlink()
 
 
 def make_seal_key(store_dir: Path) -> str:

@@ -23,14 +23,17 @@ import errno
 import fcntl
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+import nats
 import structlog
 from pydantic import SecretStr
 
 from jetloop.agents import load_app
+from jetloop.services import namespaces
 from jetloop.services.embedded import (
     EmbeddedServer,
     PortInUse,
@@ -40,6 +43,7 @@ from jetloop.services.embedded import (
 )
 from jetloop.services.gateway.app import Gateway
 from jetloop.services.gateway.config import GatewayConfig, exposure_error
+from jetloop.services.namespaced import Namespaced
 from jetloop.services.natsauth import make_users, write_config
 from jetloop.services.processes import child_components
 from jetloop.services.readmodel.projector import Projector
@@ -62,6 +66,7 @@ class UpError(Exception):
 
 
 LOCK_FILE = "up.lock"
+SERVER_NAME = "jetloop"
 NATS_PORT_SETTING = "JETLOOP_EMBEDDED_PORT / --nats-port"
 GATEWAY_PORT_SETTING = "JETLOOP_GATEWAY_PORT / --gateway-port"
 
@@ -107,6 +112,27 @@ def release_store(lock: IO[str]) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(lock.name)
     lock.close()
+
+
+async def _accepted(urls: list[str], timeout: float = 10.0) -> None:
+    """Until the server takes these credentials (a reload is applied within milliseconds)."""
+    deadline = time.monotonic() + timeout
+
+    async def quiet(exc: Exception) -> None:
+        pass  # refused until the reload is applied: asked again below
+
+    while True:
+        try:
+            nc = await nats.connect(
+                urls, max_reconnect_attempts=0, connect_timeout=2, error_cb=quiet
+            )
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+            continue
+        await nc.close()
+        return
 
 
 def nats_port_taken(port: int) -> str:
@@ -164,16 +190,25 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
         raise UpError(gateway_port_taken(host, port))
 
     stages: list[list[Component]] = []
+    server: EmbeddedServer | None = None
     if not external:
+        # The default namespace's data moves out of the server's global account once, with
+        # the server stopped (jetloop.services.namespaces).
+        try:
+            if namespaces.migrate_default(settings.store_dir):
+                log.info("namespace.migrated", namespace=namespaces.DEFAULT)
+        except namespaces.NamespaceError as exc:
+            raise UpError(str(exc)) from None
         # NATS authorization: users with the permissions of their roles (jetloop.services.natsauth);
         # every part of `up` connects as the worker.
         users = make_users(settings.store_dir)
         password = users[LOCAL_USER]
         server = EmbeddedServer(
             settings.store_dir,
+            name=SERVER_NAME,
             port=settings.embedded_port,  # 0: a free port, kept across restarts
             log_file=settings.store_dir / "nats-server.log",
-            config_file=write_config(settings.store_dir),
+            config_file=write_config(settings.store_dir, SERVER_NAME),
             auth=(LOCAL_USER, password),
         )
         settings = settings.model_copy(
@@ -213,12 +248,54 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
     stages.append(
         [Component("worker", lambda: Worker(worker_settings, app, worker_id=worker_id)), *children]
     )
+
+    def namespace_parts(ns: str) -> list[list[Component]]:
+        """What serves one more namespace: a worker (and its children), then a projector (it
+        reads the streams the worker makes)."""
+        ns_settings = settings.for_namespace(ns).model_copy(update={"metrics_port": None})
+        db = namespaces.readmodel_path(readmodel_db, ns)
+        return [
+            [
+                Component(f"worker[{ns}]", lambda: Worker(ns_settings, app, worker_id=worker_id)),
+                *child_components(
+                    ns_settings,
+                    worker_id,
+                    range(2, settings.worker_processes + 1),
+                    log_format="console",
+                    name=f"worker[{ns}]",
+                ),
+            ],
+            [Component(f"projector[{ns}]", lambda: Projector(ns_settings.nats_urls, db))],
+        ]
+
+    async def accept(new: list[str]) -> None:
+        """Make the server know every namespace and credential before anything connects to a
+        new one."""
+        if server is None:
+            return  # servers started elsewhere: their config is their operator's
+        write_config(settings.store_dir, SERVER_NAME)
+        server.reload()
+        for ns in new:
+            await _accepted(settings.for_namespace(ns).nats_urls)
+
     stages.append(
         [
             Component(
-                "gateway", lambda: Gateway(gw_config, urls, host, port), gateway_fatal(host, port)
+                "gateway",
+                lambda: Gateway(
+                    gw_config,
+                    urls,
+                    host,
+                    port,
+                    urls_for=lambda ns: settings.for_namespace(ns).nats_urls,
+                ),
+                gateway_fatal(host, port),
             ),
             Component("projector", lambda: Projector(urls, readmodel_db)),
+            Component(
+                "namespaces",
+                lambda: Namespaced(settings.store_dir, namespace_parts, accept=accept),
+            ),
         ]
     )
 

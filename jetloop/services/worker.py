@@ -181,7 +181,12 @@ class Worker(Service):
             control: ControlService | None = None
             if topology.SESSION_POOL in self.pools:
                 control = ControlService(
-                    nc, rt.state, Control(rt.state, rt.bus), rt.history, rt.blobs
+                    nc,
+                    rt.state,
+                    Control(rt.state, rt.bus),
+                    rt.history,
+                    rt.blobs,
+                    namespace=s.namespace,
                 )
                 self._control = control
                 if self._serving.is_set():

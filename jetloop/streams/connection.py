@@ -41,11 +41,17 @@ log = LibraryLogger("jetloop.nats")
 # ``_INBOX``.
 INBOX_PREFIXES = {"client": "_INBOX_client", "operator": "_INBOX_operator"}
 DEFAULT_INBOX_PREFIX = "_INBOX"
+CLIENT_INBOX = INBOX_PREFIXES["client"]
 
 
 def inbox_prefix(user: str | None) -> str:
     """The prefix of the inboxes a connection as ``user`` makes (its requests' answers, its
-    pull deliveries, its watchers' pushes)."""
+    pull deliveries, its watchers' pushes). A user of a namespace, ``<namespace>.<who>``
+    (``jetloop.services.namespaces.user_name``), has its workers' prefix when ``who`` is
+    ``worker``, the operator's when it is ``operator``, and a client's otherwise."""
+    if user and "." in user:
+        who = user.partition(".")[2]
+        return DEFAULT_INBOX_PREFIX if who == "worker" else INBOX_PREFIXES.get(who, CLIENT_INBOX)
     return INBOX_PREFIXES.get(user or "", DEFAULT_INBOX_PREFIX)
 
 
@@ -111,6 +117,7 @@ async def connect(
     # advisory ever arrives (seen after a node's takeover in a kill trial).
     user, password = credentials_in(urls)
     nc = SizedClient()
+    nc.user = user
     try:
         await asyncio.wait_for(
             nc.connect(
@@ -231,6 +238,9 @@ class SizedClient(Client):
         self._kick_due = False
         self._ended = False  # closed for good (see _close)
         self._linked_at: float | None = None  # monotonic time the current link opened
+        # The NATS user it connects as (None: anonymous or a credentials file): in a namespace,
+        # ``<namespace>.<who>`` (``jetloop.services.namespaces``).
+        self.user: str | None = None
 
     async def _close(self, status: int, do_cbs: bool = True) -> None:
         # CLOSED is the end (close(), drain, given up); nats-py's first connect also calls

@@ -11,7 +11,7 @@ import click
 if TYPE_CHECKING:
     pass
 
-from jetloop.services.cli.main import _client_cmd, main
+from jetloop.services.cli.main import _client_cmd, main, namespace_option
 
 
 @main.command()
@@ -21,6 +21,7 @@ from jetloop.services.cli.main import _client_cmd, main
 @click.option("--reason")
 @click.option("--by", default="cli", show_default=True)
 @click.option("--nats", "nats_url")
+@namespace_option
 def approve(
     session_id: str,
     approval_id: str,
@@ -45,6 +46,7 @@ def approve(
 @click.argument("text")
 @click.option("--by", default="cli", show_default=True)
 @click.option("--nats", "nats_url")
+@namespace_option
 def answer(session_id: str, question_id: str, text: str, by: str, nats_url: str | None) -> None:
     """Answer a question the model asked."""
 
@@ -60,6 +62,7 @@ def answer(session_id: str, question_id: str, text: str, by: str, nats_url: str 
 @click.option("--turn", "turn_id", help="a turn id (default: the running turn)")
 @click.option("--by", default="cli", show_default=True)
 @click.option("--nats", "nats_url")
+@namespace_option
 def cancel(session_id: str, turn_id: str | None, by: str, nats_url: str | None) -> None:
     """Cancel a session's running turn."""
 
@@ -77,6 +80,7 @@ def cancel(session_id: str, turn_id: str | None, by: str, nats_url: str | None) 
 @click.option("--error", help="error text (with --failed)")
 @click.option("--by", default="cli", show_default=True)
 @click.option("--nats", "nats_url")
+@namespace_option
 def reconcile(
     call_key: str,
     succeeded: bool,

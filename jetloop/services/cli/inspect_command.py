@@ -10,11 +10,12 @@ import click
 if TYPE_CHECKING:
     from jetloop.services.client import Client
 
-from jetloop.services.cli.main import _client_cmd, main
+from jetloop.services.cli.main import _client_cmd, main, namespace_option
 
 
 @main.command()
 @click.option("--nats", "nats_url")
+@namespace_option
 @click.option("--json", "as_json", is_flag=True, help="JSON, for machines")
 @click.option(
     "--keys",

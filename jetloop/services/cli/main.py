@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -36,6 +36,7 @@ COMMANDS = {
     ),
     **dict.fromkeys(("approve", "answer", "cancel", "reconcile"), "decide"),
     "inspect": "inspect_command",
+    "namespace": "namespace_command",
 }
 
 
@@ -72,6 +73,35 @@ def _settings(**overrides: Any) -> Settings:
         raise click.ClickException(str(exc)) from None
 
 
+def _namespace(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is None:
+        return
+    from jetloop.services.namespaces import NamespaceError, check_name
+
+    try:
+        check_name(value)
+    except NamespaceError as exc:
+        raise click.BadParameter(str(exc)) from None
+    # Every setting read from here on acts in it (JETLOOP_NAMESPACE).
+    os.environ["JETLOOP_NAMESPACE"] = value
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def namespace_option(f: F) -> F:
+    """``--namespace NAME``: the namespace a command acts in (default JETLOOP_NAMESPACE, else
+    ``default``)."""
+    return click.option(
+        "--namespace",
+        metavar="NAME",
+        callback=_namespace,
+        expose_value=False,
+        is_eager=True,
+        help="the namespace to act in (default JETLOOP_NAMESPACE, else default)",
+    )(f)
+
+
 def _run(coro: Coroutine[Any, Any, None], settings: Settings | None = None) -> None:
     """Run a command's coroutine; given the settings of a long-lived process (a worker,
     ``up``), on the loop they choose (``jetloop.services.runner``)."""
@@ -91,6 +121,7 @@ def _run(coro: Coroutine[Any, Any, None], settings: Settings | None = None) -> N
 
 @click.group(cls=LazyGroup)
 @click.version_option(package_name="jetloop")
+@namespace_option
 def main() -> None:
     """jetloop: durable execution of AI-agent turns on NATS JetStream."""
     from jetloop.services.logs import configure
@@ -181,6 +212,8 @@ async def _with_client(urls: list[str], body: Body, timeout: float | None) -> No
         ) from None
     except NatsError as exc:
         raise click.ClickException(f"NATS at {where} refused the connection: {exc}") from None
+    except JetloopError as exc:  # a credential of another namespace than the one named
+        raise click.ClickException(str(exc)) from None
     async with jl:
         work = asyncio.create_task(body(jl))
         gone = asyncio.create_task(lost.wait())

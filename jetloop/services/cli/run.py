@@ -13,9 +13,18 @@ from jetloop.services.logs import configure
 from jetloop.tooling.trials import MODES as TRIAL_MODES
 
 if TYPE_CHECKING:
+    from jetloop.agents import App
     from jetloop.services.client import Client
+    from jetloop.services.settings import Settings
 
-from jetloop.services.cli.main import _client_cmd, _run, _settings, invoked_as, main
+from jetloop.services.cli.main import (
+    _client_cmd,
+    _run,
+    _settings,
+    invoked_as,
+    main,
+    namespace_option,
+)
 
 
 @main.command()
@@ -79,6 +88,14 @@ def up(
 )
 @click.option("--id", "worker_id", help="worker name in claims and logs")
 @click.option(
+    "--namespace",
+    "served",
+    multiple=True,
+    metavar="NAME",
+    help="a namespace to serve (repeat for more; `all`: every namespace of the store, also "
+    "those made later); default JETLOOP_NAMESPACE, else default",
+)
+@click.option(
     "--processes",
     type=click.IntRange(1, 256),
     help="run this many worker processes, ids <id>-1 … <id>-N (default "
@@ -89,6 +106,7 @@ def worker(
     nats_url: str | None,
     pools: str,
     worker_id: str | None,
+    served: tuple[str, ...],
     processes: int | None,
 ) -> None:
     """Run a worker (or --processes N of them) against existing NATS servers."""
@@ -96,7 +114,14 @@ def worker(
     from jetloop.services.runner import settle_when_started
     from jetloop.services.worker import Worker, default_worker_id
 
-    s = _settings(app=app, nats_url=nats_url, worker_id=worker_id, worker_processes=processes)
+    several = len(served) > 1 or "all" in served
+    s = _settings(
+        app=app,
+        nats_url=nats_url,
+        worker_id=worker_id,
+        worker_processes=processes,
+        namespace=None if several or not served else served[0],
+    )
     wid = s.worker_id or default_worker_id()
     configure(s.log_format, s.log_level, worker=wid)
     try:
@@ -104,6 +129,11 @@ def worker(
     except (ValueError, ImportError) as exc:
         raise click.ClickException(f"setting JETLOOP_APP / --app: {exc}") from None
     pool_names = [p.strip() for p in pools.split(",") if p.strip()]
+    if several:
+        if s.worker_processes > 1:
+            raise click.ClickException("--processes takes one --namespace")
+        _run(_namespaces(s, served, loaded, pool_names, wid), s)
+        return
     if s.worker_processes > 1:
         from jetloop.services.processes import run_worker_processes
         from jetloop.services.supervisor import GaveUp
@@ -130,8 +160,36 @@ def worker(
     _run(go(), s)
 
 
+async def _namespaces(
+    s: Settings, served: tuple[str, ...], app: App, pools: list[str], wid: str
+) -> None:
+    """One worker per namespace served, from the store directory's credentials of each."""
+    import signal
+
+    from jetloop.services import namespaces
+    from jetloop.services.namespaced import Namespaced
+    from jetloop.services.supervisor import Component
+    from jetloop.services.worker import Worker
+
+    for ns in served:
+        if ns != "all" and not namespaces.exists(s.store_dir, ns):
+            raise click.ClickException(f"--namespace {ns}: no such namespace in {s.store_dir}")
+
+    def parts(ns: str) -> list[list[Component]]:
+        ns_settings = s.for_namespace(ns)
+        worker = Component(f"worker[{ns}]", lambda: Worker(ns_settings, app, pools, worker_id=wid))
+        return [[worker]]
+
+    host = Namespaced(s.store_dir, parts, serve=lambda ns: "all" in served or ns in served)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, host.stop_soon)
+    await host.run()
+
+
 @main.command()
 @click.option("--nats", "nats_url")
+@namespace_option
 @click.option("--replicas", type=int, help="set the replica count of every stream (R3: 3)")
 @click.option(
     "--app",

@@ -23,6 +23,7 @@ from jetloop.services.cli.main import (
     _settings,
     invoked_as,
     main,
+    namespace_option,
 )
 
 
@@ -31,6 +32,7 @@ from jetloop.services.cli.main import (
 @click.option("--session", "session_id", required=True)
 @click.option("--request-id", help="idempotency key of this message (default: random)")
 @click.option("--nats", "nats_url")
+@namespace_option
 @click.option("--wait/--no-wait", default=True, show_default=True)
 @click.option("--timeout", default=120.0, show_default=True)
 @click.argument("text")
@@ -92,6 +94,7 @@ def send(
 @main.command()
 @click.argument("session_id")
 @click.option("--nats", "nats_url")
+@namespace_option
 @click.option("--follow/--no-follow", default=True, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per event")
 def events(session_id: str, nats_url: str | None, follow: bool, as_json: bool) -> None:
@@ -111,6 +114,7 @@ def events(session_id: str, nats_url: str | None, follow: bool, as_json: bool) -
 @click.option("--agent", required=True)
 @click.option("--resume", "session_id", help="a session to go on with (default: a new one)")
 @click.option("--nats", "nats_url")
+@namespace_option
 def chat(agent: str, session_id: str | None, nats_url: str | None) -> None:
     """Talk to an agent: its text and tool calls as they happen, approvals with y/n,
     questions answered inline. Ctrl-D leaves (and says how to come back)."""
@@ -190,6 +194,7 @@ async def _print_delta(msg: Any) -> None:
 @main.command()
 @click.argument("session_id")
 @click.option("--nats", "nats_url")
+@namespace_option
 @click.option("--history", "history_limit", default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def snapshot(session_id: str, nats_url: str | None, history_limit: int, as_json: bool) -> None:
@@ -230,6 +235,7 @@ def snapshot(session_id: str, nats_url: str | None, history_limit: int, as_json:
 @main.command()
 @click.argument("session_id")
 @click.option("--nats", "nats_url")
+@namespace_option
 @click.option("--limit", default=20, show_default=True, help="turns to show, newest first")
 @click.option("--offset", default=0, show_default=True, help="newest turns to skip")
 @click.option("--json", "as_json", is_flag=True)
@@ -259,6 +265,7 @@ def turns(session_id: str, nats_url: str | None, limit: int, offset: int, as_jso
 @click.argument("session_id")
 @click.argument("turn_id")
 @click.option("--nats", "nats_url")
+@namespace_option
 @click.option("--limit", default=100, show_default=True, help="calls to show at most")
 @click.option("--json", "as_json", is_flag=True)
 def turn(session_id: str, turn_id: str, nats_url: str | None, limit: int, as_json: bool) -> None:

@@ -15,6 +15,7 @@ Routes (the OpenAPI 3.1 document is ``jetloop.services.gateway.openapi``, served
     POST /v1/calls/{call_key}/reconcile                   approve  settle outcome_unknown
     POST /v1/hooks/{trigger}                              (signed) webhooks start turns
     GET  /v1/whoami                                       read     the token's name, scopes
+    GET  /v1/namespaces                                   read     the token's namespaces
     GET  /v1/events                                       read     SSE of every session
     GET  /v1/inbox                                        read     pending approvals, questions
     GET  /v1/sessions/{session}/turns/{turn_id}/timeline  read     a turn's events and calls
@@ -23,6 +24,15 @@ Routes (the OpenAPI 3.1 document is ``jetloop.services.gateway.openapi``, served
     GET  /v1/operations                                   read     workers, agents, lag
     GET  /, /console/{asset}                              (open)   the web console
     GET  /v1/openapi.json, /healthz, /readyz, /metrics    (open)
+
+Each request with a token acts in one namespace (``jetloop.services.namespaces``: a NATS
+account of its own): the one its ``?namespace=`` names, or the token's first (``default``
+when it holds it, else the first by name). A namespace the token does not hold is a 403,
+whether it exists or not; a name that cannot be one, a 422. Requests without a token act in
+``default``, a webhook in its trigger's ``namespace``. The namespace's connection and read
+model serve it (``jetloop.services.gateway.state.Namespaces``): the default's is given to
+``make_app`` as before, the others' come from its ``urls_for`` on first use; without it a
+namespace other than the default is a 503.
 
 Everything that changes something goes through ``jetloop.services.client.Client`` — the same
 idempotent operations as the CLI and the NATS control API; the gateway holds no state of
@@ -62,14 +72,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
 from jetloop.schemas.errors import SettingsError, TurnFailed
-from jetloop.services.client import Client
+from jetloop.services import namespaces
 from jetloop.services.gateway import console, hooks, sse
 from jetloop.services.gateway.browser import browser_rules, json_writes
-from jetloop.services.gateway.config import GatewayConfig, Scope, exposure_error, is_loopback
+from jetloop.services.gateway.config import (
+    GatewayConfig,
+    Scope,
+    TokenGrant,
+    exposure_error,
+    is_loopback,
+)
 from jetloop.services.gateway.guard import ConnectionGuard
 from jetloop.services.gateway.http import (
     AUTH_FAILURES,
     CONFIG,
+    GRANT,
     METRICS,
     SCOPES,
     TOKENS,
@@ -108,11 +125,19 @@ from jetloop.services.gateway.openapi import (
 )
 from jetloop.services.gateway.state import (
     CLIENT,
+    NAMESPACE,
+    NAMESPACES,
     NATS_CLOSED,
     NATS_URLS,
     READMODEL,
     STOPPING,
+    URLS_FOR,
+    Namespaces,
     ReadModelReader,
+    UrlsFor,
+    client_of,
+    make_client,
+    readmodel_of,
 )
 from jetloop.services.lifecycle import Service
 from jetloop.services.logs import configure
@@ -148,7 +173,7 @@ async def send_message(request: web.Request) -> web.Response:
     if key is not None and not REQUEST_ID_RE.fullmatch(key):
         raise Problem(422, "invalid Idempotency-Key", "1-200 printable ASCII characters, no spaces")
     body = await read_body(request, MessageIn)
-    client = request.app[CLIENT]
+    client = await client_of(request)
     h = await client.send(agent, session, body.text, request_id=key)
     out = TurnOut(
         agent=agent,
@@ -174,7 +199,7 @@ async def send_message(request: web.Request) -> web.Response:
 
 async def list_sessions(request: web.Request) -> web.Response:
     query = read_query(request, ListQuery)
-    model = await request.app[READMODEL].get()
+    model = await readmodel_of(request).get()
     page = await model.list_sessions(query.q, query.status, query.agent, query.limit, query.offset)
     await console.add_worker_waits(request, page.sessions)
     return ok(
@@ -190,7 +215,8 @@ async def list_sessions(request: web.Request) -> web.Response:
 async def get_session(request: web.Request) -> web.Response:
     session = path_name(request, "session")
     query = read_query(request, SnapshotQuery)
-    snap = await request.app[CLIENT].snapshot(session, query.history_offset, query.history_limit)
+    client = await client_of(request)
+    snap = await client.snapshot(session, query.history_offset, query.history_limit)
     if snap is None:
         raise Problem(404, "no such session", session)
     return ok(snap)
@@ -199,13 +225,14 @@ async def get_session(request: web.Request) -> web.Response:
 async def list_turns(request: web.Request) -> web.Response:
     session = path_name(request, "session")
     query = read_query(request, TurnsQuery)
-    return ok(await request.app[CLIENT].turns(session, query.limit, query.offset))
+    return ok(await (await client_of(request)).turns(session, query.limit, query.offset))
 
 
 async def get_turn(request: web.Request) -> web.Response:
     session, turn_id = path_name(request, "session"), path_name(request, "turn_id")
     query = read_query(request, TurnQuery)
-    return ok(await request.app[CLIENT].turn_calls(session, turn_id, query.calls_limit))
+    client = await client_of(request)
+    return ok(await client.turn_calls(session, turn_id, query.calls_limit))
 
 
 async def stream_events(request: web.Request) -> web.StreamResponse:
@@ -214,11 +241,12 @@ async def stream_events(request: web.Request) -> web.StreamResponse:
     if not SEQ_RE.fullmatch(raw):
         raise Problem(400, "invalid Last-Event-ID", "a JL_EVENTS stream sequence (digits)")
     app = request.app
+    js = (await client_of(request)).js
     app[METRICS].streams.inc()
     try:
         return await sse.stream(
             request,
-            app[CLIENT].js,
+            js,
             session,
             int(raw),
             app[STOPPING],
@@ -239,28 +267,28 @@ async def decide_approval(request: web.Request) -> web.Response:
     fields = (await read_body(request, DecisionIn)).model_dump()
     model = ApproveRequest if fields.pop("approve") else RejectRequest
     req = decision(request, model, fields, session_id=session, approval_id=approval_id)
-    return ok(dump(await request.app[CLIENT].decide(req)))
+    return ok(dump(await (await client_of(request)).decide(req)))
 
 
 async def answer_question(request: web.Request) -> web.Response:
     session, question_id = path_name(request, "session"), path_name(request, "question_id")
     body = (await read_body(request, AnswerIn)).model_dump()
     req = decision(request, AnswerRequest, body, session_id=session, question_id=question_id)
-    return ok(dump(await request.app[CLIENT].decide(req)))
+    return ok(dump(await (await client_of(request)).decide(req)))
 
 
 async def cancel_turn(request: web.Request) -> web.Response:
     session = path_name(request, "session")
     body = (await read_body(request, CancelIn, optional=True)).model_dump()
     req = decision(request, CancelRequest, body, session_id=session)
-    return ok(dump(await request.app[CLIENT].decide(req)))
+    return ok(dump(await (await client_of(request)).decide(req)))
 
 
 async def reconcile_call(request: web.Request) -> web.Response:
     key = path_name(request, "call_key", CALL_KEY_RE)
     body = (await read_body(request, ReconcileIn)).model_dump()
     req = decision(request, ReconcileRequest, body, call_key=key)
-    return ok(dump(await request.app[CLIENT].decide(req)))
+    return ok(dump(await (await client_of(request)).decide(req)))
 
 
 async def receive_webhook(request: web.Request) -> web.Response:
@@ -282,13 +310,15 @@ async def receive_webhook(request: web.Request) -> web.Response:
         app[METRICS].hooks.labels(name, "refused").inc()
         log.info("webhook.refused", trigger=name, status=exc.status, reason=exc.title)
         raise Problem(exc.status, exc.title, exc.detail or None) from None
-    h = await app[CLIENT].send(
+    client = await client_of(request, trigger.namespace)
+    h = await client.send(
         trigger.agent, session, text, request_id=hooks.request_id_for(name, delivery)
     )
     app[METRICS].hooks.labels(name, "duplicate" if h.duplicate else "accepted").inc()
     log.info(
         "webhook.accepted",
         trigger=name,
+        namespace=trigger.namespace,
         session=session,
         turn=h.turn_id,
         duplicate=h.duplicate,
@@ -379,6 +409,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/hooks/{trigger}", "receiveWebhook", None, receive_webhook),
     # The console's reads (jetloop.services.gateway.console).
     Route("GET", "/v1/whoami", "whoami", "read", console.whoami),
+    Route("GET", "/v1/namespaces", "listNamespaces", "read", console.token_namespaces),
     Route("GET", "/v1/events", "streamAllEvents", "read", console.stream_all),
     Route("GET", "/v1/inbox", "getInbox", "read", console.inbox),
     Route(
@@ -404,6 +435,37 @@ ROUTES: tuple[Route, ...] = (
 # --- the app ---------------------------------------------------------------------------
 
 
+def requested_namespace(request: web.Request, grant: TokenGrant) -> str:
+    """The namespace ``?namespace=`` names (one the grant holds), else the grant's first."""
+    given = request.query.getall("namespace", [])
+    if not given:
+        return grant.home
+    try:
+        if len(given) > 1:
+            raise namespaces.NamespaceError("name one namespace")
+        name = namespaces.check_name(given[0])
+    except namespaces.NamespaceError as exc:
+        raise Problem(
+            422,
+            "invalid query parameter",
+            "1 error(s)",
+            errors=[{"loc": ["namespace"], "msg": str(exc), "type": "value_error"}],
+        ) from None
+    if name not in grant.namespaces:
+        # The same answer whether it exists or not: a token learns nothing of the others.
+        raise Problem(403, "namespace not allowed", f"the token may not act in {name!r}")
+    return name
+
+
+@web.middleware
+async def in_namespace(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Settle the namespace a request with a grant (``auth``) acts in."""
+    grant = request.get(GRANT)
+    if grant is not None:
+        request[NAMESPACE] = requested_namespace(request, grant)
+    return await handler(request)
+
+
 async def _nats(app: web.Application) -> AsyncIterator[None]:
     urls = app[NATS_URLS]
     closed = app[NATS_CLOSED]
@@ -424,12 +486,7 @@ async def _nats(app: web.Application) -> AsyncIterator[None]:
             hint="set JETLOOP_SEAL_KEY to the workers' key",
             state="read unverified" if config.read_unverified else "reads refused",
         )
-    app[CLIENT] = Client(
-        nc,
-        retry_for=config.nats_retry_seconds,
-        sealer=config.sealer,
-        verify=not config.read_unverified,
-    )
+    app[CLIENT] = make_client(nc, config)
     try:
         yield
     finally:
@@ -448,20 +505,46 @@ async def _read_model(app: web.Application) -> AsyncIterator[None]:
         await reader.close()
 
 
+async def _namespaces(app: web.Application) -> AsyncIterator[None]:
+    found = Namespaces(app[CONFIG], app[CLIENT], app[READMODEL], app[URLS_FOR])
+    app[NAMESPACES] = found
+    try:
+        yield
+    finally:
+        await found.close()
+
+
 async def _stop_streams(app: web.Application) -> None:
     app[STOPPING].set()
 
 
-def make_app(config: GatewayConfig, nats_urls: Sequence[str] | str) -> web.Application:
-    """The gateway's aiohttp application; NATS is connected when it starts."""
+def make_app(
+    config: GatewayConfig,
+    nats_urls: Sequence[str] | str,
+    urls_for: UrlsFor | None = None,
+) -> web.Application:
+    """The gateway's aiohttp application; NATS is connected when it starts.
+
+    ``nats_urls`` reach the default namespace; ``urls_for(namespace)`` the server URLs, with a
+    credential of that namespace, for the others (``Settings.for_namespace(ns).nats_urls``).
+    Without it the gateway acts in the default namespace alone."""
     if isinstance(nats_urls, str):
         nats_urls = [u.strip() for u in nats_urls.split(",") if u.strip()]
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[measure, problems, browser_rules, auth, json_writes, body_deadline],
+        middlewares=[
+            measure,
+            problems,
+            browser_rules,
+            auth,
+            in_namespace,
+            json_writes,
+            body_deadline,
+        ],
     )
     app[CONFIG] = config
     app[NATS_URLS] = tuple(nats_urls)
+    app[URLS_FOR] = urls_for
     app[TOKENS] = {digest(token): grant for token, grant in config.tokens.items()}
     app[SCOPES] = {r.name: r.scope for r in ROUTES}
     app[METRICS] = Metrics()
@@ -472,6 +555,7 @@ def make_app(config: GatewayConfig, nats_urls: Sequence[str] | str) -> web.Appli
         app.router.add_route(r.method, r.path, r.handler, name=r.name)
     app.cleanup_ctx.append(_nats)
     app.cleanup_ctx.append(_read_model)
+    app.cleanup_ctx.append(_namespaces)
     app.on_shutdown.append(_stop_streams)
     if not config.tokens and not config.anonymous_scopes:
         log.warning("gateway.no_tokens", hint="no token is configured: only open routes work")
@@ -492,10 +576,13 @@ class Gateway(Service):
         host: str = "127.0.0.1",
         port: int = 8080,
         shutdown_timeout: float = 10.0,
+        urls_for: UrlsFor | None = None,
     ) -> None:
+        """``nats_urls`` and ``urls_for``: as ``make_app``'s."""
         super().__init__()
         self.config = config
         self.nats_urls = nats_urls
+        self.urls_for = urls_for
         self.host = host
         self.port = port
         self.shutdown_timeout = shutdown_timeout
@@ -513,7 +600,7 @@ class Gateway(Service):
                 scopes=sorted(config.anonymous_scopes),
                 hint="anyone who reaches this address has these scopes without a token",
             )
-        app = make_app(config, self.nats_urls)
+        app = make_app(config, self.nats_urls, self.urls_for)
         runner = web.AppRunner(
             app,
             access_log=None,  # the `measure` middleware logs requests through structlog
@@ -553,15 +640,20 @@ class Gateway(Service):
                 await listener.wait_closed()
             log.info("gateway.stopped")
         if app[NATS_CLOSED].is_set():
-            # A closed connection is never reopened: end, so a supervisor starts a new one.
+            # The default namespace's connection is never reopened: end, so a supervisor
+            # starts a new one (another namespace's is made again on its next request).
             raise ConnectionLost("gateway")
 
 
 async def run_gateway(
-    config: GatewayConfig, nats_urls: Sequence[str] | str, host: str = "127.0.0.1", port: int = 8080
+    config: GatewayConfig,
+    nats_urls: Sequence[str] | str,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    urls_for: UrlsFor | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM."""
-    gateway = Gateway(config, nats_urls, host, port)
+    gateway = Gateway(config, nats_urls, host, port, urls_for=urls_for)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, gateway.stop_soon)
@@ -604,8 +696,12 @@ def gateway_command(
     refused = exposure_error(config, str(host))
     if refused is not None:
         raise click.ClickException(refused)
+
+    def urls_for(namespace: str) -> list[str]:
+        return settings.for_namespace(namespace).nats_urls
+
     try:
-        asyncio.run(run_gateway(config, settings.nats_urls, str(host), int(port)))
+        asyncio.run(run_gateway(config, settings.nats_urls, str(host), int(port), urls_for))
     except KeyboardInterrupt:
         pass
     except ConnectionLost as exc:  # exit 1, to be restarted

@@ -1,13 +1,20 @@
-"""What the HTTP gateway is configured with: tokens and their scopes, webhook triggers, limits.
+"""What the HTTP gateway is configured with: tokens, their scopes and namespaces, webhook
+triggers, limits.
 
 Plain pydantic models, so the gateway can be built from ``Settings`` (``JETLOOP_GATEWAY_*``
 variables, JSON for the structured ones) or directly in tests. Secrets never show in a
 ``repr`` or a log line.
 
     JETLOOP_GATEWAY_TOKENS='{"<32+ random characters>": {"name": "alice", "scopes": ["read"]},
-                            "<another>": ["read"]}'
+                            "<another>": {"name": "bob", "scopes": ["read", "write"],
+                                          "namespaces": ["a", "b"]},
+                            "<a third>": ["read"]}'
     JETLOOP_GATEWAY_HOOKS='{"github": {"agent": "demo", "session": "gh-{payload.repository.name}",
-                           "secret": "…", "scheme": "github"}}'
+                           "secret": "…", "scheme": "github", "namespace": "a"}}'
+
+A token acts only in its namespaces (``default`` when it names none; a request without a
+token, too): each is a NATS account of its own (``jetloop.services.namespaces``), and the
+gateway reaches it through a connection of that account alone.
 """
 
 from __future__ import annotations
@@ -29,19 +36,50 @@ from pydantic import (
     model_validator,
 )
 
+from jetloop.services import namespaces
 from jetloop.streams.seal import Sealer
 
 Scope = Literal["read", "write", "approve"]
 SCOPES: tuple[Scope, ...] = ("read", "write", "approve")
 
 
+def _namespace(name: str) -> str:
+    try:
+        return namespaces.check_name(name)
+    except namespaces.NamespaceError as exc:
+        raise ValueError(str(exc)) from None
+
+
+Namespace = Annotated[str, AfterValidator(_namespace)]
+
+
+def _some(names: frozenset[str]) -> frozenset[str]:
+    if not names:
+        raise ValueError("a token acts in one namespace at least")
+    return names
+
+
 class TokenGrant(BaseModel):
-    """What one bearer token may do, and the name recorded as ``by`` for its decisions."""
+    """What one bearer token may do, the name recorded as ``by`` for its decisions, and the
+    namespaces it may act in."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field("api", min_length=1, max_length=100)
     scopes: frozenset[Scope] = frozenset()
+    namespaces: Annotated[frozenset[Namespace], AfterValidator(_some)] = frozenset(
+        {namespaces.DEFAULT}
+    )
+
+    @property
+    def home(self) -> str:
+        """The namespace a request names none acts in: ``default`` when the token holds it,
+        else the first of its namespaces by name."""
+        return namespaces.DEFAULT if namespaces.DEFAULT in self.namespaces else min(self.namespaces)
+
+    def ordered(self) -> list[str]:
+        """The token's namespaces, its home first, then the others by name."""
+        return [self.home, *sorted(self.namespaces - {self.home})]
 
 
 def fingerprint(secret: str) -> str:
@@ -95,6 +133,8 @@ class HookTrigger(BaseModel):
     secret: SecretStr
     scheme: Literal["standard", "github"] = "standard"
     text: str | None = None
+    # The namespace its turns run in.
+    namespace: Namespace = namespaces.DEFAULT
 
     @model_validator(mode="after")
     def _secret_fits_scheme(self) -> HookTrigger:

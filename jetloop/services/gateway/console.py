@@ -10,12 +10,17 @@ The routes here are the ones only a person's view needs, all paged so that no pa
 console loads everything however many sessions there are:
 
     GET /v1/whoami                                   the token's name and scopes
+    GET /v1/namespaces                               the namespaces the token acts in
     GET /v1/events                                   SSE of every session, from now
     GET /v1/inbox                                    pending approvals, open questions
     GET /v1/sessions/{session}/turns/{turn}/timeline  a turn's events and calls
     GET /v1/sessions/{session}/events/{seq}          one event, whole
     GET /v1/dead-letters[/{seq}]                     JL_DEAD, newest first
     GET /v1/operations                               workers, agents, consumer lag
+
+Everything is the request's namespace's (``?namespace=``, else the token's first): its
+connection and its read model (``jetloop.services.gateway.state``). The page offers a
+choice of namespace when the token holds more than one, and adds it to every request.
 
 Lists and timelines come from the read model (``jetloop.services.readmodel``), dead letters and
 operations from JetStream directly.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +59,7 @@ from jetloop.services.gateway.openapi import (
     DeadQuery,
     Inbox,
     InboxItem,
+    NamespaceList,
     Operations,
     PageQuery,
     Timeline,
@@ -61,7 +68,7 @@ from jetloop.services.gateway.openapi import (
     TimelineQuery,
     Whoami,
 )
-from jetloop.services.gateway.state import CLIENT, READMODEL, STOPPING
+from jetloop.services.gateway.state import STOPPING, client_of, namespace_of, readmodel_of
 from jetloop.streams import topology
 
 STATIC = Path(__file__).with_name("console_assets")
@@ -85,6 +92,8 @@ HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
 }
+# What leaves a page without the registry's word: NATS away, or the namespace not reached.
+NOT_NOW: tuple[type[BaseException], ...] = (*NATS_DOWN, Problem)
 # Event data, dead-letter bodies: larger than this is cut in a page and fetched on demand.
 PAYLOAD_CHARS = 2000
 
@@ -112,11 +121,15 @@ async def whoami(request: web.Request) -> web.Response:
     return ok(Whoami(name=grant.name, scopes=sorted(grant.scopes)))
 
 
+async def token_namespaces(request: web.Request) -> web.Response:
+    return ok(NamespaceList(namespaces=request[GRANT].ordered(), current=namespace_of(request)))
+
+
 async def stream_all(request: web.Request) -> web.StreamResponse:
     """Every session's events, from now (or after Last-Event-ID): the console's live lists."""
     raw = request.headers.get("Last-Event-ID")
     app = request.app
-    js = app[CLIENT].js
+    js = (await client_of(request)).js
     if raw is None:
         after = (await js.stream_info(topology.EVENTS_STREAM)).state.last_seq
     elif SEQ_RE.fullmatch(raw):
@@ -139,8 +152,9 @@ async def add_worker_waits(request: web.Request, sessions: list[dict[str, Any]])
     if not busy:
         return
     try:
-        workers = await (await request.app[CLIENT].registry()).workers()
-    except NATS_DOWN:
+        client = await client_of(request)
+        workers = await (await client.registry()).workers()
+    except NOT_NOW:
         return  # the list still answers; it only cannot say this
     served = {a for w in workers for a in w.agents}
     for r in busy:
@@ -150,7 +164,7 @@ async def add_worker_waits(request: web.Request, sessions: list[dict[str, Any]])
 
 async def inbox(request: web.Request) -> web.Response:
     query = read_query(request, PageQuery)
-    model = await request.app[READMODEL].get()
+    model = await readmodel_of(request).get()
     total, items = await model.inbox(query.limit, query.offset)
     return ok(
         Inbox(
@@ -193,7 +207,7 @@ def _call(session: str, turn: str, row: dict[str, Any]) -> TimelineCall:
 async def timeline(request: web.Request) -> web.Response:
     session, turn_id = path_name(request, "session"), path_name(request, "turn_id")
     query = read_query(request, TimelineQuery)
-    model = await request.app[READMODEL].get()
+    model = await readmodel_of(request).get()
     turn = await model.turn_row(session, turn_id)
     if turn is None:
         raise Problem(404, "no such turn", f"{session}/{turn_id} (not in the read model yet?)")
@@ -214,7 +228,7 @@ async def timeline(request: web.Request) -> web.Response:
 
 async def event(request: web.Request) -> web.Response:
     session, seq = path_name(request, "session"), path_name(request, "seq", SEQ_RE)
-    model = await request.app[READMODEL].get()
+    model = await readmodel_of(request).get()
     row = await model.event(session, int(seq))
     if row is None:
         raise Problem(404, "no such event", f"{session} #{seq}")
@@ -242,7 +256,7 @@ def _letter(m: api.RawStreamMsg, whole: bool = False) -> DeadLetter:
 async def dead_letters(request: web.Request) -> web.Response:
     """Newest first, ``limit`` at a time: read backwards by sequence from ``before``."""
     query = read_query(request, DeadQuery)
-    js = request.app[CLIENT].js
+    js = (await client_of(request)).js
     state = (await js.stream_info(topology.DEAD_STREAM)).state
     seq = min(query.before - 1 if query.before else state.last_seq, state.last_seq)
     letters: list[DeadLetter] = []
@@ -263,7 +277,7 @@ async def dead_letters(request: web.Request) -> web.Response:
 
 async def dead_letter(request: web.Request) -> web.Response:
     seq = int(path_name(request, "seq", SEQ_RE))
-    js = request.app[CLIENT].js
+    js = (await client_of(request)).js
     try:
         if seq < 1:
             raise NotFoundError
@@ -274,7 +288,7 @@ async def dead_letter(request: web.Request) -> web.Response:
 
 
 async def operations(request: web.Request) -> web.Response:
-    client = request.app[CLIENT]
+    client = await client_of(request)
     reg = await client.registry()
     workers = await reg.workers()
     consumers, streams = [], []
@@ -304,9 +318,9 @@ async def operations(request: web.Request) -> web.Response:
             )
     position: int | None = None
     try:
-        position = await (await request.app[READMODEL].get()).position()
-    except Problem:
-        pass  # no read model yet: the rest still answers
+        position = await (await readmodel_of(request).get()).position()
+    except (Problem, sqlite3.Error):
+        pass  # no read model yet (or one its projector is making): the rest still answers
     return ok(
         Operations.model_validate(
             {

@@ -5,7 +5,7 @@ bodies and query parameters of the document, so the two cannot drift apart. A de
 body is derived from its request model (``jetloop.sessions.requests``, ``body_of``), the one
 the client sends and the control service parses. The paths are
 written out here by hand and a test compares them (paths, methods, scopes) with the
-gateway's router.
+gateway's router. Every operation that needs a scope takes ``?namespace=`` (``NAMESPACE``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
 
 from jetloop.schemas import ApprovalRecord, CallRecord, QuestionRecord, TurnRecord
+from jetloop.services.namespaces import NAME_RULE
 from jetloop.sessions.requests import (
     AnswerRequest,
     ApprovalPolicyRequest,
@@ -224,6 +225,12 @@ class Whoami(BaseModel):
     scopes: list[str]
 
 
+class NamespaceList(BaseModel):
+    # The first is the one a request that names none acts in.
+    namespaces: list[str]
+    current: str  # the one this request acted in
+
+
 class InboxItem(BaseModel):
     kind: Literal["approval", "question"]
     session_id: str
@@ -359,6 +366,7 @@ SCHEMA_MODELS: list[type[BaseModel]] = [
     Health,
     Problem,
     Whoami,
+    NamespaceList,
     Inbox,
     Timeline,
     TimelineEvent,
@@ -426,14 +434,27 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 PROBLEMS = {
     "400": "bad request",
     "401": "no token, or an unknown one",
-    "403": "the token lacks the scope, or (without a token) a page of another origin sent it",
+    "403": "the token lacks the scope or the namespace, or (without a token) a page of another "
+    "origin sent it",
     "404": "not found",
     "409": "conflict with the current state",
     "413": "request body too large",
     "415": "the body is not application/json",
     "421": "without a token: the Host is not this gateway's loopback address",
     "422": "invalid request",
-    "503": "NATS or the read model is not available, or state cannot be verified",
+    "503": "NATS or the read model is not available, state cannot be verified, or the "
+    "namespace is not served by this gateway",
+}
+
+
+NAMESPACE = {
+    "name": "namespace",
+    "in": "query",
+    "required": False,
+    "description": f"the namespace to act in ({NAME_RULE}), one the token holds (a 403 "
+    "otherwise, whether it exists or not); default: the token's first, `default` when it "
+    "holds it",
+    "schema": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9_-]{0,39}$"},
 }
 
 
@@ -470,6 +491,8 @@ def _op(
         "security": [{"bearerAuth": [scope]}] if scope else [],
         "responses": responses,
     }
+    if scope:
+        params = [*(params or []), NAMESPACE]
     if params:
         op["parameters"] = params
     if body is not None:
@@ -653,6 +676,15 @@ def openapi_document() -> dict[str, Any]:
                 "read",
                 {"200": _json(_ref("Whoami"), "who the token is")},
                 problems=(),
+            )
+        },
+        "/v1/namespaces": {
+            "get": _op(
+                "listNamespaces",
+                "The namespaces the token acts in, the one a request naming none acts in first",
+                "read",
+                {"200": _json(_ref("NamespaceList"), "the token's namespaces")},
+                problems=("422",),
             )
         },
         "/v1/events": {

@@ -43,6 +43,7 @@ from jetloop.streams.bus import H_TURN
 from jetloop.tooling.bench import floor as bench_floor
 from jetloop.tooling.trials.harness import WorkerProcess
 from jetloop.tooling.trials.run import percentile
+from jetloop.tooling.trials.servers import write_namespaced_config
 
 APP = "jetloop.tooling.bench.app:app"
 SEAL_KEY = "b3" * 32
@@ -179,11 +180,16 @@ class Rig:
         self.base = base
         # The monitoring port's /connz says how many messages each connection sent.
         self.monitor_port = free_port()
+        # The server as `jetloop up` configures it: the default namespace in an account of
+        # its own (docs/design.md, "Namespaces"); the rig's connections, without a user, act
+        # as its workers.
+        config, _, _ = write_namespaced_config(base, names=("default",))
         self.server = EmbeddedServer(
             base / "store",
             port=0,
             log_file=base / "nats.log",
             extra_args=["-m", str(self.monitor_port)],
+            config_file=config,
         )
         self.workers: list[WorkerProcess] = []
         self.floor: subprocess.Popen[bytes] | None = None

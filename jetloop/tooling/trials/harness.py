@@ -35,8 +35,10 @@ class WorkerProcess:
         hold: str | None = None,
         release_file: Path | None = None,
         processes: int = 1,
+        namespaces: str | None = None,
     ) -> None:
         self.nats_url = nats_url
+        self.namespaces = namespaces  # ``--namespace``: ``all``, or one
         self.processes = processes  # > 1: a parent of that many worker processes
         self.app = app
         self.log_path = log_path
@@ -67,6 +69,7 @@ class WorkerProcess:
                 "--id",
                 self.worker_id,
                 *(["--processes", str(self.processes)] if self.processes != 1 else []),
+                *(["--namespace", self.namespaces] if self.namespaces else []),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -4,10 +4,12 @@ One module on purpose: a round's driver, its judge and its report share the turn
 they build, and read as one story of a trial; what is measured beyond lost turns and
 duplicates (detection, false takeovers, the targets) is read in ``jetloop.tooling.trials.measures``.
 
-Each round starts a fresh *victim* worker beside a *survivor* that runs throughout, keeps a
-few sessions busy with turns that mix reads, idempotent writes, single-attempt writes (with
-and without a reader), approvals (granted here), timers and task polls, and at a random
-moment 0.2–4 s after the victim is up applies the mode's failure:
+Each round starts a fresh *victim* worker beside a *survivor* that runs throughout (each serves
+the three namespaces of ``jetloop.tooling.trials.servers.NAMESPACES``; the round's sessions are
+spread over them, one client each), keeps a few sessions busy with turns that mix reads,
+idempotent writes, single-attempt writes (with and without a reader), approvals (granted here),
+timers and task polls, and at a random moment 0.2–4 s after the victim is up applies the mode's
+failure:
 
 - ``worker_kill``: SIGKILL the victim;
 - ``server_restart``: SIGKILL nats-server and restart it on its store directory;
@@ -107,7 +109,7 @@ from jetloop.tooling.trials.measures import (
     targets,
     worker_detection,
 )
-from jetloop.tooling.trials.servers import Cluster, Servers, SingleServer
+from jetloop.tooling.trials.servers import NAMESPACES, Cluster, Servers, SingleServer
 
 MIXED_FAILURES = ("worker_kill", "node_restart", "takeover", "worker_kill+takeover")
 
@@ -315,7 +317,9 @@ class Trials:
         self.rng = rng
         self.seed = seed
         self.vendor_db = base / "vendor.sqlite"
-        self.client: Client | None = None
+        # One client per namespace; each session runs in one of them (``_client``).
+        self.clients: dict[str, Client] = {}
+        self.namespace_of: dict[str, str] = {}
         self.survivor: WorkerProcess | None = None
         self.victims: list[WorkerProcess] = []
         # Every call the harness planned, by its idempotency key: to name a duplicate.
@@ -331,31 +335,43 @@ class Trials:
             "JETLOOP_LOG_LEVEL": "info",
             # The system account's watch user (the user name is the default, ``watch``).
             "JETLOOP_NATS_WATCH_PASSWORD": self.servers.watch_password,
+            # The credentials of every namespace: each worker serves them all.
+            "JETLOOP_STORE_DIR": str(self.servers.auth_store),
         }
         return WorkerProcess(
-            self.servers.url, APP, self.base / f"{name}.log", worker_id=name, env=env
+            self.servers.url,
+            APP,
+            self.base / f"{name}.log",
+            worker_id=name,
+            env=env,
+            namespaces="all",
         ).start()
+
+    def _client(self, session_id: str) -> Client:
+        return self.clients[self.namespace_of[session_id]]
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Trials]:
-        """Topology, survivor and client up; everything stopped and closed on the way out."""
-        nc = await connect(self.servers.url.split(","), "jetloop-trials-topology")
-        try:
-            cfg = topology.TopologyConfig(
-                replicas=self.servers.replicas, lease_seconds=LEASE_SECONDS
-            )
-            await topology.apply(nc.jetstream(), cfg, set_replicas=True)
-        finally:
-            await nc.close()
+        """Topology, survivor and clients up; everything stopped and closed on the way out."""
+        cfg = topology.TopologyConfig(replicas=self.servers.replicas, lease_seconds=LEASE_SECONDS)
+        for ns in NAMESPACES:
+            urls = self.servers.urls_as(ns)
+            nc = await connect(urls, "jetloop-trials-topology")
+            try:
+                await topology.apply(nc.jetstream(), cfg, set_replicas=True)
+            finally:
+                await nc.close()
         self.survivor = self._worker("survivor")
         try:
             await self.survivor.wait_for("worker.started", timeout=WORKER_START_SECONDS)
             sealer = Sealer([key_bytes(SEAL_KEY)])
-            self.client = await Client.connect(self.servers.url, sealer=sealer)
             try:
+                for ns in NAMESPACES:
+                    self.clients[ns] = await Client.connect(self.servers.urls_as(ns), sealer=sealer)
                 yield self
             finally:
-                await self.client.close()
+                for c in self.clients.values():
+                    await c.close()
         finally:
             for v in self.victims:
                 v.kill()
@@ -391,6 +407,8 @@ class Trials:
         replacement: WorkerProcess | None = None
         deadline: list[float] = []  # set at the kill: [monotonic deadline]
         sids = [f"{self.mode[:2]}{r}s{s}" for s in range(SESSIONS_PER_ROUND)]
+        for s, sid in enumerate(sids):
+            self.namespace_of[sid] = NAMESPACES[s % len(NAMESPACES)]
 
         async with asyncio.TaskGroup() as tg:
             for s, sid in enumerate(sids):
@@ -430,8 +448,12 @@ class Trials:
 
     async def _judge_from_events(self, trial: RoundTrial, sids: list[str]) -> None:
         """Detection and false takeovers, from the round's events and turn records."""
-        assert self.client is not None and self.survivor is not None
-        events = await read_events(self.client.js, sids)
+        assert self.survivor is not None
+        events = [
+            e
+            for ns, c in self.clients.items()
+            for e in await read_events(c.js, [s for s in sids if self.namespace_of[s] == ns])
+        ]
         killed = trial.victim if trial.failure in VICTIM_KILLED else None
         if killed is not None:
             trial.detection = worker_detection(events, killed, trial.kill_wall)
@@ -454,13 +476,13 @@ class Trials:
         out: list[TurnTrial],
     ) -> None:
         """Send turns one after the other until the kill; follow each to its end."""
-        assert self.client is not None
+        client = self._client(sid)
         for k, steps in enumerate(plans):
             if stop_sending.is_set():
                 return
             rid = f"{sid}-{k}"
             sent = time.monotonic() - start
-            handle = await self.client.send(AGENT, sid, script_text(steps), request_id=rid)
+            handle = await client.send(AGENT, sid, script_text(steps), request_id=rid)
             for n, group in enumerate(steps):
                 for i, c in enumerate(group):
                     key = idempotency_key(sid, handle.turn_id, n, i)
@@ -486,7 +508,7 @@ class Trials:
     ) -> None:
         """Poll the turn record until it ends (approving held calls on the way) or the
         deadline after the kill passes."""
-        assert self.client is not None
+        client = self._client(t.session_id)
         approved: set[str] = set()
         while True:
             if deadline and time.monotonic() > deadline[0]:
@@ -495,7 +517,7 @@ class Trials:
             try:
                 # A read sent just before a server died waits out its own timeout; a short
                 # one here sends a fresh read instead.
-                turn = await asyncio.wait_for(self.client.turn(t.session_id, t.turn_id), 1.0)
+                turn = await asyncio.wait_for(client.turn(t.session_id, t.turn_id), 1.0)
                 if turn is not None:
                     t.lost = list(turn.lost)
                 if turn is not None and turn.status.terminal:
@@ -514,12 +536,12 @@ class Trials:
         """When the turn ended: the time on its end event (written by a worker on this
         machine) if it can be read, else when the harness saw the end. The harness can see
         it late (a read that rode out a restart); the event says when the state changed."""
-        assert self.client is not None
+        client = self._client(t.session_id)
         seen = time.monotonic() - start
         subject = topology.event_subject(t.session_id, f"turn.{status}")
         try:
             raw = await asyncio.wait_for(
-                self.client.js.get_msg(topology.EVENTS_STREAM, subject=subject), 5.0
+                client.js.get_msg(topology.EVENTS_STREAM, subject=subject), 5.0
             )
             event = decode(Event, raw.data or b"")
         except (NatsError, TimeoutError, DecodeError):
@@ -533,24 +555,24 @@ class Trials:
         self, t: TurnTrial, n: int, steps: list[list[dict[str, Any]]], approved: set[str]
     ) -> None:
         """Grant every held call of the step, as a person watching the session would."""
-        assert self.client is not None
+        client = self._client(t.session_id)
         if n >= len(steps):
             return
         for i, c in enumerate(steps[n]):
             ckey = call_key(t.session_id, t.turn_id, n, i)
             if c["tool"] != "guarded" or ckey in approved:
                 continue
-            rec = await self.client.call(t.session_id, t.turn_id, n, i)
+            rec = await client.call(t.session_id, t.turn_id, n, i)
             if rec is not None and rec.state == CallState.AWAITING_APPROVAL and rec.approval_id:
-                await self.client.approve(t.session_id, rec.approval_id, by="trials")
+                await client.approve(t.session_id, rec.approval_id, by="trials")
                 approved.add(ckey)
 
     async def _settled_calls(self, t: TurnTrial, steps: list[list[dict[str, Any]]]) -> None:
-        assert self.client is not None
+        client = self._client(t.session_id)
         states: Counter[str] = Counter()
         for n, group in enumerate(steps):
             for i in range(len(group)):
-                rec = await self.client.call(t.session_id, t.turn_id, n, i)
+                rec = await client.call(t.session_id, t.turn_id, n, i)
                 states[rec.state.value if rec is not None else "not_made"] += 1
         t.calls = dict(states)
 

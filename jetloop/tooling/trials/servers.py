@@ -6,11 +6,12 @@ node restart, a takeover (SIGKILL of the node leading ``JL_STEPS``) or a worker 
 takeover at once, and heals after each round: the killed node restarted on its store, every
 replica caught up.
 
-Every server starts with a config file naming the system account (``SYS``) and its ``watch``
-user, with a password made for the run (``jetloop.services.natsauth.system_account``): workers may
-hear other workers' connections close (``JETLOOP_NATS_WATCH_PASSWORD``, from
-``watch_password``). Anonymous connections to the global account work beside it, so the
-harness and the workers connect as before. Used by ``jetloop.tooling.trials.run``.
+Every server starts with the config ``jetloop up`` writes, for three namespaces
+(``NAMESPACES``, each a NATS account; the credentials in ``auth_store``) and the system
+account (``SYS``) with its ``watch`` user: workers serve every namespace and may hear other
+workers' connections close (``JETLOOP_NATS_WATCH_PASSWORD``, from ``watch_password``). A
+connection without a user acts as the default namespace's workers, so the harness's own
+looks at the servers connect as before. Used by ``jetloop.tooling.trials.run``.
 """
 
 from __future__ import annotations
@@ -19,16 +20,19 @@ import asyncio
 import json
 import os
 import random
-import secrets
 import time
+import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from nats.errors import Error as NatsError
 
+from jetloop.services import namespaces
 from jetloop.services.embedded import EmbeddedServer
-from jetloop.services.natsauth import system_account
+from jetloop.services.natsauth import make_users, server_config, system_account
+from jetloop.services.settings import WATCH_USER
 from jetloop.streams import topology
 from jetloop.streams.connection import connect
 from jetloop.tooling.trials.cluster import LocalCluster
@@ -58,6 +62,43 @@ def write_server_config(path: Path, watch_password: str) -> Path:
     return path
 
 
+# Every trial's turns are spread over three namespaces, each a NATS account of its own
+# (docs/design.md, "Namespaces"): the workers serve all of them, a kill hits all of them.
+NAMESPACES = ("default", "t1", "t2")
+
+
+def write_namespaced_config(
+    base: Path, names: Sequence[str] = NAMESPACES
+) -> tuple[Path, str, Path]:
+    """The config of ``jetloop up``'s server, with the namespaces ``names``: (its path, the
+    watch user's password, the store directory that holds every namespace's credentials)."""
+    store = base / "auth"
+    store.mkdir(parents=True, exist_ok=True)
+    users = make_users(store)
+    for ns in names:
+        if not namespaces.exists(store, ns):
+            namespaces.create(store, ns)
+    # A connection without a user acts as the default namespace's workers: the harness's
+    # own looks at the servers (readiness, leaders) connect so.
+    config = {**json.loads(server_config(users, store)), "no_auth_user": namespaces.WORKER}
+    path = base / "nats-server.conf"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    path.chmod(0o600)
+    return path, users[WATCH_USER], store
+
+
+def urls_as(urls: str, store: Path, namespace: str) -> list[str]:
+    """``urls`` with the credential of ``namespace``'s workers in each."""
+    cred = namespaces.read_credential(store, namespace, namespaces.WORKER)
+    assert cred is not None
+    user, password = (urllib.parse.quote(x, safe="") for x in (cred.user, cred.password))
+    out = []
+    for u in urls.split(","):
+        scheme, _, rest = u.strip().partition("://")
+        out.append(f"{scheme}://{user}:{password}@{rest}")
+    return out
+
+
 # The streams a turn's steps touch: their leaders (and their consumers') must be elected
 # again after a takeover before every step can move.
 JETLOOP_STREAMS = [
@@ -83,6 +124,10 @@ class Servers(Protocol):
     replicas: int
     # The system account's ``watch`` password on every server of the run.
     watch_password: str
+    # The store directory with every namespace's credentials.
+    auth_store: Path
+
+    def urls_as(self, namespace: str) -> list[str]: ...
 
     @property
     def url(self) -> str: ...
@@ -107,11 +152,13 @@ class SingleServer:
     replicas = 1
 
     def __init__(self, base: Path) -> None:
-        self.watch_password = secrets.token_urlsafe(24)
-        config = write_server_config(base / "nats-server.conf", self.watch_password)
+        config, self.watch_password, self.auth_store = write_namespaced_config(base)
         self.server = EmbeddedServer(
             base / "store", port=0, log_file=base / "nats.log", config_file=config
         )
+
+    def urls_as(self, namespace: str) -> list[str]:
+        return urls_as(self.url, self.auth_store, namespace)
 
     @property
     def url(self) -> str:
@@ -153,10 +200,12 @@ class Cluster:
     replicas = 3
 
     def __init__(self, base: Path) -> None:
-        self.watch_password = secrets.token_urlsafe(24)
-        config = write_server_config(base / "nats-server.conf", self.watch_password)
+        config, self.watch_password, self.auth_store = write_namespaced_config(base)
         self.cluster = LocalCluster(base / "cluster", "jl-trials", config_file=config)
         self._healing: asyncio.Task[Elections | None] | None = None
+
+    def urls_as(self, namespace: str) -> list[str]:
+        return urls_as(self.url, self.auth_store, namespace)
 
     @property
     def url(self) -> str:

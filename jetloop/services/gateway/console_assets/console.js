@@ -4,8 +4,12 @@
 // signed in with, kept in this tab's sessionStorage and never put in a URL. Live views read
 // the gateway's Server-Sent Events with fetch (EventSource cannot send a header), resuming
 // by Last-Event-ID. Every list is paged by the server: no view loads everything.
+//
+// A token may act in several namespaces: the one chosen (kept beside the token) is added to
+// every request as ?namespace=; without a choice the gateway acts in the token's first.
 
 const TOKEN_KEY = "jetloop.token";
+const NAMESPACE_KEY = "jetloop.namespace";
 const PAGE = 50;
 let me = null; // {name, scopes}
 let current = null; // AbortController of the view on screen
@@ -83,9 +87,16 @@ function authHeaders(extra = {}) {
   return token ? { ...extra, Authorization: `Bearer ${token}` } : extra;
 }
 
+// The path in the chosen namespace (who the token is and what it holds are no namespace's).
+function inNamespace(path) {
+  const ns = sessionStorage.getItem(NAMESPACE_KEY);
+  if (!ns || !path.startsWith("/v1/") || path === "/v1/whoami" || path === "/v1/namespaces") return path;
+  return `${path}${path.includes("?") ? "&" : "?"}namespace=${enc(ns)}`;
+}
+
 async function api(path, { method = "GET", body, signal } = {}) {
   const headers = authHeaders(body === undefined ? {} : { "Content-Type": "application/json" });
-  const res = await fetch(path, {
+  const res = await fetch(inNamespace(path), {
     method,
     headers,
     signal,
@@ -104,7 +115,7 @@ async function follow(path, after, signal, onEvent) {
   while (!signal.aborted) {
     try {
       const headers = authHeaders(last === null ? {} : { "Last-Event-ID": String(last) });
-      const res = await fetch(path, { headers, signal });
+      const res = await fetch(inNamespace(path), { headers, signal });
       if (!res.ok) throw new Error(`${res.status}`);
       const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
       let buf = "";
@@ -167,6 +178,7 @@ function showSignIn(message) {
   form.querySelector("#signin-error").textContent = message || "";
   form.addEventListener("submit", async (e) => {
     e.preventDefault();
+    sessionStorage.removeItem(NAMESPACE_KEY);
     sessionStorage.setItem(TOKEN_KEY, form.querySelector("#token").value.trim());
     try {
       if (await signIn()) return start();
@@ -181,6 +193,7 @@ function showSignIn(message) {
 
 function signOut() {
   sessionStorage.removeItem(TOKEN_KEY);
+  sessionStorage.removeItem(NAMESPACE_KEY);
   me = null;
   if (current) current.abort();
   location.hash = "#/sessions";
@@ -805,9 +818,29 @@ async function route() {
   location.hash = "#/sessions";
 }
 
-function start() {
+// A choice of namespace, when the token holds more than one.
+async function namespaceChoice() {
+  const held = await api("/v1/namespaces").then((r) => r.namespaces).catch(() => []);
+  const chosen = sessionStorage.getItem(NAMESPACE_KEY);
+  if (chosen && !held.includes(chosen)) sessionStorage.removeItem(NAMESPACE_KEY);
+  if (held.length < 2) return null;
+  const current = sessionStorage.getItem(NAMESPACE_KEY) || held[0];
+  return h("select", {
+    id: "namespace",
+    "aria-label": "namespace",
+    onchange: (e) => {
+      sessionStorage.setItem(NAMESPACE_KEY, e.target.value);
+      // What was open belongs to the other namespace: its sessions instead (no hashchange).
+      history.replaceState(null, "", "#/sessions");
+      start();
+    },
+  }, held.map((ns) => h("option", { value: ns, selected: ns === current }, ns)));
+}
+
+async function start() {
   document.getElementById("nav").hidden = false;
-  document.getElementById("who").replaceChildren(
+  fill(document.getElementById("who"),
+    await namespaceChoice(),
     h("span", { id: "whoami" }, me.name, " · ", me.scopes.join(", ")),
     h("button", { onclick: signOut, id: "signout" }, "Sign out"));
   // The inbox's count in the menu, whatever page is open (one row read, now and then).

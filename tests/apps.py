@@ -346,3 +346,39 @@ reduced_app = App(
         )
     ]
 )
+
+
+class Titled(BaseModel):
+    title: str
+
+
+@tool(effect=Effect.IDEMPOTENT_WRITE, name="write")
+async def write_v2(args: Titled, ctx: ToolContext) -> dict[str, Any]:
+    """v2 of ``write``: its arguments changed shape (``title``, not ``name``)."""
+    return await vendor().write("write", ctx.idempotency_key, {"name": args.title})
+
+
+@tool(effect=Effect.IDEMPOTENT_WRITE, name="export")
+async def export_v2(args: Task, ctx: ToolContext) -> dict[str, Any]:
+    """v2 of ``export``: a plain call now, no longer a task with polls."""
+    return await vendor().write("export_call", ctx.idempotency_key, {"name": args.name})
+
+
+def _v2(tools: tuple[Any, ...]) -> App:
+    return App(
+        [
+            Agent(
+                name="tester",
+                instructions="Follow the script, v2.",
+                model=ScriptedModel(script),
+                tools=tools,
+                limits=Limits(max_model_steps=8),
+            )
+        ]
+    )
+
+
+# A deploy of app v2 under turns in flight (docs/design.md, "Deploying new agent code"):
+# `guarded` and `export` removed; `write` takes other arguments; `export` a plain call.
+removed_app = _v2(tuple(t for t in TOOLS if t.name not in ("guarded", "export")))
+changed_app = _v2(tuple({"write": write_v2, "export": export_v2}.get(t.name, t) for t in TOOLS))

@@ -49,8 +49,10 @@ async def test_unknown_schema_version_is_dead_lettered(
     client: Client, workers: WorkerFactory
 ) -> None:
     """A turn request or a step of a schema version this jetloop does not know (a newer
-    writer's) is not run as version 1: it is dead-lettered with the version in the reason."""
-    w = workers.start()
+    writer's) is not run as version 1: the request, a client's, is dead-lettered at once; the
+    step, a newer worker's, once no worker read it within JETLOOP_NEWER_WRITER_SECONDS (here
+    1 s); both with the version in the reason."""
+    w = workers.start(env={"JETLOOP_NEWER_WRITER_SECONDS": "1"})
     await client.js.publish(
         "jl.turn.tester.vv",
         msgpack.packb({"v": 999, "text": "from the future"}),
@@ -67,6 +69,7 @@ async def test_unknown_schema_version_is_dead_lettered(
     dead = await until(lambda: _two(client))
     assert "TurnRequest has schema version 999" in dead["jl.turn.tester.vv"]
     assert "StepMessage has schema version 999" in dead["jl.step.session.tester.turn_done.vv"]
+    assert "no worker that reads it took it in 1 s" in dead["jl.step.session.tester.turn_done.vv"]
 
     async def counted() -> int | None:
         # The session counts a turn at its turn_done step, just after the turn's end event.
@@ -74,6 +77,37 @@ async def test_unknown_schema_version_is_dead_lettered(
         return snap.turns_done if snap is not None and snap.turns_done else None
 
     assert await until(counted) == 1  # only the good request ran
+
+
+async def test_a_newer_workers_step_is_handed_back_not_dead_lettered(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """In a rolling upgrade an older worker meets a step of a kind it does not know (or of a
+    newer schema version): it hands the step back, again and again, for a worker that reads
+    it, and dead-letters nothing meanwhile; the other sessions run."""
+    w = workers.start()
+    future = {"kind": "future_kind", "agent": "tester", "session_id": "nk", "turn_id": "t1"}
+    await client.js.publish(
+        "jl.step.session.tester.future_kind.nk",
+        msgpack.packb(future),
+        headers={"Nats-Msg-Id": "nk"},
+    )
+    newer = {"v": 2, "kind": "turn_done", "agent": "tester", "session_id": "nv", "turn_id": "t1"}
+    await client.js.publish(
+        "jl.step.session.tester.turn_done.nv", msgpack.packb(newer), headers={"Nats-Msg-Id": "nv"}
+    )
+
+    async def handed_back_twice() -> bool:
+        seen = w.find("step.newer_writer")
+        return {"nk", "nv"} <= {line.get("step") for line in seen} and len(seen) >= 4
+
+    await until(handed_back_twice)
+    h = await client.send("tester", "other", script([call("write", name="meanwhile")]))
+    await client.wait(h, timeout=20)
+    assert await client.dead_letters() == []
+    reasons = {line["reason"] for line in w.find("step.newer_writer")}
+    assert any("unknown step kind 'future_kind'" in r for r in reasons), reasons
+    assert any("StepMessage has schema version 2" in r for r in reasons), reasons
 
 
 async def _two(client: Client) -> dict[str, str] | None:

@@ -85,10 +85,12 @@ def test_the_wire_of_every_kind_is_unchanged() -> None:
 async def test_a_step_of_an_unknown_kind_is_dead_lettered(
     client: Client, workers: WorkerFactory
 ) -> None:
-    """A step whose kind no row describes (subject, header and body alike) is dead-lettered
-    on its first delivery with the kind named in the reason, as is a known kind sent on
-    another pool's subject; neither is run, retried or acked, and the worker serves on."""
-    w = workers.start()
+    """A step whose kind no row describes (subject, header and body alike) is a newer
+    jetloop's: handed back for a worker that knows it, and dead-lettered with the kind named
+    in the reason once none took it within JETLOOP_NEWER_WRITER_SECONDS (1 s here); a known
+    kind sent on another pool's subject is dead-lettered at once. Neither is run or acked,
+    and the worker serves on."""
+    w = workers.start(env={"JETLOOP_NEWER_WRITER_SECONDS": "1"})
     unknown = {"kind": "frobnicate", "agent": "tester", "session_id": "uk", "turn_id": "t1"}
     await client.js.publish(
         "jl.step.tool.tester.frobnicate.uk",
@@ -116,5 +118,7 @@ async def test_a_step_of_an_unknown_kind_is_dead_lettered(
     reason = dead["jl.step.tool.tester.turn_done.uk"]
     assert "does not match its body" in reason, reason
     assert "'jl.step.session.tester.turn_done.uk'" in reason, reason
-    assert w.find("step.error") == []  # refused at once: never a retry
+    assert "no worker that reads it took it in 1 s" in dead["jl.step.tool.tester.frobnicate.uk"]
+    assert w.find("step.newer_writer", step="uk.t1.frob")  # handed back first
+    assert w.find("step.error") == []  # refused at decode: never a retry
     assert len(w.find("step.dead_letter", kind="frobnicate")) == 1  # termed there, not acked

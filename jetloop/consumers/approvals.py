@@ -36,6 +36,14 @@ class Gate(Enum):
     DONE = "done"  # the call got its outcome (denied)
 
 
+def denial(approval: ApprovalRecord) -> CallOutcome:
+    """The outcome of a rejected call: who denied it, and why when they said."""
+    why = f"denied by {approval.decided_by or 'a person'}"
+    if approval.reason:
+        why += f": {approval.reason}"
+    return CallOutcome(state=CallState.DENIED, error=why)
+
+
 async def required(env: CallEnv) -> bool:
     if env.rec.approval_id is not None:
         return True
@@ -100,10 +108,7 @@ async def gate(env: CallEnv) -> Gate | CallEnv:
         # process that decides is gone before anything scrapes its counters.
         metrics.APPROVALS_DECIDED.inc()
     if approval.status == Decision.REJECTED:
-        why = f"denied by {approval.decided_by or 'a person'}"
-        if approval.reason:
-            why += f": {approval.reason}"
-        await settle(env, CallOutcome(state=CallState.DENIED, error=why), "denied", approval_id=aid)
+        await settle(env, denial(approval), "denied", approval_id=aid)
         return Gate.DONE
     if env.rec.approval_id is None:
         return env.with_rec(env.rec.model_copy(update={"approval_id": aid}), env.rev)

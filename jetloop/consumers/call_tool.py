@@ -6,6 +6,7 @@ firing, a poll) comes here; what happens is read from the record, never from the
 
     no record / claimed  → the approval gate, then by tool kind: run, ask, set a timer, start
     awaiting_approval    → the gate again: still pending → wait; approved → run; rejected → denied
+    (any, tool gone)     → a deploy removed the tool or changed its arguments: ``without_tool``
     awaiting_answer      → answered → succeeded with the answer; else wait
     waiting_timer        → due → succeeded; else (re)arm the schedule
     task_running         → poll the task
@@ -22,11 +23,11 @@ from __future__ import annotations
 import time
 
 import structlog
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from jetloop.agents import Effect, Found, ToolKind
 from jetloop.consumers import delegation, tasks, waits
-from jetloop.consumers.approvals import Gate, gate
+from jetloop.consumers.approvals import Gate, denial, gate
 from jetloop.consumers.calls import (
     NOT_SENT_AGAIN,
     TOOL_CALL_NOT_RUN_ERROR_PREFIX,
@@ -47,9 +48,17 @@ from jetloop.consumers.liveness import H_HOLDER_LOST, holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import record_loss, tell_resumed
 from jetloop.consumers.runtime import Delivery
-from jetloop.schemas import CallOutcome, CallState, StepMessage, TurnPhase, call_key
+from jetloop.schemas import (
+    CallOutcome,
+    CallRecord,
+    CallState,
+    Decision,
+    StepMessage,
+    TurnPhase,
+    call_key,
+)
 from jetloop.schemas.errors import RetryableToolError, ToolError
-from jetloop.streams.state import call_state_key
+from jetloop.streams.state import StateStore, call_state_key
 
 log = structlog.get_logger("jetloop.call_tool")
 
@@ -103,17 +112,15 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
         raise RetryLater(5.0, f"agent {turn.agent!r} is not served by this worker")
     tool = agent.tool(call.tool) if agent else None
     if agent is None or tool is None or call.invalid is not None:
-        # Gates as they stand now: a tool the agent no longer offers is not made; a write
-        # left in doubt by a lost attempt may have run, so its outcome is unknown.
-        why = call.invalid or f"the agent no longer offers the tool {call.tool!r}"
-        if rec.state == CallState.IN_DOUBT and rec.attempt is not None:
-            outcome = CallOutcome(state=CallState.OUTCOME_UNKNOWN, error=f"{NOT_SENT_AGAIN}; {why}")
-        else:
-            outcome = CallOutcome(
-                state=CallState.FAILED, error=f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {why}"
-            )
+        # Gates as they stand now: a tool the agent no longer offers (a deploy removed or
+        # renamed it) is not made (docs/design.md, "Deploying new agent code").
+        why = call.invalid or (
+            f"the agent no longer offers the tool {call.tool!r} (removed or renamed since "
+            "the call was asked for)"
+        )
+        outcome, settlement = await without_tool(rt.state, turn.session_id, rec, why)
         await settle_record(
-            d, turn, n, call.index, rec, rec_v.revision if rec_v else None, outcome, "gate"
+            d, turn, n, call.index, rec, rec_v.revision if rec_v else None, outcome, settlement
         )
         return
     env = CallEnv(
@@ -132,6 +139,14 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
 
     match rec.state:
         case CallState.TASK_RUNNING:
+            if tool.poll is None:
+                # A deploy made the task tool a plain call: the task started may still run.
+                outcome = CallOutcome(
+                    state=CallState.OUTCOME_UNKNOWN,
+                    error=f"{TASK_NOT_POLLED}: the tool {call.tool!r} is no longer a task",
+                )
+                await settle(env, outcome, "gate")
+                return
             await tasks.poll(env)
             return
         case CallState.WAITING_TIMER:
@@ -144,6 +159,16 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
             await delegation.child_ready(env)
             return
 
+    try:
+        env.tool_args()
+    except ValidationError as exc:
+        # A deploy changed the tool's arguments since the model asked for the call.
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "arguments"
+        why = f"its arguments no longer fit the tool {call.tool!r} ({where}: {first['msg']})"
+        outcome, settlement = await without_tool(rt.state, sid, rec, why)
+        await settle(env, outcome, settlement)
+        return
     passed = await gate(env)
     if passed is Gate.WAIT or passed is Gate.DONE:
         return
@@ -163,6 +188,42 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
 def _delivered_before(d: Delivery) -> bool:
     """A redelivery, or the copy a rescuer published of a message a dead process held."""
     return d.num_delivered > 1 or H_HOLDER_LOST in (d.msg.headers or {})
+
+
+# What a call that may have started something at a vendor is told when it cannot be followed.
+TASK_NOT_POLLED = "the task it started may still be running, and cannot be polled"
+CHILD_NOT_AWAITED = "the sub-agent it asked may still be answering, and is not awaited"
+
+
+async def without_tool(
+    state: StateStore, session_id: str, rec: CallRecord, why: str
+) -> tuple[CallOutcome, str]:
+    """The outcome (and settlement) of a call whose tool cannot be made as asked: invalid,
+    no longer offered, or its arguments no longer fit (docs/design.md, "Deploying new agent
+    code"). What may have run or be running is unknown, never "safe to call again"; a
+    person's decision on its approval is kept; the rest did not run."""
+    match rec.state:
+        case CallState.IN_DOUBT if rec.attempt is not None:
+            return CallOutcome(
+                state=CallState.OUTCOME_UNKNOWN, error=f"{NOT_SENT_AGAIN}; {why}"
+            ), "gate"
+        case CallState.TASK_RUNNING:
+            return CallOutcome(
+                state=CallState.OUTCOME_UNKNOWN, error=f"{TASK_NOT_POLLED}: {why}"
+            ), "gate"
+        case CallState.AWAITING_CHILD:
+            return CallOutcome(
+                state=CallState.OUTCOME_UNKNOWN, error=f"{CHILD_NOT_AWAITED}: {why}"
+            ), "gate"
+        case CallState.AWAITING_APPROVAL if rec.approval_id is not None:
+            found = await state.approval(session_id, rec.approval_id)
+            if found is not None and found.value.status == Decision.REJECTED:
+                return denial(found.value), "denied"
+            if found is not None and found.value.status == Decision.APPROVED:
+                why = f"approved by {found.value.decided_by or 'a person'}, but {why}"
+    return CallOutcome(
+        state=CallState.FAILED, error=f"{TOOL_CALL_NOT_RUN_ERROR_PREFIX}: {why}"
+    ), "gate"
 
 
 async def run(env: CallEnv) -> None:

@@ -49,14 +49,14 @@ from jetloop.consumers.closing import fail_turn
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.logcontext import end_step, start_step
 from jetloop.consumers.runtime import Delivery, Runtime
-from jetloop.schemas import DecodeError, Event, StepKind
+from jetloop.schemas import DecodeError, Event, NewerWriter, StepKind
 from jetloop.schemas.events import StepDeadLetteredData
 from jetloop.streams.bus import H_KIND, H_SESSION, H_STEP, H_TURN
 from jetloop.streams.clock import ClockOff
 from jetloop.streams.connection import PayloadTooLarge, message_size
 from jetloop.streams.seal import SealBroken
 from jetloop.streams.state import RETRYABLE, Conflict
-from jetloop.streams.topology import STEPS_STREAM, dead_subject
+from jetloop.streams.topology import STEPS_STREAM, dead_subject, is_step_subject
 
 log = structlog.get_logger("jetloop.dispatch")
 
@@ -81,6 +81,8 @@ INCURABLE_ERRORS: tuple[type[BaseException], ...] = (
     SealBroken,
 )
 TRANSIENT_FOR = 900.0
+# How soon a step written by a newer jetloop is offered again (to a newer worker, maybe).
+NEWER_WRITER_RETRY = 2.0
 UNEXPECTED_TRIES = 5
 
 
@@ -243,6 +245,20 @@ async def dispatch(rt: Runtime, msg: Msg, handler: Handler) -> None:
         outcome = "clock_off"
         log.warning("step.handed_back", reason=str(exc))
         await _hand_back(d, msg, None)
+    except NewerWriter as exc:
+        # A newer jetloop's step, in a rolling upgrade: handed back for a worker that reads
+        # it. A turn request is a client's: refused at once, or it would hold its session.
+        age = time.time() - msg.metadata.timestamp.timestamp()
+        if is_step_subject(msg.subject) and age < rt.newer_writer_seconds:
+            outcome = "newer_writer"
+            log.info("step.newer_writer", reason=str(exc), age=round(age, 1))
+            await _hand_back(d, msg, NEWER_WRITER_RETRY)
+        else:
+            outcome = "dead_letter"
+            reason = str(exc)
+            if is_step_subject(msg.subject):
+                reason += f": no worker that reads it took it in {rt.newer_writer_seconds:g} s"
+            await _dead_letter(rt, msg, reason)
     except (DeadLetter, DecodeError) as exc:
         outcome = "dead_letter"
         reason = exc.reason if isinstance(exc, DeadLetter) else str(exc)

@@ -56,6 +56,8 @@ class Runtime:
     lease_seconds: float
     faults: Faults = field(default_factory=Faults)
     max_losses: int = 2
+    # How long a step a newer jetloop wrote is handed back before it is dead-lettered.
+    newer_writer_seconds: float = 3600.0
     # Names this process's life in its claims: a worker id can be reused after a restart.
     incarnation: str = field(default_factory=lambda: new_incarnation())
     messages: MessageCache = field(default_factory=MessageCache)

@@ -4,7 +4,7 @@ Nothing in this package talks to NATS; ``streams`` does. Every model carries a s
 version ``v`` so a reader can tell an old body from a new one.
 """
 
-from jetloop.schemas.codec import SCHEMA_VERSION, DecodeError, decode, encode
+from jetloop.schemas.codec import SCHEMA_VERSION, DecodeError, NewerWriter, decode, encode
 from jetloop.schemas.events import EVENT_DATA, Event, EventType
 from jetloop.schemas.history import HistoryEntry, HistoryRole, ToolStatus
 from jetloop.schemas.ids import (
@@ -57,6 +57,7 @@ __all__ = [
     "HistoryEntry",
     "HistoryRole",
     "KindWire",
+    "NewerWriter",
     "ParentCall",
     "PlannedCall",
     "Pool",

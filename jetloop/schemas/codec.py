@@ -8,6 +8,8 @@ import msgpack
 from pydantic import BaseModel, ValidationError
 
 SCHEMA_VERSION = 1
+# The pydantic error type of a step kind this code does not know (a newer writer's).
+UNKNOWN_KIND = "unknown_step_kind"
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -16,6 +18,13 @@ class DecodeError(ValueError):
     """A body that is not msgpack, is of a schema version this code does not know, or does
     not validate against its model. No retry cures it: a message that raises it is
     dead-lettered with the reason."""
+
+
+class NewerWriter(DecodeError):
+    """A body a newer jetloop wrote: a schema version above ours, or a step kind we do not
+    know. Never read as ours; a worker's step of this kind is handed back for a worker that
+    reads it (a rolling upgrade), and dead-lettered only when none took it for long
+    (``jetloop.consumers.dispatch``)."""
 
 
 def encode(model: BaseModel) -> bytes:
@@ -62,7 +71,8 @@ def decode_map(model: type[M], raw: object) -> M:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise DecodeError(f"{model.__name__} invalid at {where}: {first['msg']}") from exc
+        error = NewerWriter if first["type"] == UNKNOWN_KIND else DecodeError
+        raise error(f"{model.__name__} invalid at {where}: {first['msg']}") from exc
 
 
 def check_version(model: type[BaseModel], v: object) -> None:
@@ -70,7 +80,7 @@ def check_version(model: type[BaseModel], v: object) -> None:
     its fields may mean something else. No ``v`` is the current version; a ``v`` that is
     not a number is left to the model to refuse."""
     if isinstance(v, int) and not isinstance(v, bool) and not 1 <= v <= SCHEMA_VERSION:
-        raise DecodeError(
+        raise (NewerWriter if v > SCHEMA_VERSION else DecodeError)(
             f"{model.__name__} has schema version {v}; this jetloop reads versions 1 to "
             f"{SCHEMA_VERSION}"
         )

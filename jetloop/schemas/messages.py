@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
-from jetloop.schemas.codec import SCHEMA_VERSION
+from jetloop.schemas.codec import SCHEMA_VERSION, UNKNOWN_KIND
 from jetloop.schemas.kinds import WIRE_OF_KIND, Scope, StepKind
 from jetloop.schemas.records import BlobRef, ParentCall
 
@@ -72,7 +73,11 @@ class StepMessage(BaseModel):
             return StepKind(kind)
         except ValueError:
             known = ", ".join(StepKind)
-            raise ValueError(f"unknown step kind {kind!r} (this jetloop knows: {known})") from None
+            raise PydanticCustomError(
+                UNKNOWN_KIND,
+                "unknown step kind '{kind}' (this jetloop knows: {known})",
+                {"kind": kind, "known": known},
+            ) from None
 
     def step_key(self) -> str:
         """The step's identity, as ``WIRE_OF_KIND`` shapes it for its kind."""

@@ -187,6 +187,13 @@ class Settings(BaseSettings):
     max_losses: int = Field(
         2, ge=0, description="a turn lost (taken over) by more workers than this fails"
     )
+    newer_writer_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="how long a step written by a newer jetloop (a schema version or step "
+        "kind this worker does not know) is handed back for a worker that reads it, before it "
+        "is dead-lettered: the window of a rolling upgrade",
+    )
     model: str | None = Field(
         None,
         description="the demo agent's model: openai:<m>, openai-responses:<m>, anthropic:<m>, "

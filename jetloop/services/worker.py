@@ -165,6 +165,7 @@ class Worker(Service):
                 lease_seconds=s.lease_seconds,
                 faults=self.faults,
                 max_losses=s.max_losses,
+                newer_writer_seconds=s.newer_writer_seconds,
                 incarnation=incarnation,
                 holds=holds,
             )

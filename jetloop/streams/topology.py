@@ -62,6 +62,11 @@ def timer_subject(session_id: str, call_key: str) -> str:
     return f"jl.sched.{session_id}.{call_key.replace('.', '_')}"
 
 
+def is_step_subject(subject: str) -> bool:
+    """Whether ``subject`` is a step's (only workers publish there)."""
+    return subject.startswith("jl.step.")
+
+
 def step_subject_parts(subject: str) -> list[str]:
     """``[agent, kind, session]`` of a step subject (fewer or more when it is malformed)."""
     return subject.split(".")[3:]

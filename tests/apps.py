@@ -378,6 +378,28 @@ def _v2(tools: tuple[Any, ...]) -> App:
     )
 
 
+# The same agents after a deploy that changed their instructions (the kill trials' `deploy`
+# mode rolls their workers from one to the other and back).
+app_v2 = App(
+    [
+        Agent(
+            name="tester",
+            instructions="Follow the script; v2.",
+            model=ScriptedModel(script),
+            tools=TOOLS,
+            limits=Limits(max_model_steps=8),
+        ),
+        Agent(
+            name="compactor",
+            instructions="Follow the script; summarise when asked; v2.",
+            model=ScriptedModel(script),
+            tools=TOOLS,
+            limits=Limits(max_model_steps=8, context_budget_tokens=150),
+        ),
+    ]
+)
+
+
 # A deploy of app v2 under turns in flight (docs/design.md, "Deploying new agent code"):
 # `guarded` and `export` removed; `write` takes other arguments; `export` a plain call.
 removed_app = _v2(tuple(t for t in TOOLS if t.name not in ("guarded", "export")))

@@ -1,11 +1,12 @@
-"""Kill trials at a reduced count: worker kills and server restarts lose no turn and double no
-write, and take no claim from a live worker — also with busy processes beside the workers.
+"""Kill trials at a reduced count: worker kills, server restarts and rolling deploys lose no
+turn and double no write, and take no claim from a live worker — also with busy processes
+beside the workers.
 
-Marked ``slow``; CI runs two rounds of each single-server mode and one round of a worker
-killed with the server while two busy processes load the machine (``JETLOOP_TRIALS`` sets more,
-``JETLOOP_KILL_SEED`` fixes the kill moments). The timing targets (detection, completion) are
-reported by ``jetloop trials``, not asserted here: on a shared CI machine they measure the
-machine.
+Marked ``slow``; CI runs two rounds of each single-server mode (a deploy too) and one round of
+a worker killed with the server while two busy processes load the machine
+(``JETLOOP_TRIALS`` sets more, ``JETLOOP_KILL_SEED`` fixes the kill moments). The timing
+targets (detection, completion) are reported by ``jetloop trials``, not asserted here: on a
+shared CI machine they measure the machine.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def test_targets_follow_issues_14_and_31() -> None:
         ("server_restart", 0, ROUNDS),
         ("kill_and_restart", 0, ROUNDS),
         ("kill_and_restart", 2, 1),
+        ("deploy", 0, ROUNDS),
     ],
 )
 async def test_kill_trials(mode: str, load: int, rounds: int, tmp_path: Path) -> None:

@@ -34,8 +34,12 @@ class Namespaced(Service):
         *,
         serve: Callable[[str], bool] = lambda ns: ns != namespaces.DEFAULT,
         accept: Callable[[list[str]], Awaitable[None]] | None = None,
+        known: list[str] | None = None,
         poll: float = 1.0,
     ) -> None:
+        """``known``: the store's credential files (``namespaces.listing``) the server was
+        started with; ``accept`` is called only once they change (a reload while clients
+        are still connecting can refuse them)."""
         super().__init__()
         self.store_dir = store_dir
         self.parts = parts
@@ -43,7 +47,7 @@ class Namespaced(Service):
         self.accept = accept
         self.poll = poll
         self.running: dict[str, tuple[Supervisor, asyncio.Task[None]]] = {}
-        self._seen: list[str] | None = None
+        self._seen = known
 
     async def run(self) -> None:
         try:
@@ -66,7 +70,7 @@ class Namespaced(Service):
                 raise RuntimeError(f"namespace {ns}: its parts stopped")
         # A namespace or a credential made or removed since the last look: the server must
         # know it before anyone uses it.
-        seen = sorted(p.name for p in namespaces.directory(self.store_dir).glob("*.json"))
+        seen = namespaces.listing(self.store_dir)
         if seen != self._seen and self.accept is not None:
             await self.accept(new)
         self._seen = seen

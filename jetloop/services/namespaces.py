@@ -144,6 +144,12 @@ def identities(store_dir: Path, namespace: str) -> list[str]:
     return sorted(set(out))
 
 
+def listing(store_dir: Path) -> list[str]:
+    """The credential files of the store, by name: what the server's accounts are made of
+    (a change means the server must reload them)."""
+    return sorted(p.name for p in directory(store_dir).glob("*.json"))
+
+
 def exists(store_dir: Path, namespace: str) -> bool:
     return namespace == DEFAULT or credential_path(store_dir, namespace, WORKER).exists()
 

@@ -191,6 +191,9 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
 
     stages: list[list[Component]] = []
     server: EmbeddedServer | None = None
+    # What the running server's config was made of (None with servers started elsewhere):
+    # the namespaces' parts reload it only once the store's credentials change.
+    known: list[list[str] | None] = [None]
     if not external:
         # The default namespace's data moves out of the server's global account once, with
         # the server stopped (jetloop.services.namespaces).
@@ -203,6 +206,8 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
         # every part of `up` connects as the worker.
         users = make_users(settings.store_dir)
         password = users[LOCAL_USER]
+        # The namespaces the config written just below holds: the server knows these.
+        known[0] = namespaces.listing(settings.store_dir)
         server = EmbeddedServer(
             settings.store_dir,
             name=SERVER_NAME,
@@ -294,7 +299,9 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
             Component("projector", lambda: Projector(urls, readmodel_db)),
             Component(
                 "namespaces",
-                lambda: Namespaced(settings.store_dir, namespace_parts, accept=accept),
+                lambda: Namespaced(
+                    settings.store_dir, namespace_parts, accept=accept, known=known[0]
+                ),
             ),
         ]
     )

@@ -57,7 +57,7 @@ from jetloop.services.readmodel.model import Incoming, ReadModel
 from jetloop.services.settings import load_settings
 from jetloop.services.supervisor import Component, GaveUp, Part, Supervisor
 from jetloop.streams import topology
-from jetloop.streams.connection import connect
+from jetloop.streams.connection import ConnectionLost, connect
 from jetloop.streams.intake import Intake
 
 log = structlog.get_logger("jetloop.projector")
@@ -132,6 +132,9 @@ class Projector(Service):
             try:
                 sub = await self._subscribe(nc, js, self.position)
             except (TimeoutError, NatsError) as exc:  # no leader yet, or the server is away
+                if nc.is_closed:
+                    # A closed connection is never reopened: end, and be made again.
+                    raise ConnectionLost(f"projector {self.durable}") from exc
                 log.warning("projector.subscribe_failed", error=str(exc), retry_in=delay)
                 await self._pause(delay)
                 delay = min(delay * 2, 5.0)

@@ -10,4 +10,12 @@
 The modes are named here, where the CLI can read them without loading the trials.
 """
 
-MODES = ("worker_kill", "server_restart", "kill_and_restart", "takeover", "mixed", "control")
+MODES = (
+    "worker_kill",
+    "server_restart",
+    "kill_and_restart",
+    "takeover",
+    "mixed",
+    "control",
+    "deploy",
+)

@@ -20,6 +20,11 @@ failure:
   restarted on its store once a new leader is elected;
 - ``mixed``: on the 3-node cluster, each round picks a worker kill, a node restart (a random
   node, restarted at once), a takeover, or a worker kill and a takeover together;
+- ``deploy``: a rolling deploy of new agent code: two workers of the other app version (v1
+  ``tests.apps:app``, v2 ``tests.apps:app_v2``: other instructions, the same tools) start,
+  then the victim and the survivor are stopped with SIGTERM one after the other, each
+  draining its steps; the first new worker is the survivor from then on. Nobody dies, so any
+  loss recorded is a false takeover (a drain must hand its steps on, losing none);
 - ``control``: nothing fails. Its "completion" is what the turns in flight at a random
   moment take anyway (their timers, approvals, polls, model rounds): the part of every other
   mode's completion that no failure caused.
@@ -69,6 +74,7 @@ import math
 import os
 import platform
 import random
+import signal
 import sqlite3
 import subprocess
 import tempfile
@@ -109,11 +115,13 @@ from jetloop.tooling.trials.measures import (
     targets,
     worker_detection,
 )
-from jetloop.tooling.trials.servers import NAMESPACES, Cluster, Servers, SingleServer
+from jetloop.tooling.trials.servers import NAMESPACES, Cluster, Kill, Servers, SingleServer
 
 MIXED_FAILURES = ("worker_kill", "node_restart", "takeover", "worker_kill+takeover")
 
 APP = "tests.apps:app"
+# What a deploy round replaces the workers with, and back (``deploy``).
+APP_V2 = "tests.apps:app_v2"
 AGENT = "tester"
 LEASE_SECONDS = 2.0
 # Any key will do: the harness (approvals through the client) and the workers share it.
@@ -132,7 +140,10 @@ DEADLINES = {
     "node_restart": 60.0,
     "takeover": 90.0,
     "worker_kill+takeover": 90.0,
+    "worker_drain": 60.0,
 }
+# How long a drained worker may take to exit before the round says so (its drain is 5 s).
+DRAIN_EXIT_SECONDS = 30.0
 # Vendor operations that change something; reads, notes and polls may repeat by design.
 WRITE_OPS = ("write", "slow", "guarded", "once", "once_read", "task_start")
 SINGLE_ATTEMPT_OPS = ("once", "once_read")
@@ -324,8 +335,12 @@ class Trials:
         self.victims: list[WorkerProcess] = []
         # Every call the harness planned, by its idempotency key: to name a duplicate.
         self.calls_by_key: dict[str, str] = {}
+        # The app version the workers run now (a deploy round switches it), and every worker
+        # started: none dies in a deploy, so a loss of any of them is a false takeover.
+        self.app = APP
+        self.started: set[str] = set()
 
-    def _worker(self, name: str) -> WorkerProcess:
+    def _worker(self, name: str, app: str | None = None) -> WorkerProcess:
         env = {
             "JETLOOP_LEASE_SECONDS": str(LEASE_SECONDS),
             "JETLOOP_VENDOR_DB": str(self.vendor_db),
@@ -338,9 +353,10 @@ class Trials:
             # The credentials of every namespace: each worker serves them all.
             "JETLOOP_STORE_DIR": str(self.servers.auth_store),
         }
+        self.started.add(name)
         return WorkerProcess(
             self.servers.url,
-            APP,
+            app or self.app,
             self.base / f"{name}.log",
             worker_id=name,
             env=env,
@@ -382,6 +398,8 @@ class Trials:
             return self.rng.choice(MIXED_FAILURES)
         if self.mode == "kill_and_restart":
             return "worker_kill+server_restart"
+        if self.mode == "deploy":
+            return "worker_drain"
         return self.mode
 
     async def round(self, r: int) -> RoundTrial:
@@ -417,7 +435,8 @@ class Trials:
                 )
             # The random kill moment is the point of the trial, not a wait for a condition.
             await asyncio.sleep(kill_after)
-            stop_sending.set()
+            if failure != "worker_drain":  # a deploy keeps them coming until its SIGTERMs
+                stop_sending.set()
             if failure == "worker_kill+server_restart":
                 # As a supervisor would: a new worker in the dead one's place. Started just
                 # before the kill, it connects while the restarted server is new and the
@@ -426,7 +445,10 @@ class Trials:
                 replacement = self._worker(f"replacement{r}")
                 self.victims.append(replacement)  # killed on the way out, whatever happens
                 trial.replacement = replacement.worker_id
-            kill = await self.servers.fail(failure, victim, self.rng)
+            if failure == "worker_drain":
+                kill, replacement = await self._deploy(r, victim, trial, stop_sending)
+            else:
+                kill = await self.servers.fail(failure, victim, self.rng)
             trial.kill_at = kill.at - start
             trial.kill_wall = kill.wall
             trial.restart = kill.restart
@@ -446,6 +468,33 @@ class Trials:
         await self._judge_from_events(trial, sids)
         return trial
 
+    async def _deploy(
+        self, r: int, victim: WorkerProcess, trial: RoundTrial, stop_sending: asyncio.Event
+    ) -> tuple[Kill, WorkerProcess]:
+        """A rolling deploy: workers of the other app version first, then every old worker
+        stopped with SIGTERM, one after the other, each let drain and exit. Turns keep
+        coming until the first SIGTERM."""
+        assert self.survivor is not None
+        self.app = APP_V2 if self.app == APP else APP
+        new = [self._worker(f"deploy{r}a"), self._worker(f"deploy{r}b")]
+        for w in new:
+            await w.wait_for("worker.started", timeout=WORKER_START_SECONDS)
+        stop_sending.set()
+        kill = Kill.now()
+        for old in (victim, self.survivor):
+            old.signal(signal.SIGTERM)
+            assert old.proc is not None
+            try:
+                await asyncio.to_thread(old.proc.wait, DRAIN_EXIT_SECONDS)
+            except subprocess.TimeoutExpired:
+                trial.false_takeovers.append(f"{old.worker_id} did not exit after its drain")
+                old.kill()
+        self.victims.append(self.survivor)  # gone; listed to be sure it is
+        self.survivor = new[0]
+        self.victims.append(new[1])  # killed on the way out, as the victims are
+        trial.replacement = new[1].worker_id
+        return kill, new[1]
+
     async def _judge_from_events(self, trial: RoundTrial, sids: list[str]) -> None:
         """Detection and false takeovers, from the round's events and turn records."""
         assert self.survivor is not None
@@ -463,8 +512,10 @@ class Trials:
         alive = {self.survivor.worker_id} | ({trial.victim} if killed is None else set())
         if trial.replacement is not None:
             alive.add(trial.replacement)
+        if trial.failure == "worker_drain":
+            alive |= self.started  # a deploy kills nobody
         losses = {t.turn_id: t.lost for t in trial.turns}
-        trial.false_takeovers = false_takeovers(losses, events, alive, killed, trial.kill_wall)
+        trial.false_takeovers += false_takeovers(losses, events, alive, killed, trial.kill_wall)
 
     async def _session(
         self,

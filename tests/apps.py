@@ -316,36 +316,33 @@ TOOLS = (
     delegate,
 )
 
-tester = Agent(
-    name="tester",
-    instructions="Follow the script.",
-    model=ScriptedModel(script),
-    tools=TOOLS,
-    limits=Limits(max_model_steps=8),
-)
 
-compactor = Agent(
-    name="compactor",
-    instructions="Follow the script; summarise when asked.",
-    model=ScriptedModel(script),
-    tools=TOOLS,
-    limits=Limits(max_model_steps=8, context_budget_tokens=150),
-)
+def _tester(instructions: str = "Follow the script.", tools: tuple[Any, ...] = TOOLS) -> Agent:
+    return Agent(
+        name="tester",
+        instructions=instructions,
+        model=ScriptedModel(script),
+        tools=tools,
+        limits=Limits(max_model_steps=8),
+    )
 
+
+def _compactor(instructions: str = "Follow the script; summarise when asked.") -> Agent:
+    return Agent(
+        name="compactor",
+        instructions=instructions,
+        model=ScriptedModel(script),
+        tools=TOOLS,
+        limits=Limits(max_model_steps=8, context_budget_tokens=150),
+    )
+
+
+tester = _tester()
+compactor = _compactor()
 app = App([tester, compactor])
 
 # The same agent after a deploy that removed the `write` tool (gates on resume).
-reduced_app = App(
-    [
-        Agent(
-            name="tester",
-            instructions="Follow the script.",
-            model=ScriptedModel(script),
-            tools=tuple(t for t in TOOLS if t.name != "write"),
-            limits=Limits(max_model_steps=8),
-        )
-    ]
-)
+reduced_app = App([_tester(tools=tuple(t for t in TOOLS if t.name != "write"))])
 
 
 class Titled(BaseModel):
@@ -364,43 +361,24 @@ async def export_v2(args: Task, ctx: ToolContext) -> dict[str, Any]:
     return await vendor().write("export_call", ctx.idempotency_key, {"name": args.name})
 
 
-def _v2(tools: tuple[Any, ...]) -> App:
-    return App(
-        [
-            Agent(
-                name="tester",
-                instructions="Follow the script, v2.",
-                model=ScriptedModel(script),
-                tools=tools,
-                limits=Limits(max_model_steps=8),
-            )
-        ]
-    )
-
-
 # The same agents after a deploy that changed their instructions (the kill trials' `deploy`
 # mode rolls their workers from one to the other and back).
-app_v2 = App(
-    [
-        Agent(
-            name="tester",
-            instructions="Follow the script; v2.",
-            model=ScriptedModel(script),
-            tools=TOOLS,
-            limits=Limits(max_model_steps=8),
-        ),
-        Agent(
-            name="compactor",
-            instructions="Follow the script; summarise when asked; v2.",
-            model=ScriptedModel(script),
-            tools=TOOLS,
-            limits=Limits(max_model_steps=8, context_budget_tokens=150),
-        ),
-    ]
-)
-
+app_v2 = App([_tester("Follow the script; v2."), _compactor("Follow the script; summarise; v2.")])
 
 # A deploy of app v2 under turns in flight (docs/design.md, "Deploying new agent code"):
 # `guarded` and `export` removed; `write` takes other arguments; `export` a plain call.
-removed_app = _v2(tuple(t for t in TOOLS if t.name not in ("guarded", "export")))
-changed_app = _v2(tuple({"write": write_v2, "export": export_v2}.get(t.name, t) for t in TOOLS))
+removed_app = App(
+    [
+        _tester(
+            "Follow the script, v2.", tuple(t for t in TOOLS if t.name not in ("guarded", "export"))
+        )
+    ]
+)
+changed_app = App(
+    [
+        _tester(
+            "Follow the script, v2.",
+            tuple({"write": write_v2, "export": export_v2}.get(t.name, t) for t in TOOLS),
+        )
+    ]
+)

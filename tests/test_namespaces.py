@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 import urllib.parse
-from collections.abc import Iterator
 from pathlib import Path
 
 import nats
@@ -25,24 +24,13 @@ from nats.js.kv import KeyValue
 
 from jetloop.services import namespaces
 from jetloop.services.client import Client
-from jetloop.services.embedded import free_port
 from jetloop.services.namespaces import Credential
 from jetloop.streams.connection import inbox_prefix
 from jetloop.streams.topology import EVENTS_STREAM, STATE_BUCKET
 from tests.conftest import until
+from tests.test_bus_attack import up as up  # the fixture: `jetloop up` with a gateway
 from tests.test_nats_auth import NO_CREDENTIALS
 from tests.test_seal_key import Up, env_without_key
-from tests.test_up import wait_ready
-
-
-@pytest.fixture
-def up(tmp_path: Path) -> Iterator[Up]:
-    u = Up(tmp_path, gateway_port=free_port())
-    u.start()
-    assert u.proc is not None
-    wait_ready(u.proc, u.log)
-    yield u
-    u.stop()
 
 
 def url_of(up: Up, cred: Credential) -> str:

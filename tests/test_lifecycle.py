@@ -37,7 +37,9 @@ async def test_drain_timeout_hands_the_step_back(
 ) -> None:
     """A step still running past the drain timeout is cancelled and handed back at once;
     the next worker makes the idempotent write again with the same key: the first attempt
-    reached the vendor (its reply was slow), so the vendor sees two requests, one key."""
+    reached the vendor (its reply was slow), so the vendor sees two requests, one key. The
+    drained worker stopped on purpose: the resume is audited as drained, and the turn counts
+    no loss (deploys cannot use up a turn's losses)."""
     w = workers.start(env={"JETLOOP_DRAIN_SECONDS": "0.5"})
     h = await client.send("tester", "dt", script([call("slow_reply", name="s", seconds=3)]))
 
@@ -59,3 +61,13 @@ async def test_drain_timeout_hands_the_step_back(
     assert requests == 2, "both attempts reached the vendor"
     assert key == planned  # the key planned once, with the call
     assert await vendor.effect_count("slow_reply") == 1
+    assert w.find("worker.drain_ran_out", steps=1)
+    resumed = [
+        e.data
+        async for e in client.events("dt", ("agent.run.crash_resumed",), follow=False)
+    ]
+    assert [(r["drained"], r["losses"], r["lost_worker"]) for r in resumed] == [
+        (True, 0, w.worker_id)
+    ], resumed
+    turn = await client.turn("dt", h.turn_id)
+    assert turn is not None and turn.lost == [], turn.lost

@@ -24,6 +24,7 @@ from jetloop.services.embedded import free_port
 from jetloop.services.natsauth import url_as
 from jetloop.services.settings import load_settings, make_seal_key
 from jetloop.streams.seal import Sealer, key_bytes
+from jetloop.tooling.releases import BuiltRelease
 from tests.conftest import SEAL_KEY, WorkerFactory, call, script, until
 from tests.test_up import wait_ready
 
@@ -39,25 +40,40 @@ def env_without_key(**extra: str) -> dict[str, str]:
 class Up:
     """`jetloop up` in a working directory, as a person runs it: the store is `.jetloop`."""
 
-    def __init__(self, cwd: Path, gateway_port: int = 0) -> None:
+    def __init__(
+        self,
+        cwd: Path,
+        gateway_port: int = 0,
+        release: BuiltRelease | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``release``: another release's `up` (``jetloop.tooling.releases``); ``env``: more
+        of its environment."""
         self.cwd = cwd
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.gateway_port = gateway_port
+        self.release = release
+        self.env = env or {}
         self.log = cwd / "up.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        env = env_without_key(
+            JETLOOP_VENDOR_DB=str(self.cwd / "vendor.sqlite"),
+            JETLOOP_GATEWAY_PORT=str(self.gateway_port),
+            **self.env,
+        )
+        cli = [sys.executable, "-m", "jetloop.services.cli"]
+        if self.release is not None:
+            env, cli = self.release.env(env), self.release.cli()
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jetloop.services.cli", "up", "--port", str(self.port)],
+                [*cli, "up", "--port", str(self.port)],
                 cwd=self.cwd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=env_without_key(
-                    JETLOOP_VENDOR_DB=str(self.cwd / "vendor.sqlite"),
-                    JETLOOP_GATEWAY_PORT=str(self.gateway_port),
-                ),
+                env=env,
                 start_new_session=True,
             )
 

@@ -1,8 +1,9 @@
-"""Kill trials at a reduced count: worker kills, server restarts and rolling deploys lose no
-turn and double no write, and take no claim from a live worker — also with busy processes
-beside the workers.
+"""Kill trials at a reduced count: worker kills, server restarts, rolling deploys and upgrades
+lose no turn and double no write, and take no claim from a live worker — also with busy
+processes beside the workers.
 
-Marked ``slow``; CI runs two rounds of each single-server mode (a deploy too) and one round of
+Marked ``slow``; CI runs two rounds of each single-server mode (a deploy too), one round of a
+rolling upgrade from the previous release, and one round of
 a worker killed with the server while two busy processes load the machine
 (``JETLOOP_TRIALS`` sets more, ``JETLOOP_KILL_SEED`` fixes the kill moments). The timing
 targets (detection, completion) are reported by ``jetloop trials``, not asserted here: on a
@@ -26,6 +27,7 @@ from jetloop.tooling.trials.measures import (
     worker_detection,
 )
 from jetloop.tooling.trials.run import format_reports, percentile, run_trials
+from tests.test_upgrade import build_previous
 
 ROUNDS = int(os.environ.get("JETLOOP_TRIALS", "2"))
 SEED = int(os.environ.get("JETLOOP_KILL_SEED", str(random.randrange(1 << 30))))
@@ -127,6 +129,7 @@ def test_targets_follow_issues_14_and_31() -> None:
         ("kill_and_restart", 0, ROUNDS),
         ("kill_and_restart", 2, 1),
         ("deploy", 0, ROUNDS),
+        ("upgrade", 0, 1),
     ],
 )
 async def test_kill_trials(mode: str, load: int, rounds: int, tmp_path: Path) -> None:
@@ -134,6 +137,8 @@ async def test_kill_trials(mode: str, load: int, rounds: int, tmp_path: Path) ->
     worker's claim is taken over; the report names the turns caught in flight and
     their detection and completion times, also as JSON."""
     print(f"JETLOOP_KILL_SEED={SEED}")
+    if mode == "upgrade":
+        build_previous(tmp_path / "run" / "releases")  # where the run looks for it
     out = tmp_path / "report.json"
     report = await run_trials(mode, rounds, SEED, out, work_dir=tmp_path / "run", load=load)
     print(format_reports([report]))

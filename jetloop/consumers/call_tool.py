@@ -238,11 +238,11 @@ async def run(env: CallEnv) -> None:
         # counted once.
         lost = rec.attempt
         step_key = f"{env.turn.session_id}.{env.turn.turn_id}.m{env.n}.c{env.call.index}"
-        losses = await record_loss(rt, env.turn.session_id, env.turn.turn_id, step_key, lost)
-        if losses is None:
+        resume = await record_loss(rt, env.turn.session_id, env.turn.turn_id, step_key, lost)
+        if resume is None:
             return  # one loss too many: the turn failed, close_turn settles this call
         how = await _resume_settlement(env, effect, args)
-        await tell_resumed(rt, env.turn, step_key, lost, losses, {env.ckey: how})
+        await tell_resumed(rt, env.turn, step_key, lost, resume, {env.ckey: how})
         if how != "made again":
             return
 

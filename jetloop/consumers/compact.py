@@ -137,10 +137,10 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
             # Another attempt claimed the summary: taken over only once that attempt is lost.
             await holder_lost(d, ckey, comp.attempt, comp_v.stored_at)
             step_key = step.step_key()
-            losses = await record_loss(rt, sid, tid, step_key, comp.attempt)
-            if losses is None:
+            resumed = await record_loss(rt, sid, tid, step_key, comp.attempt)
+            if resumed is None:
                 return
-            await tell_resumed(rt, turn, step_key, comp.attempt, losses, {})
+            await tell_resumed(rt, turn, step_key, comp.attempt, resumed, {})
         attempt = rt.new_attempt(comp.attempts + 1)
         comp = comp.model_copy(
             update={

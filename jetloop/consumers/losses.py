@@ -8,10 +8,17 @@ one loss, and counting it again after a redelivery changes nothing. A turn lost 
 ``JETLOOP_MAX_LOSSES`` workers (default 2) — a turn that keeps killing its workers — fails
 with the reason; its calls are settled by ``close_turn`` and waiting callers are told. A
 step's own attempts bound how often one step runs, whoever loses it.
+
+A holder that stopped on purpose is not a loss: a worker whose drain ran out (SIGTERM, then
+``drain_seconds``, during a deploy) says so before it cancels what it still runs
+(``jetloop.streams.holds.drained``). The step is resumed as after a crash — a call in doubt
+is settled the same way, since the cancelled call may have run — and audited, with
+``drained`` set, but the turn's losses stay as they were: deploys cannot fail a turn.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from jetloop.consumers import metrics
@@ -21,6 +28,7 @@ from jetloop.consumers.runtime import Runtime
 from jetloop.schemas import Attempt, Event, TurnRecord
 from jetloop.schemas.events import CrashResumedData, TurnLostData
 from jetloop.streams.bus import event_out
+from jetloop.streams.holds import drained
 from jetloop.streams.state import Conflict, turn_key
 
 
@@ -44,18 +52,28 @@ def lost_event(turn: TurnRecord, losses: int, step_key: str) -> Event:
     )
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A takeover of a lost attempt: the turn's losses after it, and whether the holder had
+    stopped on purpose (then not counted)."""
+
+    losses: int
+    drained: bool = False
+
+
 async def record_loss(
     rt: Runtime, turn_sid: str, turn_tid: str, step_key: str, lost: Attempt
-) -> int | None:
+) -> Resume | None:
     """Count the loss on the turn record; None when it was one too many (the turn failed)."""
     lid = loss_id(lost)
     metrics.TAKEOVERS.inc()
+    stopped = await drained(rt.js, lost.incarnation)
     for _ in range(20):
         cur = await rt.state.turn(turn_sid, turn_tid)
         assert cur is not None
         turn = cur.value
-        if lid in turn.lost:
-            return len(turn.lost)
+        if lid in turn.lost or stopped:
+            return Resume(len(turn.lost), drained=stopped)
         losses = [*turn.lost, lid]
         if len(losses) > rt.max_losses:
             await fail_turn(
@@ -72,7 +90,7 @@ async def record_loss(
             )
         except Conflict:
             continue
-        return len(losses)
+        return Resume(len(losses))
     raise RetryLater(0.05, "turn kept changing while counting a loss")
 
 
@@ -81,7 +99,7 @@ async def tell_resumed(
     turn: TurnRecord,
     step_key: str,
     lost: Attempt,
-    losses: int,
+    resume: Resume,
     settled: dict[str, Any],
 ) -> None:
     """The audit of a resume: which step, how many losses, how its calls were settled."""
@@ -91,7 +109,8 @@ async def tell_resumed(
                 Event.of(
                     CrashResumedData(
                         step=step_key,
-                        losses=losses,
+                        losses=resume.losses,
+                        drained=resume.drained,
                         lost_attempt=lost.no,
                         lost_worker=lost.worker,
                         lost_incarnation=lost.incarnation,

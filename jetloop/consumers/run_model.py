@@ -25,7 +25,7 @@ from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.followers import answer, expected_history, joined, turn_start
 from jetloop.consumers.liveness import holder_lost
 from jetloop.consumers.logcontext import bind_step
-from jetloop.consumers.losses import loss_id, lost_event, lost_reason, tell_resumed
+from jetloop.consumers.losses import Resume, loss_id, lost_event, lost_reason, tell_resumed
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.session import end_turn
 from jetloop.consumers.side_by_side import side_by_side
@@ -40,6 +40,7 @@ from jetloop.schemas import (
 )
 from jetloop.schemas.errors import ProviderError, ProviderRejected, ProviderRetryable
 from jetloop.streams.bus import event_out
+from jetloop.streams.holds import drained
 from jetloop.streams.state import turn_key
 from jetloop.streams.topology import live_subject
 
@@ -76,13 +77,15 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     limits = agent.limits
     resumed = turn.attempt
     lost = list(turn.lost)
+    stopped = False  # the lost attempt's worker stopped on purpose (jetloop.consumers.losses)
     if resumed is not None:
         # Another attempt claimed this step: taken over only once that attempt is lost.
         await holder_lost(d, turn_key(sid, tid), resumed, cur.stored_at)
         metrics.TAKEOVERS.inc()
         # The attempt before this one was lost (its lease lapsed): a takeover of the turn.
+        stopped = await drained(rt.js, resumed.incarnation)
         lid = loss_id(resumed)
-        if lid not in lost:
+        if lid not in lost and not stopped:
             lost.append(lid)
         if len(lost) > rt.max_losses:
             gone = turn.model_copy(
@@ -139,7 +142,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     await d.claim(turn_key(sid, tid), claimed, cur.revision)
     bind_step(attempt=attempt.no)
     if resumed is not None:
-        await tell_resumed(rt, turn, step.step_key(), resumed, len(lost), {})
+        await tell_resumed(rt, turn, step.step_key(), resumed, Resume(len(lost), stopped), {})
 
     request = ModelRequest(
         agent=agent.name,

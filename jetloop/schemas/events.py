@@ -148,6 +148,8 @@ class CrashResumedData(EventData):
     lost_worker: str
     lost_incarnation: str
     settled: dict[str, Any] = Field(default_factory=dict)  # call key -> how it was settled
+    # The holder stopped on purpose (its drain ran out in a deploy): not counted as a loss.
+    drained: bool = False
 
 
 class CheckpointRejectedData(EventData):

@@ -246,7 +246,7 @@ class Worker(Service):
                 await registry.withdraw(self.worker_id)
             if control is not None:
                 await control.stop()
-            await self._drain()
+            await self._drain(holds)
         finally:
             if nc.is_connected:
                 await nc.drain()
@@ -480,11 +480,20 @@ class Worker(Service):
 
         task.add_done_callback(done)
 
-    async def _drain(self) -> None:
+    async def _drain(self, holds: Holds) -> None:
         if not self._inflight:
             return
         log.info("worker.draining", steps=len(self._inflight), grace=self.settings.drain_seconds)
         _, pending = await asyncio.wait(set(self._inflight), timeout=self.settings.drain_seconds)
+        if pending:
+            # Said before anything is cancelled, and confirmed: whoever takes these steps
+            # over must know this process stopped on purpose (jetloop.streams.holds).
+            holds.drained = True
+            log.info("worker.drain_ran_out", steps=len(pending))
+            try:
+                await holds.publish_confirmed(timeout=2.0)
+            except Exception as exc:  # a takeover then counts a loss, as after a crash
+                log.warning("worker.drained_unsaid", error=repr(exc))
         for t in pending:
             t.cancel()
         if pending:

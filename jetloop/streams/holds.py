@@ -12,7 +12,14 @@ that dies between the update and the settle leaves that one message to its lease
 reads the list still checks that each message is in its stream (``JL_TURNS`` is a work queue
 and deletes what was acked).
 
-Who reads it: ``jetloop.services.rescue``, when the server says the process's connection closed.
+A worker whose drain ran out (``jetloop.services.worker``: SIGTERM, then ``drain_seconds``)
+says so in the same entry (``"drained": true``) before it cancels what it still runs, and
+keeps saying it until it exits: the worker that takes such a step over resumes it as after a
+crash (a call in doubt is settled the same way) but does not count it as a loss of the turn
+(``jetloop.consumers.losses``): the holder stopped on purpose, it did not die.
+
+Who reads it: ``jetloop.services.rescue``, when the server says the process's connection
+closed; ``drained``, when a step is taken over.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _string
+from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -40,6 +48,7 @@ class Holds:
     worker_id: str
     # Each held message as it goes into the list (JSON), encoded once, when it is fetched.
     _held: dict[tuple[str, int], str] = field(default_factory=dict)
+    drained: bool = False  # its drain ran out: what it still holds is being cancelled
     _sending: asyncio.Future[None] | None = field(default=None, repr=False)
 
     def add(self, msg: Msg) -> None:
@@ -80,26 +89,48 @@ class Holds:
     async def publish(self) -> None:
         """Send the list as it is now (not confirmed: a list lost with its process only
         means that process's steps wait for their leases, as they would without it)."""
+        await self.nc.publish(*self._list())
+
+    async def publish_confirmed(self, timeout: float) -> None:
+        """Send the list and wait until the bucket has stored it (the drain's last word)."""
+        subject, body = self._list()
+        await self.nc.jetstream().publish(subject, body, timeout=timeout)
+
+    def _list(self) -> tuple[str, bytes]:
         # {"worker": …, "held": [[stream, sequence], …]}, the entries joined as encoded.
         held = ", ".join(self._held.values())
-        body = f'{{"worker": {json.dumps(self.worker_id)}, "held": [{held}]}}'
-        subject = f"$KV.{WORKERS_BUCKET}.{held_key(self.incarnation)}"
-        await self.nc.publish(subject, body.encode())
+        drained = ', "drained": true' if self.drained else ""
+        body = f'{{"worker": {json.dumps(self.worker_id)}, "held": [{held}]{drained}}}'
+        return f"$KV.{WORKERS_BUCKET}.{held_key(self.incarnation)}", body.encode()
 
 
-async def read_holds(js: JetStreamContext, incarnation: str) -> list[tuple[str, int]]:
-    """The messages ``incarnation`` last said it held (empty when it said nothing). Read
-    from the stream's leader, not by a direct get: on R3 a follower may not have the list
-    its process sent a moment before it died."""
+async def _last_list(js: JetStreamContext, incarnation: str) -> dict[str, Any]:
+    """The list ``incarnation`` last sent (empty when none, or not one this code wrote).
+    Read from the stream's leader, not by a direct get: on R3 a follower may not have the
+    list its process sent a moment before it died."""
     subject = f"$KV.{WORKERS_BUCKET}.{held_key(incarnation)}"
     try:
         raw = await js.get_msg(f"KV_{WORKERS_BUCKET}", subject=subject, direct=False)
     except NotFoundError:
-        return []
+        return {}
     if not raw.data or (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
-        return []
+        return {}
     try:
         body = json.loads(raw.data)
-        return [(str(s), int(q)) for s, q in body.get("held", [])]
-    except (ValueError, TypeError, AttributeError):
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+async def read_holds(js: JetStreamContext, incarnation: str) -> list[tuple[str, int]]:
+    """The messages ``incarnation`` last said it held (empty when it said nothing)."""
+    try:
+        return [(str(s), int(q)) for s, q in (await _last_list(js, incarnation)).get("held", [])]
+    except (ValueError, TypeError):
         return []  # not a list this code wrote: nothing to hand on
+
+
+async def drained(js: JetStreamContext, incarnation: str) -> bool:
+    """Whether ``incarnation`` said its drain ran out (it stopped on purpose). False once its
+    list is gone (the bucket's TTL, 15 s after its last word): a loss is then counted."""
+    return (await _last_list(js, incarnation)).get("drained") is True

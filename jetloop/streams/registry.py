@@ -11,10 +11,16 @@ The registry lets a client tell the three cases apart at once:
 - ``live``: a worker that serves it refreshed its presence within ``PRESENCE_TTL``.
 
 A worker writes ``agent.<name>`` once (create-if-absent) and refreshes ``worker.<id>``
-(its agents and pools) every third of the TTL; the bucket's TTL removes a dead worker's
+(its agents and pools, its jetloop release and the highest schema version it reads) every
+third of the TTL; the bucket's TTL removes a dead worker's
 presence by itself, and a worker that stops cleanly deletes its own. Presence is only a
 hint for people and clients: the engine never decides who runs a step from it (the lease
 and the state's CAS still do).
+
+During a rolling upgrade the presence is how a release knows whether an older one still
+serves the store: a worker of 0.1.0 names no release and reads schema version 1 only, so a
+release that must not write a newer version while such a worker lives reads ``reads`` of
+every presence first (docs/upgrading.md, "Rolling upgrades: the policy").
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from typing import Literal
 
 from nats.errors import Error as NatsError
@@ -30,9 +38,23 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
+from jetloop.schemas.codec import SCHEMA_VERSION
 from jetloop.streams.topology import AGENTS_BUCKET, WORKERS_BUCKET
 
 AgentStatus = Literal["unknown", "offline", "live"]
+# What a presence of a release that did not say (0.1.0) reads.
+FIRST_SCHEMA_VERSION = 1
+
+
+def this_release() -> str | None:
+    """The installed jetloop's version (None when it was not installed as a package)."""
+    try:
+        return package_version("jetloop")
+    except PackageNotFoundError:
+        return None
+
+
+_RELEASE = this_release()
 
 
 @dataclass(frozen=True)
@@ -41,6 +63,8 @@ class WorkerPresence:
     agents: tuple[str, ...]
     pools: tuple[str, ...]
     since: float
+    release: str | None = None  # None: a release before 0.2.0, which did not say
+    reads: int = FIRST_SCHEMA_VERSION  # the highest schema version it reads
 
 
 class Registry:
@@ -73,7 +97,13 @@ class Registry:
         """Say this worker is alive and serves ``agents``; record each agent once."""
         agents = tuple(sorted(agents))
         await self.declare(agents, f"worker {worker_id}")
-        body = {"agents": list(agents), "pools": sorted(pools), "since": since}
+        body = {
+            "agents": list(agents),
+            "pools": sorted(pools),
+            "since": since,
+            "release": _RELEASE,
+            "reads": SCHEMA_VERSION,
+        }
         await self._workers.put(f"worker.{worker_id}", json.dumps(body).encode())
 
     async def withdraw(self, worker_id: str) -> None:
@@ -106,6 +136,8 @@ class Registry:
                     agents=tuple(body.get("agents", ())),
                     pools=tuple(body.get("pools", ())),
                     since=float(body.get("since", 0.0)),
+                    release=body.get("release"),
+                    reads=int(body.get("reads", FIRST_SCHEMA_VERSION)),
                 )
             )
         return out

@@ -330,6 +330,8 @@ async def operations(request: web.Request) -> web.Response:
                         "agents": list(w.agents),
                         "pools": list(w.pools),
                         "since": w.since,
+                        "release": w.release,
+                        "reads": w.reads,
                     }
                     for w in sorted(workers, key=lambda w: w.worker_id)
                 ],

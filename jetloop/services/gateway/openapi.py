@@ -312,6 +312,8 @@ class WorkerRow(BaseModel):
     agents: list[str]
     pools: list[str]
     since: float
+    release: str | None = None  # its jetloop release; None: one before 0.2.0
+    reads: int = 1  # the highest schema version it reads
 
 
 class ConsumerRow(BaseModel):

@@ -18,4 +18,5 @@ MODES = (
     "mixed",
     "control",
     "deploy",
+    "upgrade",
 )

@@ -17,7 +17,10 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jetloop.tooling.releases import BuiltRelease
 
 LogLine = dict[str, Any]
 
@@ -36,8 +39,10 @@ class WorkerProcess:
         release_file: Path | None = None,
         processes: int = 1,
         namespaces: str | None = None,
+        release: BuiltRelease | None = None,
     ) -> None:
         self.nats_url = nats_url
+        self.release = release  # another release's worker (``jetloop.tooling.releases``)
         self.namespaces = namespaces  # ``--namespace``: ``all``, or one
         self.processes = processes  # > 1: a parent of that many worker processes
         self.app = app
@@ -53,12 +58,13 @@ class WorkerProcess:
 
     def start(self) -> WorkerProcess:
         env = {**os.environ, "JETLOOP_LOG_LEVEL": "debug", **self.env}
+        cli = [sys.executable, "-m", "jetloop.services.cli"]
+        if self.release is not None:
+            env, cli = self.release.env(env), self.release.cli()
         out = open(self.log_path, "ab")  # handed to the child
         self.proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "jetloop.services.cli",
+                *cli,
                 "worker",
                 "--app",
                 self.app,

@@ -152,7 +152,8 @@ def false_takeovers(
 
     ``turn_losses``: each turn's ``lost`` list (``worker/incarnation``); ``alive``: workers
     alive throughout the round; ``killed``: the worker the round killed, whose losses are
-    false only when resumed before the kill.
+    false only when resumed before the kill. A resume of a step whose worker had stopped on
+    purpose (its drain ran out: ``drained``) is no loss; ``drained_resumes`` counts them.
     """
     resumed_at: dict[tuple[str, str], list[float]] = {}
     for turn_id, lost in turn_losses.items():
@@ -160,6 +161,8 @@ def false_takeovers(
             resumed_at.setdefault((turn_id, lid), [])
     for e in events:
         if e.type != EventType.CRASH_RESUMED.value or e.turn_id is None:
+            continue
+        if e.data.get("drained") is True:
             continue
         lid = f"{e.data.get('lost_worker')}/{e.data.get('lost_incarnation', '')}"
         resumed_at.setdefault((e.turn_id, lid), []).append(e.at)
@@ -172,6 +175,14 @@ def false_takeovers(
             early = kill_wall - min(ats)
             out.append(f"{turn_id} lost {lid}: resumed {early:.2f}s before {worker} was killed")
     return out
+
+
+def drained_resumes(events: Iterable[SeenEvent]) -> int:
+    """How many steps were taken over from a worker whose drain ran out (a deploy's
+    hand-over of a step longer than the drain: resumed, not counted as a loss)."""
+    return sum(
+        1 for e in events if e.type == EventType.CRASH_RESUMED.value and e.data.get("drained")
+    )
 
 
 @dataclass

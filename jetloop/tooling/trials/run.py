@@ -25,6 +25,12 @@ failure:
   then the victim and the survivor are stopped with SIGTERM one after the other, each
   draining its steps; the first new worker is the survivor from then on. Nobody dies, so any
   loss recorded is a false takeover (a drain must hand its steps on, losing none);
+- ``upgrade``: a rolling upgrade of jetloop itself, the same as ``deploy`` but with the app
+  kept and the release changed: each round's victim and survivor run the previous release
+  (``jetloop.tooling.releases.PREVIOUS``, built from its commit), and the two workers that
+  replace them run this one. Between rounds, with nothing in flight, the survivor is put back
+  on the previous release. The previous release serves the default namespace only, so every
+  session of this mode is there;
 - ``control``: nothing fails. Its "completion" is what the turns in flight at a random
   moment take anyway (their timers, approvals, polls, model rounds): the part of every other
   mode's completion that no failure caused.
@@ -103,12 +109,14 @@ from jetloop.services.logs import configure
 from jetloop.streams import topology
 from jetloop.streams.connection import connect
 from jetloop.streams.seal import Sealer, key_bytes
+from jetloop.tooling.releases import BuiltRelease, build
 from jetloop.tooling.trials import MODES
 from jetloop.tooling.trials.harness import WorkerProcess
 from jetloop.tooling.trials.load import busy
 from jetloop.tooling.trials.measures import (
     VICTIM_KILLED,
     Target,
+    drained_resumes,
     engine_detection,
     false_takeovers,
     read_events,
@@ -189,6 +197,7 @@ class RoundTrial:
     restart: float | None = None  # seconds from the kill until the server accepted clients
     detection: float | None = None  # seconds from the kill until the engine noticed
     false_takeovers: list[str] = field(default_factory=list)
+    drained_resumes: int = 0  # steps taken over from a worker whose drain ran out
     turns: list[TurnTrial] = field(default_factory=list)
 
     @property
@@ -235,6 +244,8 @@ class Report:
     wall_seconds: float
     machine: dict[str, str]
     trials: list[RoundTrial]
+    # ``upgrade``: the release the old workers ran (``<version> (<commit>)``).
+    upgraded_from: str | None = None
 
     @property
     def targets_ok(self) -> bool:
@@ -339,8 +350,14 @@ class Trials:
         # started: none dies in a deploy, so a loss of any of them is a false takeover.
         self.app = APP
         self.started: set[str] = set()
+        # ``upgrade``: the release the old workers run (None: every worker runs this one),
+        # and the one the survivor runs now.
+        self.previous: BuiltRelease | None = None
+        self.survivor_release: BuiltRelease | None = None
 
-    def _worker(self, name: str, app: str | None = None) -> WorkerProcess:
+    def _worker(
+        self, name: str, app: str | None = None, release: BuiltRelease | None = None
+    ) -> WorkerProcess:
         env = {
             "JETLOOP_LEASE_SECONDS": str(LEASE_SECONDS),
             "JETLOOP_VENDOR_DB": str(self.vendor_db),
@@ -360,7 +377,9 @@ class Trials:
             self.base / f"{name}.log",
             worker_id=name,
             env=env,
-            namespaces="all",
+            # A release without namespaces serves the default one, all it knows.
+            namespaces="all" if release is None else None,
+            release=release,
         ).start()
 
     def _client(self, session_id: str) -> Client:
@@ -377,7 +396,10 @@ class Trials:
                 await topology.apply(nc.jetstream(), cfg, set_replicas=True)
             finally:
                 await nc.close()
-        self.survivor = self._worker("survivor")
+        if self.mode == "upgrade":
+            self.previous = await asyncio.to_thread(build, self.base / "releases")
+        self.survivor_release = self.previous
+        self.survivor = self._worker("survivor", release=self.previous)
         try:
             await self.survivor.wait_for("worker.started", timeout=WORKER_START_SECONDS)
             sealer = Sealer([key_bytes(SEAL_KEY)])
@@ -398,7 +420,7 @@ class Trials:
             return self.rng.choice(MIXED_FAILURES)
         if self.mode == "kill_and_restart":
             return "worker_kill+server_restart"
-        if self.mode == "deploy":
+        if self.mode in ("deploy", "upgrade"):
             return "worker_drain"
         return self.mode
 
@@ -410,7 +432,9 @@ class Trials:
             [plan_turn(self.rng, f"r{r}s{s}t{k}", covering=(s == 0 and k == 0)) for k in range(64)]
             for s in range(SESSIONS_PER_ROUND)
         ]
-        victim = self._worker(f"victim{r}")
+        if self.survivor_release is not self.previous:
+            await self._survivor_back(r)
+        victim = self._worker(f"victim{r}", release=self.previous)
         self.victims.append(victim)
         await victim.wait_for("worker.started", timeout=WORKER_START_SECONDS)
         start = time.monotonic()
@@ -426,7 +450,8 @@ class Trials:
         deadline: list[float] = []  # set at the kill: [monotonic deadline]
         sids = [f"{self.mode[:2]}{r}s{s}" for s in range(SESSIONS_PER_ROUND)]
         for s, sid in enumerate(sids):
-            self.namespace_of[sid] = NAMESPACES[s % len(NAMESPACES)]
+            spread = NAMESPACES if self.previous is None else ("default",)
+            self.namespace_of[sid] = spread[s % len(spread)]
 
         async with asyncio.TaskGroup() as tg:
             for s, sid in enumerate(sids):
@@ -475,7 +500,8 @@ class Trials:
         stopped with SIGTERM, one after the other, each let drain and exit. Turns keep
         coming until the first SIGTERM."""
         assert self.survivor is not None
-        self.app = APP_V2 if self.app == APP else APP
+        if self.mode == "deploy":
+            self.app = APP_V2 if self.app == APP else APP
         new = [self._worker(f"deploy{r}a"), self._worker(f"deploy{r}b")]
         for w in new:
             await w.wait_for("worker.started", timeout=WORKER_START_SECONDS)
@@ -490,10 +516,20 @@ class Trials:
                 trial.false_takeovers.append(f"{old.worker_id} did not exit after its drain")
                 old.kill()
         self.victims.append(self.survivor)  # gone; listed to be sure it is
-        self.survivor = new[0]
+        self.survivor, self.survivor_release = new[0], None
         self.victims.append(new[1])  # killed on the way out, as the victims are
         trial.replacement = new[1].worker_id
         return kill, new[1]
+
+    async def _survivor_back(self, r: int) -> None:
+        """``upgrade``, between rounds (nothing in flight): a survivor of the previous
+        release in place of the current release's, which is stopped with SIGTERM."""
+        assert self.survivor is not None
+        old = self._worker(f"survivor{r}", release=self.previous)
+        await old.wait_for("worker.started", timeout=WORKER_START_SECONDS)
+        self.survivor.signal(signal.SIGTERM)
+        self.victims.append(self.survivor)  # killed on the way out if it has not exited
+        self.survivor, self.survivor_release = old, self.previous
 
     async def _judge_from_events(self, trial: RoundTrial, sids: list[str]) -> None:
         """Detection and false takeovers, from the round's events and turn records."""
@@ -515,6 +551,7 @@ class Trials:
         if trial.failure == "worker_drain":
             alive |= self.started  # a deploy kills nobody
         losses = {t.turn_id: t.lost for t in trial.turns}
+        trial.drained_resumes = drained_resumes(events)
         trial.false_takeovers += false_takeovers(losses, events, alive, killed, trial.kill_wall)
 
     async def _session(
@@ -709,6 +746,8 @@ async def _run(
         async with trials.running():
             for r in range(rounds):
                 done.append(await trials.round(r))
+        old = trials.previous
+        upgraded_from = f"{old.release.version} ({old.release.commit[:7]})" if old else None
         dups, stray = await asyncio.to_thread(
             vendor_duplicates, trials.vendor_db, trials.calls_by_key
         )
@@ -759,6 +798,7 @@ async def _run(
         wall_seconds=time.monotonic() - began,
         machine=info,
         trials=done,
+        upgraded_from=upgraded_from,
     )
     if out_json is not None:
         text = json.dumps(report.to_json(), indent=2, default=str) + "\n"
@@ -839,6 +879,8 @@ def format_reports(reports: Sequence[Report]) -> str:
             f" 1-min load {rep.machine.get('load_1m')} at its start,"
             f" {rep.machine.get('load_1m_end')} at its end)"
         )
+        if rep.upgraded_from:
+            lines.append(f"  old workers: release {rep.upgraded_from}; new workers: this one")
         for failure, f in rep.by_failure.items():
             lines.append(
                 f"  {failure:<22} rounds {f['rounds']:>3}  in flight {f['in_flight']:>3}"
@@ -871,6 +913,7 @@ def format_reports(reports: Sequence[Report]) -> str:
                 f"  detection {_s(rnd.detection) if rnd.detection is not None else 'n/a'}"
                 f"  completion max {_s(max(rec) if rec else None)}"
                 f"  false {len(rnd.false_takeovers)}{server}"
+                + (f"  drained resumes {rnd.drained_resumes}" if rnd.drained_resumes else "")
             )
         for what in rep.lost:
             lines.append(f"  LOST {what}")

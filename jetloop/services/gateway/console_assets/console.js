@@ -750,9 +750,9 @@ async function opsView(signal, params) {
     const ops = await api("/v1/operations", { signal });
     fill(figures,
       h("h2", {}, `Workers (${ops.workers.length})`),
-      h("table", { id: "workers" }, h("thead", {}, h("tr", {}, ["worker", "agents", "pools", "since"].map((x) => h("th", {}, x)))),
+      h("table", { id: "workers" }, h("thead", {}, h("tr", {}, ["worker", "agents", "pools", "since", "release"].map((x) => h("th", {}, x)))),
         h("tbody", {}, ops.workers.map((w) => h("tr", {}, h("td", {}, h("code", {}, w.worker_id)), h("td", {}, w.agents.join(", ")),
-          h("td", {}, w.pools.join(", ")), h("td", {}, when(w.since)))))),
+          h("td", {}, w.pools.join(", ")), h("td", {}, when(w.since)), h("td", {}, w.release ?? "before 0.2.0"))))),
       h("p", { class: "mute" }, `Agents ever served: ${ops.agents.join(", ") || "none"}. Read model at JL_EVENTS #${ops.readmodel_position ?? "—"} of #${(ops.streams.find((s) => s.name === "JL_EVENTS") || {}).last_seq ?? "—"}.`),
       h("h2", {}, "Consumers (lag = messages not yet delivered)"),
       h("table", { id: "consumers" }, h("thead", {}, h("tr", {}, ["consumer", "stream", "lag", "ack pending", "redelivered"].map((x) => h("th", {}, x)))),

@@ -261,6 +261,29 @@ def credentials(store_dir: str | None) -> None:
 )
 @click.option("--json", "out_json", type=click.Path(dir_okay=False))
 @click.option("--keep", type=click.Path(file_okay=False), help="keep logs and stores here")
+@click.option(
+    "--app",
+    help="crash-test your own agent: module:attr (with --messages); modes worker_kill,"
+    " server_restart; --rounds adds random kills (default 0)",
+)
+@click.option(
+    "--messages",
+    type=click.Path(exists=True, dir_okay=False),
+    help="with --app: one user message per line, or a JSON list of {agent, text}",
+)
+@click.option(
+    "--model-script",
+    type=click.Path(exists=True, dir_okay=False),
+    help="with --app: scripted model replies (JSON), so the test needs no network or key",
+)
+@click.option("--quick", is_flag=True, help="with --app: the first boundary of each kind only")
+@click.option(
+    "--vendor-dedupes",
+    multiple=True,
+    metavar="TOOL",
+    help="with --app: an IDEMPOTENT_WRITE tool whose vendor dedupes on the key (its repeats"
+    " pass)",
+)
 def trials(
     modes: tuple[str, ...],
     rounds: int | None,
@@ -268,10 +291,38 @@ def trials(
     load: int,
     out_json: str | None,
     keep: str | None,
+    app: str | None,
+    messages: str | None,
+    model_script: str | None,
+    quick: bool,
+    vendor_dedupes: tuple[str, ...],
 ) -> None:
     """Kill trials: random SIGKILLs of workers, servers or leaders, judged from state: lost
-    turns, duplicates, detection and completion times, false takeovers."""
+    turns, duplicates, detection and completion times, false takeovers. With --app, the
+    same for your own agent: killed at every step boundary its conversation reaches."""
     from pathlib import Path
+
+    if app is not None:
+        from jetloop.tooling.crashtest.cli import main as crash
+
+        if messages is None:
+            raise click.UsageError("--app needs --messages FILE")
+        sys.exit(
+            crash(
+                app,
+                Path(messages),
+                modes=modes,
+                rounds=rounds or 0,
+                seed=seed,
+                model_script=Path(model_script) if model_script else None,
+                quick=quick,
+                vendor_dedupes=vendor_dedupes,
+                out_json=Path(out_json) if out_json else None,
+                keep=Path(keep) if keep else None,
+            )
+        )
+    if messages or model_script or quick or vendor_dedupes:
+        raise click.UsageError("--messages, --model-script, --quick, --vendor-dedupes need --app")
 
     from jetloop.tooling.trials.run import main as run
 

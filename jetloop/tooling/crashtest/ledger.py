@@ -1,0 +1,162 @@
+"""Every invocation of every tool of the app under test, in a file the kills cannot reach.
+
+The crash test watches a user's tools, it does not change them: ``watch`` gives each tool of
+kind call or task a function that writes a row to the ledger (SQLite, outside the store),
+committed before the tool's own function starts, then calls that function as it is and
+writes how it ended. A worker killed inside a tool leaves a row with no end: the invocation
+happened. The judge (``jetloop.tooling.crashtest.judge``) reads the rows against the state.
+Between the row and the function, the fault point ``tool.running``: a crash test that kills
+there kills a tool that has started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jetloop.agents.agent import App
+from jetloop.agents.tools import Tool, ToolContext, ToolKind
+from jetloop.consumers.faults import Faults
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS invocations (
+    id INTEGER PRIMARY KEY,
+    tool TEXT NOT NULL,
+    effect TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    turn_id TEXT NOT NULL,
+    call_id TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    pid INTEGER NOT NULL,
+    started REAL NOT NULL,
+    ended REAL,
+    outcome TEXT
+)
+"""
+WATCHED = (ToolKind.CALL, ToolKind.TASK)
+
+
+@dataclass(frozen=True)
+class Invocation:
+    tool: str
+    effect: str
+    session_id: str
+    turn_id: str
+    call_id: str
+    idempotency_key: str
+    attempt: int
+    pid: int
+    started: float
+    ended: float | None
+    outcome: str | None  # "ok", "error: …", or None when the process died inside
+
+
+def call_key_of(inv: Invocation) -> str:
+    """The call key (``<session>.<turn>.<model step>.<index>``) of an invocation, whose
+    call id is ``<turn>-<model step>-<index>``."""
+    return f"{inv.session_id}.{inv.call_id.replace('-', '.')}"
+
+
+class Ledger:
+    """The ledger file. Each write is its own short transaction (several worker processes
+    append to one file, one after the other)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _db(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(_SCHEMA)
+        return db
+
+    def create(self) -> None:
+        self._db().close()
+
+    def started(self, tool: Tool, ctx: ToolContext) -> int:
+        with _closing(self._db()) as db:
+            cur = db.execute(
+                "INSERT INTO invocations (tool, effect, session_id, turn_id, call_id,"
+                " idempotency_key, attempt, pid, started) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    tool.name,
+                    tool.effect.value,
+                    ctx.session_id,
+                    ctx.turn_id,
+                    ctx.call_id,
+                    ctx.idempotency_key,
+                    ctx.attempt,
+                    os.getpid(),
+                    time.time(),
+                ),
+            )
+            assert cur.lastrowid is not None
+            return cur.lastrowid
+
+    def ended(self, row: int, outcome: str) -> None:
+        with _closing(self._db()) as db:
+            db.execute(
+                "UPDATE invocations SET ended = ?, outcome = ? WHERE id = ?",
+                (time.time(), outcome, row),
+            )
+
+    def invocations(self) -> list[Invocation]:
+        with _closing(self._db()) as db:
+            rows = db.execute(
+                "SELECT tool, effect, session_id, turn_id, call_id, idempotency_key, attempt,"
+                " pid, started, ended, outcome FROM invocations ORDER BY id"
+            ).fetchall()
+        return [Invocation(*r) for r in rows]
+
+
+class _closing:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        return self.db
+
+    def __exit__(self, *exc: object) -> None:
+        self.db.close()
+
+
+# The point a crash test may hold at once the invocation is in the ledger, before the tool's
+# own function starts (``jetloop.consumers.faults``): a kill there is a kill inside the tool.
+RUNNING = "tool.running"
+
+
+def watched_tool(tool: Tool, ledger: Ledger, faults: Faults) -> Tool:
+    """``tool`` with its function watched: the same name, arguments, effect and policy."""
+    inner = tool.fn
+
+    async def fn(args: Any, ctx: ToolContext) -> Any:
+        row = await asyncio.to_thread(ledger.started, tool, ctx)
+        await faults.point(RUNNING)
+        try:
+            result = await inner(args, ctx)
+        except BaseException as exc:
+            await asyncio.shield(asyncio.to_thread(ledger.ended, row, f"error: {exc!r}"[:500]))
+            raise
+        await asyncio.to_thread(ledger.ended, row, "ok")
+        return result
+
+    return dataclasses.replace(tool, fn=fn)
+
+
+def watch(app: App, ledger: Ledger, faults: Faults | None = None) -> App:
+    """The app with every call and task tool of every agent watched."""
+    faults = faults or Faults()
+    agents = []
+    for agent in app.agents.values():
+        tools = tuple(
+            watched_tool(t, ledger, faults) if t.kind in WATCHED else t for t in agent.tools
+        )
+        agents.append(dataclasses.replace(agent, tools=tools))
+    return App(agents)

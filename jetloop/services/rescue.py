@@ -44,11 +44,12 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from jetloop.consumers.liveness import H_HOLDER_LOST, gone, patience_after, settled_link
 from jetloop.consumers.session import UnscopedRequestId, request_id_of
 from jetloop.services.natsauth import DISCONNECT_ADVISORIES
+from jetloop.streams import kvkeys
 from jetloop.streams.connection import connect
 from jetloop.streams.holds import read_holds
 from jetloop.streams.topology import TURNS_STREAM, WORKERS_BUCKET, held_key
@@ -98,10 +99,7 @@ class Rescuer:
         if self.stopping.is_set():
             return 0
         kv = await self.js.key_value(WORKERS_BUCKET)
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return 0
+        keys = await kvkeys.keys(kv, "held.>")
         handed = 0
         for key in keys:
             if not key.startswith("held."):

@@ -35,10 +35,11 @@ from typing import Literal
 
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from jetloop.schemas.codec import SCHEMA_VERSION
+from jetloop.streams import kvkeys
 from jetloop.streams.topology import AGENTS_BUCKET, WORKERS_BUCKET
 
 AgentStatus = Literal["unknown", "offline", "live"]
@@ -114,10 +115,7 @@ class Registry:
             pass  # the TTL removes it
 
     async def workers(self) -> list[WorkerPresence]:
-        try:
-            keys = await self._workers.keys()
-        except NoKeysError:
-            return []
+        keys = await kvkeys.keys(self._workers, "worker.>")
         out = []
         for key in keys:
             if not key.startswith("worker."):
@@ -144,10 +142,7 @@ class Registry:
 
     async def declared(self) -> list[str]:
         """Every agent ever served, sorted."""
-        try:
-            keys = await self._agents.keys()
-        except NoKeysError:
-            return []
+        keys = await kvkeys.keys(self._agents, "agent.>")
         return sorted(k.removeprefix("agent.") for k in keys if k.startswith("agent."))
 
     async def known(self, agent: str) -> bool:

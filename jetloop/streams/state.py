@@ -33,6 +33,7 @@ from jetloop.schemas import (
     encode,
 )
 from jetloop.schemas.codec import DecodeError, decode_map
+from jetloop.streams import kvkeys
 from jetloop.streams.connection import TRANSIENT, retrying
 from jetloop.streams.direct import DirectGets, direct_gets
 from jetloop.streams.replies import connection_of, replies_of
@@ -447,16 +448,7 @@ class StateStore:
 
     async def keys(self, pattern: str) -> list[str]:
         """Keys matching a subject-style pattern (``call.s1.t1.>``), read server-side filtered."""
-        watcher = await self.kv.watch(pattern, ignore_deletes=True, meta_only=True)
-        out: list[str] = []
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    break
-                out.append(entry.key)
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
-        return out
+        return await kvkeys.keys(self.kv, pattern)
 
     async def matching(self, pattern: str, most: int) -> tuple[dict[str, Stored], int]:
         """The current value of up to ``most`` keys matching ``pattern`` (``turn.s1.*``), and

@@ -23,6 +23,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
 from jetloop.schemas.codec import readable
+from jetloop.streams import kvkeys
 from jetloop.streams import topology as topo
 
 # In text mode a body longer than this is cut (--json and --seq show it whole).
@@ -118,10 +119,7 @@ async def _state(js: JetStreamContext) -> Any:
 async def keys(js: JetStreamContext, prefix: str, as_json: bool) -> None:
     """The state bucket's keys that start with ``prefix``, sorted."""
     kv = await _state(js)
-    try:
-        found = await kv.keys()
-    except NoKeysError:
-        found = []
+    found = await kvkeys.keys(kv)
     names = sorted(k for k in found if k.startswith(prefix))
     if as_json:
         click.echo(_dumps({"bucket": topo.STATE_BUCKET, "prefix": prefix, "keys": names}))

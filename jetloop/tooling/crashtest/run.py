@@ -39,8 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
+from nats.errors import Error as NatsError
+
 from jetloop.agents.agent import App, load_app
 from jetloop.schemas import EventType
+from jetloop.schemas.errors import JetloopError
 from jetloop.services.client import Client, TurnFailed
 from jetloop.streams import topology
 from jetloop.streams.connection import connect
@@ -64,6 +68,8 @@ POINTS = (
     "call_tool.after_commit",
     "join.before_publish",
 )
+log = structlog.get_logger("jetloop.crashtest")
+
 MODES = ("worker_kill", "server_restart")
 LEASE_SECONDS = 2.0
 SEAL_KEY = "c7" * 32
@@ -165,29 +171,38 @@ class Run:
         return names[0]
 
 
-async def decide(c: Client, session: str) -> None:
-    """Approve every call held for approval, answer every question, as they come (until
-    cancelled)."""
-    while True:
-        snap = await c.snapshot(session)
-        if snap is not None:
-            for a in snap.approvals:
-                if a.status == "pending":
-                    await c.approve(session, a.approval_id, by=DECIDER)
-            for q in snap.questions:
-                if q.answer is None:
-                    await c.answer(session, q.question_id, ANSWER, by=DECIDER)
-        await asyncio.sleep(0.2)
+async def decide(c: Client, session: str, done: asyncio.Event) -> None:
+    """Approve every call held for approval, answer every question, as they come, until
+    ``done``. (An event, not a cancel: a cancel that lands as a read inside ``wait_for``
+    finishes can be lost on Python 3.11, and the loop would go on for ever.)"""
+    while not done.is_set():
+        try:
+            snap = await c.snapshot(session)
+            if snap is not None:
+                for a in snap.approvals:
+                    if a.status == "pending":
+                        await c.approve(session, a.approval_id, by=DECIDER)
+                for q in snap.questions:
+                    if q.answer is None:
+                        await c.answer(session, q.question_id, ANSWER, by=DECIDER)
+        except (JetloopError, NatsError, TimeoutError) as exc:
+            # Decided meanwhile, or the server is restarting: looked at again next time.
+            log.warning("crashtest.decide_later", session=session, error=str(exc))
+        try:
+            await asyncio.wait_for(done.wait(), 0.2)
+        except TimeoutError:
+            pass
 
 
 async def converse(c: Client, run: Run, session: str) -> list[TurnSeen]:
     """Send the messages in order to ``session``, each once the turn before it ended."""
-    decider = asyncio.create_task(decide(c, session))
+    done = asyncio.Event()
+    decider = asyncio.create_task(decide(c, session, done))
     try:
         return await _converse(c, run, session)
     finally:
-        decider.cancel()
-        await asyncio.gather(decider, return_exceptions=True)
+        done.set()
+        await decider
 
 
 async def _converse(c: Client, run: Run, session: str) -> list[TurnSeen]:

@@ -1,0 +1,140 @@
+"""Crash-testing a user's own agent (issue 34): `jetloop trials --app`, `jetloop.testing`.
+
+The README's agent passes as the README says (run through its own pytest example, as a user
+runs it); the same agent with its non-idempotent tool declared an idempotent write fails,
+naming the calls that ran twice; the demo app and an agent wrapped from pydantic-ai pass.
+Each run starts its own nats-server and kills real worker processes (``--quick`` here: the
+first boundary of each kind per tool; the whole list is what the command runs by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jetloop.testing import Message, crash_test_async
+from jetloop.tooling.crashtest.judge import format_report
+from tests.conftest import call, script
+from tests.test_readme import blocks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def in_app_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The README's shop app in a directory of its own, as a user keeps it (the workers load
+    it from their working directory, as `jetloop worker` does)."""
+    files, _ = blocks()
+    for name in ("shop.py", "test_shop.py"):
+        (tmp_path / name).write_text(files[name])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+async def test_the_readme_agent_passes_its_own_pytest_example(in_app_dir: Path) -> None:
+    """`pytest test_shop.py` beside the README's `shop.py`: the verdict is pass, nothing is
+    lost, and the SMS tool (a non-idempotent write whose vendor does not dedupe) never runs
+    twice."""
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_shop.py"],
+        cwd=in_app_dir,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 passed" in out.stdout, out.stdout
+
+
+async def test_a_wrong_declaration_fails_with_the_calls_made_twice(in_app_dir: Path) -> None:
+    """The same agent with `send_sms` declared an idempotent write: the kills inside it make
+    it again with the same key, the SMS vendor sends each of those twice, and the report
+    says so and fails; the honest `refund` repeats too, passing because its vendor dedupes."""
+    wrong = (in_app_dir / "shop.py").read_text()
+    marked = wrong.count("@jl.tool(effect=jl.Effect.NON_IDEMPOTENT_WRITE)")
+    assert marked == 1
+    wrong = wrong.replace(
+        "@jl.tool(effect=jl.Effect.NON_IDEMPOTENT_WRITE)",
+        "@jl.tool(effect=jl.Effect.IDEMPOTENT_WRITE)",
+    )
+    (in_app_dir / "shop_wrong.py").write_text(wrong)
+    out = in_app_dir / "report.json"
+    report = await crash_test_async(
+        "shop_wrong:app",
+        [Message(None, "refund order 42")],
+        vendor_dedupes=["refund"],
+        quick=True,
+        seed=34,
+        work_dir=in_app_dir / "run",
+        json_out=out,
+    )
+    print(format_report(report))
+    assert report.verdict == "fail"
+    sms = report.tools["send_sms"]
+    assert sms.effect == "idempotent_write" and sms.repeated_calls >= 1, sms
+    assert all(len(r["keys"]) == 1 for r in sms.repeated), sms.repeated  # the same key
+    assert any("send_sms" in f and "more than once" in f for f in report.failures)
+    assert not any("refund" in f for f in report.failures), report.failures
+    assert report.tools["refund"].repeated_calls >= 1 and report.tools["refund"].vendor_dedupes
+    assert report.lost == [] and report.duplicated_answers == []
+    # What the vendor saw: more SMS than the model asked for (each invocation that got past
+    # the ledger's hold point sent one).
+    sent = (in_app_dir / "outbox.jsonl").read_text().splitlines()
+    assert sms.invocations >= len(sent) > sms.calls
+    saved = json.loads(out.read_text())
+    assert saved["verdict"] == "fail" and saved["lost"] == []
+    assert set(saved["tools"]["send_sms"]) >= {
+        "invocations",
+        "calls",
+        "repeated_calls",
+        "outcome_unknown",
+    }
+
+
+async def test_the_demo_app_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bundled demo agent, its writes declared deduped (its vendor dedupes on the key),
+    an approval on the way (approved by the test): pass, nothing lost, no write without an
+    invocation."""
+    monkeypatch.setenv("JETLOOP_VENDOR_DB", str(tmp_path / "vendor.sqlite"))
+    report = await crash_test_async(
+        "jetloop.demo.agent:app",
+        [
+            Message(None, "create ticket printer on fire"),
+            Message(None, "comment on T-1: still burning"),
+            Message(None, "close T-1"),
+        ],
+        vendor_dedupes=["create_ticket", "add_comment", "close_ticket"],
+        quick=True,
+        seed=35,
+        work_dir=tmp_path / "run",
+    )
+    print(format_report(report))
+    assert report.ok, report.failures
+    assert sum(1 for r in report.rounds if not r.missed) >= 10
+    assert report.tools["close_ticket"].invocations >= 1
+
+
+async def test_a_pydantic_ai_agent_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pydantic-ai agent wrapped with `durable` (tests/apps_pydantic_ai.py: its model is
+    pydantic-ai's FunctionModel, scripted by the message): a read and an idempotent write,
+    killed at each boundary: pass."""
+    monkeypatch.setenv("JETLOOP_VENDOR_DB", str(tmp_path / "vendor.sqlite"))
+    text = script([call("lookup", name="a")], [call("write", name="b")])
+    report = await crash_test_async(
+        "tests.apps_pydantic_ai:app",
+        [Message("pai", text)],
+        vendor_dedupes=["write"],
+        quick=True,
+        seed=36,
+        work_dir=tmp_path / "run",
+    )
+    print(format_report(report))
+    assert report.ok, report.failures
+    assert report.tools["write"].invocations >= 1 and report.tools["lookup"].invocations >= 1

@@ -138,3 +138,38 @@ async def test_a_pydantic_ai_agent_passes(tmp_path: Path, monkeypatch: pytest.Mo
     print(format_report(report))
     assert report.ok, report.failures
     assert report.tools["write"].invocations >= 1 and report.tools["lookup"].invocations >= 1
+
+
+async def test_an_openai_agents_sdk_agent_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OpenAI Agents SDK agent wrapped with `durable` (tests/apps_openai_agents.py), its
+    model the SDK's own, talking to the local fake of the Responses API that answers by the
+    conversation: a read, a tool left undeclared (so a single-attempt write) and an
+    idempotent write, killed at each boundary: pass, the undeclared one never made twice."""
+    pytest.importorskip("agents", reason="the openai-agents extra is not installed")
+    from tests.test_framework_openai_agents import AGENT, Scripted
+    from tests.test_framework_openai_agents import call as oai_call
+    from tests.test_framework_openai_agents import script as oai_script
+
+    monkeypatch.setenv("JETLOOP_VENDOR_DB", str(tmp_path / "vendor.sqlite"))
+    text = oai_script(
+        [oai_call("lookup", city="Paris")],
+        [oai_call("book", flight="AF1")],
+        [oai_call("save", note="booked")],
+    )
+    async with Scripted() as fake:
+        monkeypatch.setenv("TEST_OPENAI_AGENTS_URL", fake.base_url)
+        report = await crash_test_async(
+            "tests.apps_openai_agents:app",
+            [Message(AGENT, text)],
+            vendor_dedupes=["save"],
+            quick=True,
+            seed=37,
+            work_dir=tmp_path / "run",
+        )
+    print(format_report(report))
+    assert report.ok, report.failures
+    book = report.tools["book"]
+    assert book.effect == "non_idempotent_write" and book.repeated_calls == 0, book
+    assert book.invocations >= 1 and report.tools["save"].invocations >= 1

@@ -1,0 +1,80 @@
+"""What a crash test reads: the messages file and the model script (no server needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jetloop.agents.model import Message as Said
+from jetloop.agents.model import ModelRequest
+from jetloop.tooling.crashtest.script import (
+    Message,
+    ScriptError,
+    read_messages,
+    read_script,
+    scripted_model,
+)
+
+
+def test_messages_are_lines_or_a_json_list(tmp_path: Path) -> None:
+    """Lines (blank ones and ``#`` comments skipped) for an app with one agent; a JSON list
+    of {agent, text} names each message's agent; an empty or malformed file names itself."""
+    lines = tmp_path / "m.txt"
+    lines.write_text("# a comment\nrefund order 42\n\n  refund order 43  \n")
+    assert read_messages(lines) == [
+        Message(None, "refund order 42"),
+        Message(None, "refund order 43"),
+    ]
+    listed = tmp_path / "m.json"
+    listed.write_text(json.dumps([{"agent": "shop", "text": "hi"}]))
+    assert read_messages(listed) == [Message("shop", "hi")]
+    listed.write_text('[{"text": "no agent"}]')
+    with pytest.raises(ScriptError, match=r"m\.json"):
+        read_messages(listed)
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(ScriptError, match="no messages"):
+        read_messages(tmp_path / "empty.txt")
+
+
+def request(*said: Said) -> ModelRequest:
+    return ModelRequest(agent="shop", instructions="", messages=list(said), tools=[], attempt=1)
+
+
+async def test_the_model_script_answers_each_step_of_its_message(tmp_path: Path) -> None:
+    """The n-th model step of a message's turn gets the n-th reply; past the end, and for a
+    message the script does not name, the model says so and the turn ends."""
+    path = tmp_path / "script.json"
+    path.write_text(
+        json.dumps(
+            {
+                "refund order 42": [
+                    {"calls": [{"tool": "refund", "args": {"order": "42"}}]},
+                    {"text": "Refunded."},
+                ]
+            }
+        )
+    )
+    model = scripted_model(read_script(path))
+    first = await model.complete(request(Said("user", "refund order 42")))
+    assert [(c.name, c.arguments) for c in first.tool_calls] == [("refund", {"order": "42"})]
+    asked = Said("assistant", calls=first.tool_calls)
+    second = await model.complete(
+        request(Said("user", "refund order 42"), asked, Said("tool", tool="refund", result={}))
+    )
+    assert second.text == "Refunded." and not second.tool_calls
+    third = await model.complete(
+        request(Said("user", "refund order 42"), asked, Said("assistant", text="Refunded."))
+    )
+    assert "no more replies" in third.text and not third.tool_calls
+    other = await model.complete(request(Said("user", "something else")))
+    assert "no replies" in other.text and not other.tool_calls
+
+
+def test_a_script_that_is_not_the_documented_shape_names_its_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    for body in ("not json", '["a list"]', '{"m": [{"calls": [{"args": {}}]}]}'):
+        path.write_text(body)
+        with pytest.raises(ScriptError, match=r"bad\.json"):
+            read_script(path)

@@ -72,13 +72,13 @@ class Ledger:
         self.path = path
 
     def _db(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute(_SCHEMA)
-        return db
+        return sqlite3.connect(self.path, timeout=30, isolation_level=None)
 
     def create(self) -> None:
-        self._db().close()
+        """Made once, by the test, before any worker writes (WAL stays set in the file)."""
+        with _closing(self._db()) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(_SCHEMA)
 
     def started(self, tool: Tool, ctx: ToolContext) -> int:
         with _closing(self._db()) as db:

@@ -31,10 +31,8 @@ import asyncio
 import json
 import os
 import random
-import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +52,7 @@ from jetloop.tooling.crashtest.ledger import RUNNING, Ledger, call_key_of
 from jetloop.tooling.crashtest.script import Message, ScriptError, read_script
 from jetloop.tooling.crashtest.worker_app import SPEC
 from jetloop.tooling.trials.harness import WorkerProcess
+from jetloop.tooling.trials.harness import work_dir as work_dir_of
 from jetloop.tooling.trials.servers import SingleServer
 
 # The step boundaries a crash test kills at (docs/crash-matrix.md names them; ``tool.running``
@@ -306,16 +305,6 @@ async def random_round(c: Client, run: Run, i: int, within: float, rng: random.R
     return rnd
 
 
-@asynccontextmanager
-async def _work_dir(work_dir: Path | None) -> AsyncIterator[Path]:
-    if work_dir is not None:
-        await asyncio.to_thread(work_dir.mkdir, parents=True, exist_ok=True)
-        yield work_dir
-        return
-    with tempfile.TemporaryDirectory(prefix="jetloop-crashtest-") as d:
-        yield Path(d)
-
-
 async def crash_test(
     app: str,
     messages: Sequence[Message],
@@ -340,7 +329,7 @@ async def crash_test(
     rng = random.Random(seed)
     loaded = load_app(app)
     began = time.monotonic()
-    async with _work_dir(work_dir) as base:
+    async with work_dir_of(work_dir, "jetloop-crashtest-") as base:
         server = SingleServer(base)
         run = Run(app, loaded, list(messages), base, server, model_script)
         for m in run.messages:

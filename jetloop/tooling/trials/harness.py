@@ -14,8 +14,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,18 @@ if TYPE_CHECKING:
     from jetloop.tooling.releases import BuiltRelease
 
 LogLine = dict[str, Any]
+
+
+@asynccontextmanager
+async def work_dir(keep: Path | None, prefix: str) -> AsyncIterator[Path]:
+    """Where a run keeps its logs and stores: ``keep`` (made if needed, left in place), or a
+    temporary directory named ``<prefix>…``, removed afterwards."""
+    if keep is not None:
+        await asyncio.to_thread(keep.mkdir, parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        yield Path(d)
 
 
 class WorkerProcess:

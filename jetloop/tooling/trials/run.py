@@ -83,7 +83,6 @@ import random
 import signal
 import sqlite3
 import subprocess
-import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -112,6 +111,7 @@ from jetloop.streams.seal import Sealer, key_bytes
 from jetloop.tooling.releases import BuiltRelease, build
 from jetloop.tooling.trials import MODES
 from jetloop.tooling.trials.harness import WorkerProcess
+from jetloop.tooling.trials.harness import work_dir as work_dir_of
 from jetloop.tooling.trials.load import busy
 from jetloop.tooling.trials.measures import (
     VICTIM_KILLED,
@@ -690,16 +690,6 @@ def vendor_duplicates(db: Path, calls_by_key: dict[str, str]) -> tuple[list[Dupl
     return dups, stray
 
 
-@asynccontextmanager
-async def _work_dir(work_dir: Path | None) -> AsyncIterator[Path]:
-    if work_dir is not None:
-        await asyncio.to_thread(work_dir.mkdir, parents=True, exist_ok=True)
-        yield work_dir
-        return
-    with tempfile.TemporaryDirectory(prefix="jetloop-trials-") as d:
-        yield Path(d)
-
-
 async def run_trials(
     mode: str,
     rounds: int,
@@ -722,7 +712,7 @@ async def run_trials(
         raise ValueError("trials need at least one round")
     info = machine()  # the load before the busy processes start
     with busy(load):
-        async with _work_dir(work_dir) as base:
+        async with work_dir_of(work_dir, "jetloop-trials-") as base:
             return await _run(mode, rounds, seed, out_json, base, load, info)
 
 

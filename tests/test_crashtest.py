@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -173,3 +174,46 @@ async def test_an_openai_agents_sdk_agent_passes(
     book = report.tools["book"]
     assert book.effect == "non_idempotent_write" and book.repeated_calls == 0, book
     assert book.invocations >= 1 and report.tools["save"].invocations >= 1
+
+
+async def test_a_claude_agent_sdk_agent_passes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Claude Agent SDK agent wrapped with `durable_claude` (tests/apps_claude.py), its
+    bundled CLI talking to the local fake of the Messages API that answers by the
+    conversation: a read, an idempotent write and an undeclared tool (a single-attempt write
+    whose vendor does not dedupe), each deferred to a jetloop step, killed at each boundary:
+    pass, the undeclared charge never made twice."""
+    pytest.importorskip("claude_agent_sdk", reason="the claude extra is not installed")
+    from tests.fakes import FakeAnthropic, FakeCall, Reply
+    from tests.test_framework_claude import AGENT, Answering, claude_env, tool_results
+
+    def answer(body: dict[str, Any]) -> Reply:
+        said = [str(r["content"]) for r in tool_results(body)]
+        last = said[-1] if said else ""
+        if last.startswith("charged"):
+            return Reply(text="looked up, booked and charged")
+        if last.startswith("booked"):
+            return Reply(calls=(FakeCall("mcp__shop__charge", {"amount": 3}),))
+        if last.startswith("order"):
+            return Reply(calls=(FakeCall("mcp__shop__book", {"slot": "9am"}),))
+        return Reply(calls=(FakeCall("mcp__shop__lookup", {"order": "A1"}),))
+
+    monkeypatch.setenv("JETLOOP_VENDOR_DB", str(tmp_path / "vendor.sqlite"))
+    async with FakeAnthropic() as fake:
+        fake._outcomes = Answering(fake, answer)  # type: ignore[assignment]
+        for name, value in claude_env(fake, tmp_path / "home").items():
+            monkeypatch.setenv(name, value)
+        report = await crash_test_async(
+            "tests.apps_claude:app",
+            [Message(AGENT, "look order A1 up, book 9am, charge 3")],
+            vendor_dedupes=["book"],
+            quick=True,
+            seed=38,
+            work_dir=tmp_path / "run",
+        )
+    print(format_report(report))
+    assert report.ok, report.failures
+    charge = report.tools["charge"]
+    assert charge.effect == "non_idempotent_write" and charge.repeated_calls == 0, charge
+    assert charge.invocations >= 1 and report.tools["book"].invocations >= 1

@@ -87,12 +87,15 @@ class ModelRequest:
 
 @dataclass(frozen=True)
 class ModelResponse:
-    """A model's answer: text, the calls it asks for (none: the turn's final answer), and
-    token usage."""
+    """A model's answer: text, the calls it asks for (none: the turn's final answer), token
+    usage (``input_tokens``, cached ones included; ``output_tokens``;
+    ``cached_input_tokens``) and the model that answered when the adapter's own ``model``
+    name does not say it (the usage ledger prices the call by it)."""
 
     text: str = ""
     tool_calls: list[ToolCallRequest] = field(default_factory=list)
     usage: dict[str, int] = field(default_factory=dict)
+    model: str | None = None
 
 
 class ModelAdapter(Protocol):

@@ -20,6 +20,7 @@ from jetloop.consumers.liveness import holder_lost
 from jetloop.consumers.losses import record_loss, tell_resumed
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.session import end_turn
+from jetloop.consumers.usage import record_usage, usage_event
 from jetloop.schemas import (
     CompactionRecord,
     Event,
@@ -167,14 +168,26 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
         log.debug("model.call", attempt=attempt.no, purpose="summary")
         try:
             async with d.cancelled_when_lost():
-                text = (await agent.model.complete(request)).text
+                response = await agent.model.complete(request)
         except TakenOver:
             raise
         except Exception as exc:
             log.warning("compact.call_failed", error=str(exc))
             await d.commit(comp.model_copy(update={"attempt": None, "error": str(exc)}))
             raise RetryLater(min(30.0, 0.5 * 2 ** (attempt.no - 1)), str(exc)) from exc
-        comp = comp.model_copy(update={"attempt": None, "done": True, "text": text})
+        summary_usage = usage_event(
+            rt.prices,
+            agent.name,
+            agent.model,
+            response,
+            session_id=sid,
+            turn_id=tid,
+            model_step=n,
+            attempt=attempt.no,
+            purpose="summary",
+        )
+        await record_usage(rt.bus, summary_usage)
+        comp = comp.model_copy(update={"attempt": None, "done": True, "text": response.text})
         await d.commit(comp)
 
     assert comp.text is not None

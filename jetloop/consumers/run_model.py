@@ -29,6 +29,7 @@ from jetloop.consumers.losses import Resume, loss_id, lost_event, lost_reason, t
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.session import end_turn
 from jetloop.consumers.side_by_side import side_by_side
+from jetloop.consumers.usage import record_usage, usage_event
 from jetloop.schemas import (
     HistoryEntry,
     PlannedCall,
@@ -192,6 +193,21 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             delay = max(delay, exc.retry_after)  # honour Retry-After with a delayed nak
         raise RetryLater(delay, f"model call failed: {exc}") from exc
 
+    # Paid for: in the ledger before anything else, so a crash before the commit that
+    # makes this step run again still counts this call (jetloop.consumers.usage).
+    await record_usage(
+        rt.bus,
+        usage_event(
+            rt.prices,
+            agent.name,
+            agent.model,
+            response,
+            session_id=sid,
+            turn_id=tid,
+            model_step=n,
+            attempt=attempt.no,
+        ),
+    )
     committed = await _plan(rt, agent, claimed, response)
     await rt.faults.point("run_model.before_commit")
     await d.commit(committed)

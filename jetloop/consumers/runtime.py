@@ -24,6 +24,7 @@ from nats.js import JetStreamContext
 from pydantic import BaseModel
 
 from jetloop.agents import App
+from jetloop.agents.prices import Prices
 from jetloop.consumers.conversation import MessageCache
 from jetloop.consumers.errors import TakenOver
 from jetloop.consumers.faults import Faults
@@ -65,6 +66,8 @@ class Runtime:
     holding: set[str] = field(default_factory=set)
     # The messages this process holds, as a rescuer finds them if it dies (jetloop.services.worker).
     holds: Holds | None = None
+    # What model calls cost (jetloop.agents.prices): the usage ledger charges by it.
+    prices: Prices = field(default_factory=Prices)
 
     def new_attempt(self, no: int) -> Attempt:
         return Attempt(

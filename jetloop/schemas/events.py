@@ -18,6 +18,7 @@ class EventType(StrEnum):
     TURN_ACCEPTED = "turn.accepted"
     TURN_STARTED = "turn.started"
     MODEL_ANSWERED = "model.answered"
+    MODEL_USAGE = "model.usage"
     CALL_OUTCOME = "call.outcome"
     TURN_COMPLETED = "turn.completed"
     TURN_FAILED = "turn.failed"
@@ -111,6 +112,23 @@ class ModelAnsweredData(EventData):
     usage: dict[str, int] = Field(default_factory=dict)
     text: str | None = None
     calls: list[AnsweredCall] = Field(default_factory=list)
+
+
+class ModelUsageData(EventData):
+    """What one model call used and cost, recorded as soon as its answer arrived (before the
+    step commits it), so an attempt a crash made repeat is counted too: one event per
+    attempt that got an answer, its key ``<session>.<turn>.m<step>.a<attempt>.usage`` (a
+    summary call's ``….m<step>.summary.a<attempt>.usage``)."""
+
+    agent: str
+    model_step: int
+    attempt: int
+    purpose: str = "answer"  # "answer" (a model step) or "summary" (a compaction)
+    model: str | None = None  # the model's name, as the price table knows it
+    input_tokens: int = 0  # every prompt token, cached ones included
+    output_tokens: int = 0
+    cached_input_tokens: int = 0
+    cost_usd: float | None = None  # null: the model has no price (tokens still counted)
 
 
 class CallOutcomeData(EventData):
@@ -242,6 +260,7 @@ EVENT_DATA: dict[EventType, type[EventData]] = {
     EventType.TURN_ACCEPTED: TurnAcceptedData,
     EventType.TURN_STARTED: TurnStartedData,
     EventType.MODEL_ANSWERED: ModelAnsweredData,
+    EventType.MODEL_USAGE: ModelUsageData,
     EventType.CALL_OUTCOME: CallOutcomeData,
     EventType.TURN_COMPLETED: TurnCompletedData,
     EventType.TURN_FAILED: TurnFailedData,

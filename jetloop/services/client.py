@@ -77,6 +77,7 @@ from jetloop.sessions.requests import (
 )
 from jetloop.sessions.snapshot import MOST_CALLS, SessionSnapshot, snapshot, with_workers
 from jetloop.sessions.turns import TurnDetail, TurnPage, list_turns, turn_detail
+from jetloop.sessions.usage import UsageLine, distinct
 from jetloop.streams import topology
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus
@@ -655,6 +656,31 @@ class Client:
                 subject = topology.event_subject(session_id, end.value)
                 if not any(_covers(w, subject) for w in wanted):
                     subjects.append(subject)
+        async for ev in self._log(wanted, subjects, from_start, until_turn_ends, follow):
+            yield ev
+
+    async def usage(self, session_id: str | None = None) -> list[UsageLine]:
+        """The usage ledger (``jetloop.sessions.usage``): one line per model call that got an
+        answer, every attempt included, of one session or of every session, each key once.
+        Sum them with ``jetloop.sessions.usage.totals``."""
+        if session_id is not None:
+            validate_name("session id", session_id)
+        subject = topology.event_subject(session_id or "*", EventType.MODEL_USAGE.value)
+        lines = [
+            UsageLine.of(ev)
+            async for ev in self._log([subject], [subject], True, None, follow=False)
+        ]
+        return distinct(lines)
+
+    async def _log(
+        self,
+        wanted: list[str],
+        subjects: list[str],
+        from_start: bool,
+        until_turn_ends: str | None,
+        follow: bool,
+    ) -> AsyncIterator[Event]:
+        """``events``'s reader: the events on ``subjects`` (those ``wanted`` yielded)."""
         next_seq: int | None = None
         # With follow=False: the last stream sequence to read.
         tail = None if follow else await self._tail()

@@ -23,6 +23,7 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pydantic_settings import SettingsError as PydanticSettingsError
 
+from jetloop.agents.prices import Price
 from jetloop.schemas.errors import SettingsError
 from jetloop.services import namespaces
 from jetloop.services.gateway.config import HookTrigger, Scope, Tokens, fingerprint
@@ -198,6 +199,11 @@ class Settings(BaseSettings):
         None,
         description="the demo agent's model: openai:<m>, openai-responses:<m>, anthropic:<m>, "
         "openai-compatible:<m>@<base url>; unset: the offline scripted model",
+    )
+    prices: dict[str, Price] = Field(
+        default_factory=dict,
+        description="model prices in US dollars per million tokens, over the built-in table: "
+        'JSON, {"<model>": {"input": 2.5, "output": 10, "cached_input": 1.25}}',
     )
     model_api_key: SecretStr | None = Field(None, description="the model provider's API key")
     model_base_url: str | None = Field(None, description="the provider's base URL")

@@ -28,6 +28,7 @@ from nats.js import JetStreamContext
 from prometheus_client import start_http_server
 
 from jetloop.agents import App
+from jetloop.agents.prices import Prices
 from jetloop.consumers import Faults, Runtime, dispatch, metrics, route_step, route_turn
 from jetloop.consumers.dispatch import Handler
 from jetloop.consumers.liveness import HOLDING
@@ -168,6 +169,7 @@ class Worker(Service):
                 newer_writer_seconds=s.newer_writer_seconds,
                 incarnation=incarnation,
                 holds=holds,
+                prices=Prices(s.prices),
             )
             self._rt = rt
             for agent in self.app.agents.values():

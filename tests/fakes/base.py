@@ -98,6 +98,8 @@ class FakeProvider(ABC):
         self.received: list[Received] = []
         # Stalled requests whose client closed the connection before an answer: cancelled.
         self.abandoned = 0
+        # The usage of every answer sent whole, in order: what the provider bills.
+        self.billed: list[tuple[int, int]] = []
         self._outcomes: deque[Outcome] = deque()
         self._released = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -217,7 +219,9 @@ class FakeProvider(ABC):
             await self._stall(request)
             return self.error(503, "the fake provider closed", "api_error")
         if not body.get("stream"):
-            return web.json_response(self.render(outcome, body))
+            rendered = self.render(outcome, body)
+            self.billed.append(outcome.usage)
+            return web.json_response(rendered)
         response = web.StreamResponse(
             headers={"content-type": "text/event-stream", "cache-control": "no-cache"}
         )
@@ -231,4 +235,6 @@ class FakeProvider(ABC):
             await response.write(frame[: len(frame) // 2])
             await response.write(frame[len(frame) // 2 :])
         await response.write_eof()
+        if not outcome.cut and outcome.stream_error is None:
+            self.billed.append(outcome.usage)
         return response

@@ -32,7 +32,8 @@ COMMANDS = {
         "run",
     ),
     **dict.fromkeys(
-        ("send", "chat", "events", "snapshot", "turns", "turn", "sessions"), "sessions"
+        ("send", "chat", "events", "snapshot", "turns", "turn", "sessions", "usage"),
+        "sessions",
     ),
     **dict.fromkeys(("approve", "answer", "cancel", "reconcile"), "decide"),
     "inspect": "inspect_command",
@@ -273,6 +274,13 @@ def _describe(ev: Any) -> str:
             calls = ", ".join(f"{c['tool']}({json.dumps(c['args'])})" for c in d.get("calls", []))
             said = f"{d['text']} " if d.get("text") else ""
             return f"· model step {d.get('model_step')}: {said}→ {calls}"
+        case EventType.MODEL_USAGE:
+            cost = d.get("cost_usd")
+            priced = f", ${cost:.6f}" if cost is not None else ""
+            return (
+                f"· model call (step {d.get('model_step')}, attempt {d.get('attempt')}): "
+                f"{d.get('input_tokens')} tokens in, {d.get('output_tokens')} out{priced}"
+            )
         case EventType.CALL_OUTCOME:
             err = f": {d['error']}" if d.get("error") else ""
             return f"· {d.get('tool')} {d.get('state')}{err}"

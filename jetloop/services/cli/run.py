@@ -281,8 +281,7 @@ def credentials(store_dir: str | None) -> None:
     "--vendor-dedupes",
     multiple=True,
     metavar="TOOL",
-    help="with --app: an IDEMPOTENT_WRITE tool whose vendor dedupes on the key (its repeats"
-    " pass)",
+    help="with --app: an IDEMPOTENT_WRITE tool whose vendor dedupes on the key (its repeats pass)",
 )
 def trials(
     modes: tuple[str, ...],

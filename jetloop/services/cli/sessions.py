@@ -1,5 +1,5 @@
 """Commands for a session: ``send``, ``chat``, ``events``, ``snapshot``, ``turns``, ``turn``,
-``sessions``."""
+``sessions``, ``usage``."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def send(
 
         async def follow() -> None:
             async for ev in jl.events(session_id, from_start=True):
-                if ev.turn_id != h.turn_id:
-                    continue
+                if ev.turn_id != h.turn_id or ev.type == EventType.MODEL_USAGE:
+                    continue  # usage: `jetloop usage`, `jetloop events`
                 click.echo(_describe(ev))
                 if ev.type in (
                     EventType.TURN_COMPLETED,
@@ -168,7 +168,11 @@ def chat(agent: str, session_id: str | None, nats_url: str | None) -> None:
                         await jl.answer(sid, ev.data["question_id"], answer, by="chat")
                     elif ev.type in (EventType.TIMER_SET, EventType.TASK_STARTED):
                         click.echo(_describe(ev) + " … waiting")
-                    elif ev.type not in (EventType.TURN_ACCEPTED, EventType.TURN_STARTED):
+                    elif ev.type not in (
+                        EventType.TURN_ACCEPTED,
+                        EventType.TURN_STARTED,
+                        EventType.MODEL_USAGE,
+                    ):
                         click.echo(_describe(ev))
                     if ev.type in (
                         EventType.TURN_COMPLETED,
@@ -341,3 +345,68 @@ def sessions(
             )
 
     _run(go())
+
+
+@main.command()
+@click.option("--session", "session_id", help="one session's calls (default: every session)")
+@click.option("--turn", "turn_id", help="one turn's calls (with --session)")
+@click.option("--agent", help="one agent's calls")
+@click.option("--day", help="one UTC day's calls, YYYY-MM-DD")
+@click.option(
+    "--by",
+    type=click.Choice(["turn", "session", "agent", "model", "day"]),
+    default="session",
+    show_default=True,
+    help="what to total by",
+)
+@click.option("--nats", "nats_url")
+@namespace_option
+@click.option("--json", "as_json", is_flag=True)
+def usage(
+    session_id: str | None,
+    turn_id: str | None,
+    agent: str | None,
+    day: str | None,
+    by: str,
+    nats_url: str | None,
+    as_json: bool,
+) -> None:
+    """Tokens and cost of model calls, from the usage ledger: every call that got an
+    answer, the attempts a crash made repeat included, totalled per turn, session, agent,
+    model or day."""
+    from jetloop.sessions.usage import totals, totals_json
+
+    if turn_id is not None and session_id is None:
+        raise click.UsageError("--turn needs --session")
+
+    async def body(jl: Client) -> None:
+        try:
+            lines = await jl.usage(session_id)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+        lines = [
+            line
+            for line in lines
+            if (turn_id is None or line.turn_id == turn_id)
+            and (agent is None or line.agent == agent)
+            and (day is None or line.day == day)
+        ]
+        if as_json:
+            click.echo(json.dumps(totals_json(lines, by), indent=2))
+            return
+        if not lines:
+            click.echo("no model calls recorded")
+            return
+        groups = totals(lines, by)
+        width = max(len(by), *(len(g) for g in groups))
+        click.echo(f"{by:<{width}}  {'calls':>6}  {'input':>10}  {'output':>10}  {'cost USD':>12}")
+        for name, t in [*groups.items(), ("total", totals(lines)["all"])]:
+            cost = f"{t.cost_usd:12.6f}" + (
+                f"  ({t.unpriced_calls} unpriced)" if t.unpriced_calls else ""
+            )
+            click.echo(
+                f"{name:<{width}}  {t.calls:>6}  {t.input_tokens:>10}  "
+                f"{t.output_tokens:>10}  {cost}"
+            )
+
+    _client_cmd(nats_url, body)

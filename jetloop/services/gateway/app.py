@@ -121,6 +121,8 @@ from jetloop.services.gateway.openapi import (
     TurnOut,
     TurnQuery,
     TurnsQuery,
+    Usage,
+    UsageQuery,
     openapi_document,
 )
 from jetloop.services.gateway.state import (
@@ -151,6 +153,7 @@ from jetloop.sessions.requests import (
     ReconcileRequest,
     RejectRequest,
 )
+from jetloop.sessions.usage import totals_json
 from jetloop.streams import topology
 from jetloop.streams.connection import ConnectionLost, connect
 
@@ -220,6 +223,23 @@ async def get_session(request: web.Request) -> web.Response:
     if snap is None:
         raise Problem(404, "no such session", session)
     return ok(snap)
+
+
+async def get_usage(request: web.Request) -> web.Response:
+    """The usage ledger's totals, from the read model (``jetloop.sessions.usage``: the same
+    sums as ``jetloop usage``)."""
+    query = read_query(request, UsageQuery)
+    if query.turn is not None and query.session is None:
+        raise Problem(422, "turn needs session", "give session= with turn=")
+    model = await readmodel_of(request).get()
+    lines = [
+        line
+        for line in await model.usage_lines(query.session)
+        if (query.turn is None or line.turn_id == query.turn)
+        and (query.agent is None or line.agent == query.agent)
+        and (query.day is None or line.day == query.day)
+    ]
+    return ok(Usage.model_validate(totals_json(lines, query.by)))
 
 
 async def list_turns(request: web.Request) -> web.Response:
@@ -422,6 +442,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/sessions/{session}/events/{seq}", "getEvent", "read", console.event),
     Route("GET", "/v1/dead-letters", "listDeadLetters", "read", console.dead_letters),
     Route("GET", "/v1/dead-letters/{seq}", "getDeadLetter", "read", console.dead_letter),
+    Route("GET", "/v1/usage", "getUsage", "read", get_usage),
     Route("GET", "/v1/operations", "getOperations", "read", console.operations),
     Route("GET", "/", "console", None, console.index),
     Route("GET", "/console/{asset}", "consoleAsset", None, console.asset),

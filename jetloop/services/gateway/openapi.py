@@ -331,6 +331,43 @@ class StreamRow(BaseModel):
     last_seq: int
 
 
+class UsageQuery(Query):
+    session: str | None = Field(None, pattern=NAME, description="one session's calls")
+    turn: str | None = Field(None, pattern=NAME, description="one turn's calls (with session)")
+    agent: str | None = Field(None, pattern=NAME, description="one agent's calls")
+    day: str | None = Field(
+        None, pattern=r"^\d{4}-\d{2}-\d{2}$", description="one UTC day's calls, YYYY-MM-DD"
+    )
+    by: Literal["turn", "session", "agent", "model", "day"] = Field(
+        "session", description="what to total by"
+    )
+
+
+class UsageTotals(BaseModel):
+    """What a group of model calls used; ``cost_usd`` sums the priced ones."""
+
+    calls: int
+    input_tokens: int  # cached ones included
+    output_tokens: int
+    cached_input_tokens: int
+    tokens: int  # input + output
+    cost_usd: float
+    unpriced_calls: int  # calls of a model without a price (tokens counted, no cost)
+    models: list[str]
+
+
+class UsageGroup(UsageTotals):
+    group: str
+
+
+class Usage(BaseModel):
+    """The usage ledger's totals: every model call that got an answer, every attempt."""
+
+    by: str
+    total: UsageTotals
+    groups: list[UsageGroup]
+
+
 class Operations(BaseModel):
     workers: list[WorkerRow]
     agents: list[str]
@@ -375,6 +412,7 @@ SCHEMA_MODELS: list[type[BaseModel]] = [
     DeadLetters,
     DeadLetter,
     Operations,
+    Usage,
 ]
 
 
@@ -753,6 +791,16 @@ def openapi_document() -> dict[str, Any]:
                 {"200": _json(_ref("DeadLetter"), "the dead letter")},
                 params=[_path("seq", SEQ)],
                 problems=("404", "422", "503"),
+            )
+        },
+        "/v1/usage": {
+            "get": _op(
+                "getUsage",
+                "Tokens and cost of model calls (the usage ledger, from the read model)",
+                "read",
+                {"200": _json(_ref("Usage"), "the totals")},
+                params=_query(UsageQuery),
+                problems=("422", "503"),
             )
         },
         "/v1/operations": {

@@ -36,7 +36,7 @@ from typing import Any
 import aiosqlite
 import structlog
 
-from jetloop.schemas import DecodeError, Event, HistoryEntry, HistoryRole, decode
+from jetloop.schemas import DecodeError, Event, EventType, HistoryEntry, HistoryRole, decode
 from jetloop.schemas.events import (
     ApprovalDecidedData,
     ApprovalRequestedData,
@@ -44,6 +44,7 @@ from jetloop.schemas.events import (
     CallReconciledData,
     EventData,
     ModelAnsweredData,
+    ModelUsageData,
     QuestionAnsweredData,
     QuestionAskedData,
     TaskStartedData,
@@ -55,6 +56,7 @@ from jetloop.schemas.events import (
     TurnFailedData,
     TurnStartedData,
 )
+from jetloop.sessions.usage import UsageLine
 from jetloop.streams.topology import EVENTS_STREAM
 
 log = structlog.get_logger("jetloop.readmodel")
@@ -163,6 +165,8 @@ DDL = (
         data TEXT NOT NULL
     )""",
     "CREATE INDEX IF NOT EXISTS audit_session ON audit (session_id, seq)",
+    # The usage ledger's lines are audit rows of type model.usage (``usage_lines``).
+    "CREATE INDEX IF NOT EXISTS audit_type ON audit (type, session_id)",
 )
 
 # States only move forward: a re-published older event must not undo a later one.
@@ -821,6 +825,27 @@ class ReadModel:
         ) as cur:
             row = await cur.fetchone()
         return dict(row) if row else None
+
+    async def usage_lines(self, session_id: str | None = None) -> list[UsageLine]:
+        """The usage ledger as projected: every ``model.usage`` event, of one session or of
+        all, in log order (``jetloop.sessions.usage`` totals them)."""
+        sql = "SELECT key, session_id, turn_id, at, data FROM audit WHERE type = ?"
+        args: tuple[Any, ...] = (EventType.MODEL_USAGE.value,)
+        if session_id is not None:
+            sql += " AND session_id = ?"
+            args += (session_id,)
+        async with self.db.execute(sql + " ORDER BY seq", args) as cur:
+            rows = await cur.fetchall()
+        return [
+            UsageLine.recorded(
+                r["key"],
+                r["session_id"],
+                r["turn_id"] or "",
+                r["at"],
+                ModelUsageData.model_validate(json.loads(r["data"])),
+            )
+            for r in rows
+        ]
 
     async def dump(self, tables: Iterable[str] = TABLES) -> dict[str, list[tuple[Any, ...]]]:
         """Every row of every table, in key order: to compare two read models."""

@@ -276,6 +276,8 @@ async function sessionsView(signal, params) {
 async function sessionView(signal, sid) {
   const snap = await api(`/v1/sessions/${enc(sid)}?history_limit=20`, { signal }).catch((e) => ({ error: e }));
   const turns = await api(`/v1/sessions/${enc(sid)}/turns?limit=${PAGE}`, { signal });
+  const used = await api(`/v1/usage?session=${enc(sid)}&by=turn`, { signal }).catch(() => null);
+  const perTurn = Object.fromEntries((used ? used.groups : []).map((g) => [g.group, g]));
   show(
     h("h1", {}, "Session ", h("code", {}, sid)),
     h("div", { class: "card kv" },
@@ -286,12 +288,13 @@ async function sessionView(signal, sid) {
             h("span", {}, h("b", {}, "status"), badge(snap.status.replaceAll("_", " "), snap.status.startsWith("waiting") ? "waiting" : snap.status)),
             h("span", {}, h("b", {}, "turns done"), snap.turns_done),
             h("span", {}, h("b", {}, "queued"), snap.queued.length + snap.unaccepted),
+            h("span", { id: "session-usage" }, h("b", {}, "usage"), used ? spent(used.total) : "—"),
           ],
       h("a", { href: `#/chat?session=${enc(sid)}${snap.agent ? "&agent=" + enc(snap.agent) : ""}` }, "chat in this session →"),
     ),
     h("h2", {}, `Turns (${turns.total}, newest first)`),
     h("table", { id: "turns" },
-      h("thead", {}, h("tr", {}, ["turn", "status", "model steps", "tool calls", "started", "error"].map((t) => h("th", {}, t)))),
+      h("thead", {}, h("tr", {}, ["turn", "status", "model steps", "tool calls", "tokens", "cost", "started", "error"].map((t) => h("th", {}, t)))),
       h("tbody", {},
         turns.turns.map((t) =>
           h("tr", { class: "clickable", "data-turn": t.turn_id, onclick: () => (location.hash = `#/turn/${enc(sid)}/${enc(t.turn_id)}`) },
@@ -299,6 +302,8 @@ async function sessionView(signal, sid) {
             h("td", {}, badge(t.status)),
             h("td", {}, t.model_step + 1),
             h("td", {}, t.tool_calls_made),
+            h("td", {}, perTurn[`${sid}/${t.turn_id}`] ? perTurn[`${sid}/${t.turn_id}`].tokens : ""),
+            h("td", {}, perTurn[`${sid}/${t.turn_id}`]?.cost_usd ? `$${perTurn[`${sid}/${t.turn_id}`].cost_usd.toFixed(4)}` : ""),
             h("td", {}, when(t.started_at)),
             h("td", { class: "error" }, t.error || ""),
           ),
@@ -312,7 +317,7 @@ async function sessionView(signal, sid) {
 
 const KIND = {
   "turn.accepted": "turn", "turn.started": "turn", "turn.completed": "turn", "turn.failed": "bad",
-  "turn.cancelled": "bad", "model.answered": "model", "call.outcome": "call", "call.reconciled": "call",
+  "turn.cancelled": "bad", "model.answered": "model", "model.usage": "model", "call.outcome": "call", "call.reconciled": "call",
   "approval.requested": "human", "approval.decided": "human", "question.asked": "human",
   "question.answered": "human", "timer.set": "timer", "timer.fired": "timer", "task.started": "call",
   "delegation.started": "call", "context.compacted": "model", "agent.run.crash_resumed": "crash",
@@ -323,6 +328,27 @@ const KIND = {
 function usage(u) {
   if (!u || !Object.keys(u).length) return h("span", { class: "usage mute" }, h("b", {}, "usage"), "not reported by the model");
   return h("span", { class: "usage" }, h("b", {}, "usage"), Object.entries(u).map(([k, v]) => `${k} ${v}`).join(" · "));
+}
+
+// The usage ledger's totals (/v1/usage, or summed from model.usage events): tokens and cost.
+function spent(t) {
+  if (!t || !t.calls) return "none recorded";
+  const cost = t.cost_usd ? ` · $${t.cost_usd.toFixed(4)}` : "";
+  const unpriced = t.unpriced_calls ? ` (${t.unpriced_calls} unpriced)` : "";
+  return `${t.calls} model call(s) · ${t.input_tokens} in · ${t.output_tokens} out${cost}${unpriced}`;
+}
+
+function sumUsage(events) {
+  const t = { calls: 0, input_tokens: 0, output_tokens: 0, cost_usd: 0, unpriced_calls: 0 };
+  for (const e of events) {
+    if (e.type !== "model.usage" || e.truncated) continue;
+    t.calls += 1;
+    t.input_tokens += e.data.input_tokens || 0;
+    t.output_tokens += e.data.output_tokens || 0;
+    if (e.data.cost_usd === null || e.data.cost_usd === undefined) t.unpriced_calls += 1;
+    else t.cost_usd += e.data.cost_usd;
+  }
+  return t;
 }
 
 function field(name, value) {
@@ -399,6 +425,11 @@ function eventBody(sid, ev, ctx) {
       return h("div", {},
         h("div", { class: "kv" }, field("model step", d.model_step), usage(d.usage), d.text ? field("text", d.text) : null),
         (d.calls || []).map((c) => h("div", { class: "kv" }, field("→ call", c.tool), badge(c.effect), h("code", {}, JSON.stringify(c.args)))));
+    case "model.usage":
+      return h("div", { class: "kv" }, field("model step", d.model_step), field("attempt", d.attempt),
+        d.purpose !== "answer" ? field("purpose", d.purpose) : null, field("model", d.model),
+        field("tokens", `${d.input_tokens} in · ${d.output_tokens} out`),
+        field("cost", d.cost_usd === null || d.cost_usd === undefined ? "no price for this model" : `$${d.cost_usd.toFixed(6)}`));
     case "call.outcome":
       return h("div", {},
         h("div", { class: "kv" }, field("tool", d.tool), badge(d.effect), badge(d.state), field("attempts", d.attempts),
@@ -491,6 +522,7 @@ async function timelineView(signal, sid, tid) {
         field("agent", t.agent), field("request", t.request_id), field("model steps", t.model_steps),
         field("duration", secs(t.ended_at && t.started_at ? t.ended_at - t.started_at : null)),
         field("cancelled by", t.cancelled_by), field("error", t.error),
+        h("span", { id: "turn-usage" }, h("b", {}, "usage"), spent(sumUsage(events))),
         h("span", { class: "live" }, "live")),
       t.user_text ? h("div", { class: "card" }, h("b", {}, "user: "), t.user_text) : null,
       unknown.map((c) => unknownBanner(c, ctx)),

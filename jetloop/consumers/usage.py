@@ -1,0 +1,94 @@
+"""The usage ledger's writer: each model call's tokens and cost, recorded as its answer lands.
+
+A model step (and a compaction's summary call) records what its call used right after the
+answer arrived and before the step commits the answer: an attempt that a crash then makes
+repeat was paid for, and is counted, once — its record's key names the attempt
+(``<session>.<turn>.m<step>.a<attempt>.usage``), so the same attempt published again (a
+retried publish, a redelivery that finds it recorded) is the same message id, and the
+readers (``jetloop.sessions.usage``) count a key once. Records are ``model.usage`` events
+in the session's log (``JL_EVENTS``, kept as long as the log); Prometheus counts the same
+tokens and dollars per agent and model in the process that paid them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import Counter
+
+from jetloop.agents import ModelResponse
+from jetloop.agents.prices import Prices
+from jetloop.schemas import Event
+from jetloop.schemas.events import ModelUsageData
+from jetloop.streams.bus import Bus, event_out
+
+TOKENS = Counter(
+    "jetloop_model_tokens_total",
+    "Tokens of model calls answered (every attempt), by agent, model and kind",
+    ["agent", "model", "kind"],
+)
+COST = Counter(
+    "jetloop_model_cost_usd_total",
+    "US dollars of model calls answered (every attempt), by agent and model (priced models)",
+    ["agent", "model"],
+)
+
+
+def usage_key(session_id: str, turn_id: str, model_step: int, attempt: int, purpose: str) -> str:
+    step = f"m{model_step}" if purpose == "answer" else f"m{model_step}.{purpose}"
+    return f"{session_id}.{turn_id}.{step}.a{attempt}.usage"
+
+
+def model_of(adapter: Any, response: ModelResponse) -> str | None:
+    """The answering model's name: the response's, else the adapter's ``model``."""
+    if response.model:
+        return response.model
+    name = getattr(adapter, "model", None)
+    return name if isinstance(name, str) and name else None
+
+
+def usage_event(
+    prices: Prices,
+    agent: str,
+    adapter: Any,
+    response: ModelResponse,
+    *,
+    session_id: str,
+    turn_id: str,
+    model_step: int,
+    attempt: int,
+    purpose: str = "answer",
+) -> Event:
+    model = model_of(adapter, response)
+    u = response.usage
+    return Event.of(
+        ModelUsageData(
+            agent=agent,
+            model_step=model_step,
+            attempt=attempt,
+            purpose=purpose,
+            model=model,
+            input_tokens=int(u.get("input_tokens", 0)),
+            output_tokens=int(u.get("output_tokens", 0)),
+            cached_input_tokens=int(u.get("cached_input_tokens", 0)),
+            cost_usd=prices.cost(model, u),
+        ),
+        key=usage_key(session_id, turn_id, model_step, attempt, purpose),
+        session_id=session_id,
+        turn_id=turn_id,
+    )
+
+
+async def record_usage(bus: Bus, event: Event) -> ModelUsageData:
+    """Publish one call's usage (confirmed) and count it in this process's metrics."""
+    await bus.publish([event_out(event)])
+    data = event.payload()
+    assert isinstance(data, ModelUsageData)
+    model = data.model or "unknown"
+    for kind in ("input", "output", "cached_input"):
+        n = getattr(data, f"{kind}_tokens")
+        if n:
+            TOKENS.labels(data.agent, model, kind).inc(n)
+    if data.cost_usd:
+        COST.labels(data.agent, model).inc(data.cost_usd)
+    return data

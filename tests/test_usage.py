@@ -1,0 +1,125 @@
+"""The usage ledger: every model call that got an answer is counted once, crashes included.
+
+A worker runs the demo agent against a fake OpenAI-compatible provider that bills each answer
+it sends; a worker killed after the provider answered and before the step committed makes
+the step run again, and both calls are in the ledger — `jetloop usage` equals what the
+provider billed, call for call, and prices them by the price table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from jetloop.agents.prices import DEFAULT_PRICES, Price, Prices
+from jetloop.services.client import Client
+from jetloop.services.gateway.app import make_app
+from jetloop.services.readmodel.projector import Projector
+from jetloop.sessions.usage import totals
+from tests.conftest import WorkerFactory
+from tests.fakes.base import FakeCall, Reply
+from tests.fakes.openai_chat import FakeOpenAIChat
+from tests.test_gateway import READ, make_config, ok, problem
+
+MODEL = "gpt-4o-mini"
+
+
+def env_of(fake: FakeOpenAIChat, **extra: str) -> dict[str, str]:
+    return {
+        "JETLOOP_MODEL": f"openai:{MODEL}",
+        "JETLOOP_MODEL_API_KEY": fake.api_key,
+        "JETLOOP_MODEL_BASE_URL": fake.base_url,
+        **extra,
+    }
+
+
+def test_prices_by_name_prefix_and_override() -> None:
+    prices = Prices({"my-model": Price(input=1.0, output=2.0)})
+    usage = {"input_tokens": 1_000_000, "output_tokens": 500_000, "cached_input_tokens": 200_000}
+    mini = DEFAULT_PRICES["gpt-4o-mini"]
+    want = 0.8 * mini.input + 0.2 * (mini.cached_input or 0) + 0.5 * mini.output
+    assert prices.cost("gpt-4o-mini-2024-07-18", usage) == pytest.approx(want)
+    assert prices.cost("openai:gpt-4o-mini", usage) == pytest.approx(want)
+    assert prices.cost("my-model", usage) == pytest.approx(1.0 + 1.0)  # cached at input price
+    assert prices.cost("nobody-knows", usage) is None
+    assert prices.cost(None, usage) is None
+
+
+async def test_usage_equals_what_the_provider_billed_across_a_worker_kill(
+    client: Client, workers: WorkerFactory, tmp_path: Path
+) -> None:
+    """Killed between the provider's answer and the commit: the step's model call is made
+    again, and the ledger holds both attempts — the sum the provider billed, call for call."""
+    async with FakeOpenAIChat() as fake:
+        opening = (FakeCall("create_ticket", {"title": "printer"}),)
+        fake.script(
+            Reply(text="Opening it.", calls=opening, usage=(120, 30)),  # lost with its worker
+            Reply(text="Opening it.", calls=opening, usage=(121, 31)),
+            Reply(text="Ticket T-1 is open.", usage=(200, 40)),
+        )
+        victim = workers.start(
+            env=env_of(fake), app="jetloop.demo.agent:app", hold="run_model.before_commit"
+        )
+        h = await client.send("demo", "u1", "please open a printer ticket")
+        await victim.wait_for("fault.hold", point="run_model.before_commit", timeout=30)
+        victim.kill()
+        workers.start(env=env_of(fake), app="jetloop.demo.agent:app")
+        res = await client.wait(h, timeout=60)
+        assert res.text == "Ticket T-1 is open."
+        billed = list(fake.billed)
+    assert billed == [(120, 30), (121, 31), (200, 40)]
+
+    lines = await client.usage("u1")
+    got = sorted((x.model_step, x.attempt, x.input_tokens, x.output_tokens) for x in lines)
+    assert got == [(0, 1, 120, 30), (0, 2, 121, 31), (1, 1, 200, 40)]
+    assert all(x.turn_id == h.turn_id and x.agent == "demo" and x.model == MODEL for x in lines)
+    price = DEFAULT_PRICES[MODEL]
+    want = sum(i * price.input + o * price.output for i, o in billed) / 1_000_000
+    total = totals(lines)["all"]
+    assert (total.calls, total.input_tokens, total.output_tokens) == (3, 441, 101)
+    assert total.cost_usd == pytest.approx(want) and total.unpriced_calls == 0
+
+    # The CLI reads the same ledger (from the stream, no read model needed).
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "jetloop.services.cli",
+            "usage",
+            "--session",
+            "u1",
+            "--by",
+            "turn",
+            "--json",
+            "--nats",
+            workers.url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["total"]["calls"] == 3 and report["total"]["tokens"] == 542
+    assert report["total"]["cost_usd"] == pytest.approx(want)
+    assert [g["group"] for g in report["groups"]] == [f"u1/{h.turn_id}"]
+
+    # The gateway answers the same totals from the read model.
+    config = make_config(tmp_path)
+    assert config.readmodel_db is not None
+    await Projector([workers.url], config.readmodel_db, burst=True).run()
+    async with TestClient(TestServer(make_app(config, workers.url))) as api:
+        got_http = await ok(await api.get("/v1/usage?session=u1&by=turn", headers=READ))
+        assert got_http == report
+        by_model = await ok(await api.get("/v1/usage?by=model", headers=READ))
+        assert [g["group"] for g in by_model["groups"]] == [MODEL]
+        await problem(await api.get("/v1/usage?turn=x", headers=READ), 422)
+        await problem(await api.get("/v1/usage?by=colour", headers=READ), 422)
+        await problem(await api.get("/v1/usage"), 401)

@@ -41,6 +41,7 @@ __all__ = [
     "TOOL_CALL_NOT_RUN_ERROR_PREFIX",
     "Agent",
     "App",
+    "Budget",
     "CallView",
     "Client",
     "ControlError",

@@ -9,6 +9,7 @@ package, does not pay for every part of the engine before it reads its arguments
 from jetloop.agents import (
     Agent,
     App,
+    Budget,
     Effect,
     Limits,
     MalformedToolCall,

@@ -407,6 +407,22 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_matrix.py::test_matrix[worker_kill-every_attempt-read]",
         ),
     ),
+    Mutation(
+        "usage-keyed-per-step",
+        "jetloop/consumers/usage.py",
+        "        key=usage_key(session_id, turn_id, model_step, attempt, purpose),\n",
+        "        key=usage_key(session_id, turn_id, model_step, 1, purpose),\n",
+        "a model call's usage is keyed by its step, not its attempt: a repeat is dropped",
+        ("tests/test_usage.py::test_usage_equals_what_the_provider_billed_across_a_worker_kill",),
+    ),
+    Mutation(
+        "budget-forgets-a-lost-call",
+        "jetloop/consumers/run_model.py",
+        "        paid = await lost_call(rt.js, sid, tid, n, resumed.no)\n",
+        "        paid = None\n",
+        "a resumed model step does not add the lost attempt's paid call to the turn's count",
+        ("tests/test_usage.py::test_a_crash_does_not_reset_the_count",),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

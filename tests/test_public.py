@@ -23,6 +23,7 @@ def test_public_names_are_pinned() -> None:
             "TOOL_CALL_NOT_RUN_ERROR_PREFIX",
             "Agent",
             "App",
+            "Budget",
             "Client",
             "Effect",
             "EmbeddedServer",

@@ -18,10 +18,12 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from jetloop.agents.prices import DEFAULT_PRICES, Price, Prices
+from jetloop.schemas.errors import TurnFailed
 from jetloop.services.client import Client
 from jetloop.services.gateway.app import make_app
 from jetloop.services.readmodel.projector import Projector
 from jetloop.sessions.usage import totals
+from jetloop.streams.registry import Registry
 from tests.conftest import WorkerFactory
 from tests.fakes.base import FakeCall, Reply
 from tests.fakes.openai_chat import FakeOpenAIChat
@@ -123,3 +125,74 @@ async def test_usage_equals_what_the_provider_billed_across_a_worker_kill(
         await problem(await api.get("/v1/usage?turn=x", headers=READ), 422)
         await problem(await api.get("/v1/usage?by=colour", headers=READ), 422)
         await problem(await api.get("/v1/usage"), 401)
+
+
+BUDGETS = "tests.apps_budget:app"
+
+
+@pytest.fixture
+async def declared(client: Client) -> Client:
+    """The budget app's agents declared as a deploy does, so a send waits for its worker."""
+    registry = await Registry.open(client.js)
+    await registry.declare(["capped", "thrifty"], "tests")
+    return client
+
+
+async def test_a_turn_stops_at_its_budget_and_the_next_turn_is_told(
+    declared: Client, workers: WorkerFactory
+) -> None:
+    """`capped` may use 250 tokens a turn, each answer uses 120: two calls are made, the
+    third would pass the cap, and the turn fails with the budget's reason; the session's
+    next turn runs, and its model is told why the turn before stopped."""
+    client = declared
+    workers.start(app=BUDGETS)
+    h = await client.send("capped", "b1", "loop for ever")
+    with pytest.raises(TurnFailed) as failed:
+        await client.wait(h, timeout=60)
+    error = failed.value.turn.error or ""
+    assert error.startswith("budget: the turn's cap of 250 tokens would be passed: 240 used")
+    assert failed.value.turn.spent.calls == 2 and failed.value.turn.spent.tokens == 240
+    lines = await client.usage("b1")
+    assert [(x.model_step, x.attempt) for x in lines] == [(0, 1), (1, 1)]
+    nxt = await client.wait(await client.send("capped", "b1", "what happened?"), timeout=60)
+    assert "stopped by its budget" in (nxt.text or "") and "250 tokens" in (nxt.text or "")
+    snap = await client.snapshot("b1")
+    assert snap is not None and snap.spent.calls == 3 and snap.spent.tokens == 360
+
+
+async def test_a_crash_does_not_reset_the_count(
+    declared: Client, workers: WorkerFactory, tmp_path: Path
+) -> None:
+    """Killed after its second call was answered and before the commit: the resumed step
+    counts the lost call from the ledger, so the turn stops there — two calls paid, not a
+    third made because the crash lost the count."""
+    client = declared
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"holds": ["run_model.before_commit@b2#2"]}))
+    victim = workers.start(app=BUDGETS, env={"JETLOOP_FAULT_PLAN": str(plan)})
+    h = await client.send("capped", "b2", "loop until the cap")
+    await victim.wait_for("fault.hold", point="run_model.before_commit", timeout=30)
+    victim.kill()
+    workers.start(app=BUDGETS)
+    with pytest.raises(TurnFailed) as failed:
+        await client.wait(h, timeout=60)
+    assert (failed.value.turn.error or "").startswith(
+        "budget: the turn's cap of 250 tokens would be passed: 240 used in 2 model call(s)"
+    )
+    lines = await client.usage("b2")
+    assert sorted((x.model_step, x.attempt) for x in lines) == [(0, 1), (1, 1)]
+    assert failed.value.turn.spent.calls == 2 and failed.value.turn.spent.tokens == 240
+
+
+async def test_a_session_stops_at_its_cost_budget(declared: Client, workers: WorkerFactory) -> None:
+    """`thrifty` may spend $0.000055 a session and each answer costs $0.000027: two turns
+    run, the third fails with the session's cap."""
+    client = declared
+    workers.start(app=BUDGETS)
+    for text in ("one", "two"):
+        await client.wait(await client.send("thrifty", "b3", text), timeout=60)
+    with pytest.raises(TurnFailed) as failed:
+        await client.wait(await client.send("thrifty", "b3", "three"), timeout=60)
+    assert (failed.value.turn.error or "").startswith("budget: the session's cap of $0.0001")
+    total = totals(await client.usage("b3"))["all"]
+    assert total.calls == 2 and total.cost_usd == pytest.approx(2 * 0.000027)

@@ -4,7 +4,7 @@ from jetloop.agents.adapters import (
     MalformedToolCall,
     adapter_from_spec,
 )
-from jetloop.agents.agent import Agent, App, Limits, Trigger, load_app
+from jetloop.agents.agent import Agent, App, Budget, Limits, Trigger, load_app
 from jetloop.agents.model import (
     Message,
     ModelAdapter,
@@ -35,6 +35,7 @@ from jetloop.agents.tools import (
 __all__ = [
     "Agent",
     "App",
+    "Budget",
     "Effect",
     "Found",
     "Limits",

@@ -14,9 +14,25 @@ from jetloop.schemas import validate_name
 
 
 @dataclass(frozen=True)
+class Budget:
+    """A cap on what model calls may use: tokens (input + output) and/or US dollars (priced
+    by the worker's price table, ``jetloop.agents.prices``). None: no cap of that kind."""
+
+    tokens: int | None = None
+    cost_usd: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None and self.tokens <= 0:
+            raise ValueError(f"a budget's tokens must be positive, not {self.tokens}")
+        if self.cost_usd is not None and self.cost_usd <= 0:
+            raise ValueError(f"a budget's cost_usd must be positive, not {self.cost_usd}")
+
+
+@dataclass(frozen=True)
 class Limits:
     """An agent's bounds: model steps per turn, attempts of a model step within a window,
-    and the context budget past which the history is compacted (None: never)."""
+    the context budget past which the history is compacted (None: never), and what the
+    model calls of a turn and of a session may use."""
 
     max_model_steps: int = 16
     model_attempts: int = 3
@@ -24,6 +40,11 @@ class Limits:
     # CompactContext: when the model's input passes this estimate, the history before the
     # current turn is summarised once (None: never).
     context_budget_tokens: int | None = None
+    # Caps on the model calls of one turn, and of all the turns of one session (every
+    # attempt counts, those a crash made repeat too): a turn whose next model call would
+    # pass one fails with a reason that starts "budget:" (None: no cap).
+    turn_budget: Budget | None = None
+    session_budget: Budget | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jetloop.consumers.budgets import is_budget
 from jetloop.schemas import (
     CallRecord,
     CallState,
@@ -170,7 +171,7 @@ def finished(turn: TurnRecord) -> Followers:
             session_id=turn.session_id,
             turn_id=turn.turn_id,
         )
-        if turn.tool_calls_made:
+        if turn.tool_calls_made or is_budget(turn.error):
             records.append(history_out(turn.session_id, failed_turn_note(turn)))
     records.append(event_out(ev))
     steps = []
@@ -223,16 +224,23 @@ TOOL_STATUS = {
 
 
 def failed_turn_note(turn: TurnRecord) -> HistoryEntry:
-    """Tells the next turn's model that this failed turn's tool calls did run."""
+    """Tells the next turn's model that this failed turn's tool calls did run, and that a
+    budget stopped it when one did."""
+    text = f"The previous turn failed ({turn.error})"
+    if is_budget(turn.error):
+        text = f"The previous turn was stopped by its budget ({turn.error})"
+    if turn.tool_calls_made:
+        text += (
+            f" after {turn.tool_calls_made} tool call(s) had already run; their results are "
+            "above. Do not repeat those calls without checking what they did."
+        )
+    else:
+        text += "."
     return HistoryEntry(
         key=f"{_base(turn)}.failed.note",
         role=HistoryRole.NOTE,
         turn_id=turn.turn_id,
-        text=(
-            f"The previous turn failed ({turn.error}) after {turn.tool_calls_made} tool "
-            "call(s) had already run; their results are above. Do not repeat those calls "
-            "without checking what they did."
-        ),
+        text=text,
     )
 
 

@@ -19,7 +19,8 @@ from pydantic import ValidationError
 from jetloop.agents import Agent, Message, ModelRequest, ModelResponse, ToolSpec
 from jetloop.agents.adapters import MalformedToolCall
 from jetloop.consumers import metrics
-from jetloop.consumers.compact import compact_first, compaction_needed
+from jetloop.consumers.budgets import over_budget
+from jetloop.consumers.compact import compact_first, compaction_needed, estimate
 from jetloop.consumers.conversation import conversation
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.followers import answer, expected_history, joined, turn_start
@@ -29,10 +30,11 @@ from jetloop.consumers.losses import Resume, loss_id, lost_event, lost_reason, t
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.session import end_turn
 from jetloop.consumers.side_by_side import side_by_side
-from jetloop.consumers.usage import record_usage, usage_event
+from jetloop.consumers.usage import lost_call, model_of, record_usage, usage_event
 from jetloop.schemas import (
     HistoryEntry,
     PlannedCall,
+    Spent,
     StepMessage,
     TurnPhase,
     TurnRecord,
@@ -79,10 +81,15 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     resumed = turn.attempt
     lost = list(turn.lost)
     stopped = False  # the lost attempt's worker stopped on purpose (jetloop.consumers.losses)
+    spent = turn.spent
     if resumed is not None:
         # Another attempt claimed this step: taken over only once that attempt is lost.
         await holder_lost(d, turn_key(sid, tid), resumed, cur.stored_at)
         metrics.TAKEOVERS.inc()
+        # Its call was paid for if it got an answer: the turn's count takes it in.
+        paid = await lost_call(rt.js, sid, tid, n, resumed.no)
+        if paid is not None:
+            spent = spent.plus(paid.input_tokens, paid.output_tokens, paid.cost_usd)
         # The attempt before this one was lost (its lease lapsed): a takeover of the turn.
         stopped = await drained(rt.js, resumed.incarnation)
         lid = loss_id(resumed)
@@ -94,6 +101,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
                     "status": TurnStatus.FAILED,
                     "attempt": None,
                     "lost": lost,
+                    "spent": spent,
                     "error": lost_reason(turn, len(lost), step.step_key()),
                 }
             )
@@ -113,23 +121,40 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             await compact_first(rt, turn)
             return
 
-    if exhausted or n >= limits.max_model_steps:
-        reason = (
-            _exhausted(n, turn)
-            if exhausted
-            else f"the turn reached its limit of {limits.max_model_steps} model steps"
-        )
+    reason = None
+    if exhausted:
+        reason = _exhausted(n, turn)
+    elif n >= limits.max_model_steps:
+        reason = f"the turn reached its limit of {limits.max_model_steps} model steps"
+    else:
+        if messages is None:
+            # Read before the claim: a read that fails (an election) then leaves no claimed
+            # attempt behind, which the next delivery would have to count as lost.
+            messages = await conversation(rt, sid, session=session, history=history)
+        if limits.turn_budget is not None or limits.session_budget is not None:
+            reads = estimate(agent, messages)
+            reason = over_budget(
+                limits,
+                spent,
+                session.value.spent if session is not None else Spent(),
+                reads,
+                rt.prices.cost(model_of(agent.model), {"input_tokens": reads}),
+            )
+    if reason is not None:
         failed = turn.model_copy(
-            update={"status": TurnStatus.FAILED, "error": reason, "attempt": None, "lost": lost}
+            update={
+                "status": TurnStatus.FAILED,
+                "error": reason,
+                "attempt": None,
+                "lost": lost,
+                "spent": spent,
+            }
         )
         await d.claim(turn_key(sid, tid), failed, cur.revision)
         await end_turn(rt, failed)
         return
+    assert messages is not None
 
-    if messages is None:
-        # Read before the claim: a read that fails (an election) then leaves no claimed
-        # attempt behind, which the next delivery would have to count as lost.
-        messages = await conversation(rt, sid, session=session, history=history)
     attempt = rt.new_attempt(turn.attempts + 1)
     claimed = turn.model_copy(
         update={
@@ -138,6 +163,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             "attempts": attempt.no,
             "first_attempt_at": turn.first_attempt_at or now,
             "lost": lost,
+            "spent": spent,
         }
     )
     await d.claim(turn_key(sid, tid), claimed, cur.revision)
@@ -195,7 +221,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
 
     # Paid for: in the ledger before anything else, so a crash before the commit that
     # makes this step run again still counts this call (jetloop.consumers.usage).
-    await record_usage(
+    paid = await record_usage(
         rt.bus,
         usage_event(
             rt.prices,
@@ -208,7 +234,8 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             attempt=attempt.no,
         ),
     )
-    committed = await _plan(rt, agent, claimed, response)
+    spent = spent.plus(paid.input_tokens, paid.output_tokens, paid.cost_usd)
+    committed = await _plan(rt, agent, claimed, response, spent)
     await rt.faults.point("run_model.before_commit")
     await d.commit(committed)
     log.debug("model.answered", calls=len(committed.calls), status=committed.status.value)
@@ -314,8 +341,11 @@ async def _complete(
     return response
 
 
-async def _plan(rt: Runtime, agent: Agent, turn: TurnRecord, resp: ModelResponse) -> TurnRecord:
-    """The write-ahead checkpoint: the answer and every call it asks for, not yet made."""
+async def _plan(
+    rt: Runtime, agent: Agent, turn: TurnRecord, resp: ModelResponse, spent: Spent
+) -> TurnRecord:
+    """The write-ahead checkpoint: the answer and every call it asks for, not yet made, and
+    what the turn's model calls have used with this one."""
     sid, tid, n = turn.session_id, turn.turn_id, turn.model_step
     assert turn.attempt is not None
     text: str | None = resp.text
@@ -354,6 +384,7 @@ async def _plan(rt: Runtime, agent: Agent, turn: TurnRecord, resp: ModelResponse
         )
     update: dict[str, Any] = {
         "usage": dict(resp.usage),
+        "spent": spent,
         "answer_text": text,
         "answer_ref": text_ref,
         "attempt": None,

@@ -21,6 +21,7 @@ from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import (
     Event,
     SessionRecord,
+    Spent,
     StepMessage,
     TurnRecord,
     TurnRequest,
@@ -272,7 +273,9 @@ def _decode_request(data: bytes) -> TurnRequest:
 async def on_turn_done(d: Delivery, step: StepMessage) -> None:
     """A ``turn_done`` message (published by workers of an earlier version): as
     ``session_moves_on``."""
-    await session_moves_on(d.rt, step.session_id, step.turn_id)
+    ended = await d.rt.state.turn(step.session_id, step.turn_id)
+    spent = ended.value.spent if ended is not None else Spent()
+    await session_moves_on(d.rt, step.session_id, step.turn_id, spent)
 
 
 async def end_turn(rt: Runtime, turn: TurnRecord) -> None:
@@ -281,7 +284,7 @@ async def end_turn(rt: Runtime, turn: TurnRecord) -> None:
     redelivery of that step finds the turn ended and calls this again: both parts are
     idempotent (message ids; the session moves only while the turn is still in it)."""
     await finished(turn).publish(rt.bus)
-    await session_moves_on(rt, turn.session_id, turn.turn_id)
+    await session_moves_on(rt, turn.session_id, turn.turn_id, turn.spent)
 
 
 # A session record written by two steps at once (a turn request queued while a turn
@@ -289,8 +292,10 @@ async def end_turn(rt: Runtime, turn: TurnRecord) -> None:
 SESSION_WRITE_TRIES = 5
 
 
-async def session_moves_on(rt: Runtime, sid: str, turn_id: str) -> None:
-    """Turn ``turn_id`` ended: make the next queued turn active and start it."""
+async def session_moves_on(rt: Runtime, sid: str, turn_id: str, spent: Spent) -> None:
+    """Turn ``turn_id`` ended: make the next queued turn active and start it, and add what
+    its model calls used (``spent``) to the session's count, once (only while the turn is
+    still in the session)."""
     for _ in range(SESSION_WRITE_TRIES):
         cur = await rt.state.session(sid)
         if cur is None:
@@ -314,6 +319,7 @@ async def session_moves_on(rt: Runtime, sid: str, turn_id: str) -> None:
                     "queue": queue,
                     "turns_done": session.turns_done + 1,
                     "last_turn": turn_id,
+                    "spent": session.spent.add(spent),
                 }
             )
             try:

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 from prometheus_client import Counter
 
 from jetloop.agents import ModelResponse
 from jetloop.agents.prices import Prices
-from jetloop.schemas import Event
+from jetloop.schemas import Event, EventType, decode
 from jetloop.schemas.events import ModelUsageData
 from jetloop.streams.bus import Bus, event_out
+from jetloop.streams.topology import EVENTS_STREAM, event_subject
 
 TOKENS = Counter(
     "jetloop_model_tokens_total",
@@ -39,9 +42,9 @@ def usage_key(session_id: str, turn_id: str, model_step: int, attempt: int, purp
     return f"{session_id}.{turn_id}.{step}.a{attempt}.usage"
 
 
-def model_of(adapter: Any, response: ModelResponse) -> str | None:
+def model_of(adapter: Any, response: ModelResponse | None = None) -> str | None:
     """The answering model's name: the response's, else the adapter's ``model``."""
-    if response.model:
+    if response is not None and response.model:
         return response.model
     name = getattr(adapter, "model", None)
     return name if isinstance(name, str) and name else None
@@ -92,3 +95,22 @@ async def record_usage(bus: Bus, event: Event) -> ModelUsageData:
     if data.cost_usd:
         COST.labels(data.agent, model).inc(data.cost_usd)
     return data
+
+
+async def lost_call(
+    js: JetStreamContext, session_id: str, turn_id: str, model_step: int, attempt: int
+) -> ModelUsageData | None:
+    """What a lost attempt of a model step paid for, if its call got an answer: the
+    session's last ``model.usage`` record, when it is that attempt's (nothing in the session
+    calls a model after a model step's attempt until the step is resumed). Read from the
+    stream's leader; only a resumed step asks."""
+    subject = event_subject(session_id, EventType.MODEL_USAGE.value)
+    try:
+        msg = await js.get_last_msg(EVENTS_STREAM, subject)
+    except NotFoundError:
+        return None
+    event = decode(Event, msg.data or b"")
+    if event.key != usage_key(session_id, turn_id, model_step, attempt, "answer"):
+        return None
+    data = event.payload()
+    return data if isinstance(data, ModelUsageData) else None

@@ -40,6 +40,36 @@ class Summary(BaseModel):
     compaction: int  # the compaction number that wrote it
 
 
+class Spent(BaseModel):
+    """What model calls used: calls answered, tokens, and the US dollars of the priced ones
+    (every attempt, those a crash made repeat too; the usage ledger holds each call)."""
+
+    calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    def plus(self, input_tokens: int, output_tokens: int, cost_usd: float | None) -> Spent:
+        return Spent(
+            calls=self.calls + 1,
+            input_tokens=self.input_tokens + input_tokens,
+            output_tokens=self.output_tokens + output_tokens,
+            cost_usd=round(self.cost_usd + (cost_usd or 0.0), 9),
+        )
+
+    def add(self, other: Spent) -> Spent:
+        return Spent(
+            calls=self.calls + other.calls,
+            input_tokens=self.input_tokens + other.input_tokens,
+            output_tokens=self.output_tokens + other.output_tokens,
+            cost_usd=round(self.cost_usd + other.cost_usd, 9),
+        )
+
+
 class SessionRecord(BaseModel):
     v: int = SCHEMA_VERSION
     session_id: str
@@ -51,6 +81,8 @@ class SessionRecord(BaseModel):
     # tool name -> approval required, overriding the tool's own policy in this session
     approval_overrides: dict[str, bool] = Field(default_factory=dict)
     summary: Summary | None = None
+    # The model calls of the session's ended turns (a budget per session counts from it).
+    spent: Spent = Field(default_factory=Spent)
 
 
 class TurnStatus(StrEnum):
@@ -118,6 +150,8 @@ class TurnRecord(BaseModel):
     answer_text: str | None = None
     answer_ref: BlobRef | None = None
     usage: dict[str, int] = Field(default_factory=dict)  # tokens of the current model step
+    # The turn's model calls so far, every attempt (a budget per turn counts from it).
+    spent: Spent = Field(default_factory=Spent)
     calls: list[PlannedCall] = Field(default_factory=list)
     error: str | None = None
     tool_calls_made: int = 0

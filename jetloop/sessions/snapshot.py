@@ -23,6 +23,7 @@ from jetloop.schemas import (
     HistoryEntry,
     QuestionRecord,
     SessionRecord,
+    Spent,
     TurnRecord,
     idempotency_key,
 )
@@ -73,6 +74,8 @@ class SessionSnapshot(BaseModel):
     # (work is there, and no live worker serves the agent: see ``jetloop.streams.registry``)
     status: str
     turns_done: int
+    # The model calls of the session's ended turns (its turn's own are ``turn.spent``).
+    spent: Spent = Field(default_factory=Spent)
     # Requests published and not yet accepted by a worker of the agent (still in JL_TURNS).
     unaccepted: int = 0
     turn: TurnRecord | None = None
@@ -308,6 +311,7 @@ async def snapshot(
         agent=session.agent,
         status=status,
         turns_done=session.turns_done,
+        spent=session.spent,
         turn=turn,
         calls=calls,
         queued=queued,

@@ -181,23 +181,17 @@ async def test_a_claude_agent_sdk_agent_passes(
 ) -> None:
     """A Claude Agent SDK agent wrapped with `durable_claude` (tests/apps_claude.py), its
     bundled CLI talking to the local fake of the Messages API that answers by the
-    conversation: a read, an idempotent write and an undeclared tool (a single-attempt write
-    whose vendor does not dedupe), each deferred to a jetloop step, killed at each boundary:
-    pass, the undeclared charge never made twice."""
+    conversation: one call of a tool left undeclared (a single-attempt write whose vendor
+    does not dedupe), deferred to a jetloop step, killed at each boundary: pass, the charge
+    never made twice. (One call: every segment is a run of the CLI, the heavy part.)"""
     pytest.importorskip("claude_agent_sdk", reason="the claude extra is not installed")
     from tests.fakes import FakeAnthropic, FakeCall, Reply
     from tests.test_framework_claude import AGENT, Answering, claude_env, tool_results
 
     def answer(body: dict[str, Any]) -> Reply:
-        said = [str(r["content"]) for r in tool_results(body)]
-        last = said[-1] if said else ""
-        if last.startswith("charged"):
-            return Reply(text="looked up, booked and charged")
-        if last.startswith("booked"):
-            return Reply(calls=(FakeCall("mcp__shop__charge", {"amount": 3}),))
-        if last.startswith("order"):
-            return Reply(calls=(FakeCall("mcp__shop__book", {"slot": "9am"}),))
-        return Reply(calls=(FakeCall("mcp__shop__lookup", {"order": "A1"}),))
+        if tool_results(body):
+            return Reply(text="charged")
+        return Reply(calls=(FakeCall("mcp__shop__charge", {"amount": 3}),))
 
     monkeypatch.setenv("JETLOOP_VENDOR_DB", str(tmp_path / "vendor.sqlite"))
     async with FakeAnthropic() as fake:
@@ -206,8 +200,7 @@ async def test_a_claude_agent_sdk_agent_passes(
             monkeypatch.setenv(name, value)
         report = await crash_test_async(
             "tests.apps_claude:app",
-            [Message(AGENT, "look order A1 up, book 9am, charge 3")],
-            vendor_dedupes=["book"],
+            [Message(AGENT, "charge 3")],
             quick=True,
             seed=38,
             work_dir=tmp_path / "run",
@@ -216,4 +209,4 @@ async def test_a_claude_agent_sdk_agent_passes(
     assert report.ok, report.failures
     charge = report.tools["charge"]
     assert charge.effect == "non_idempotent_write" and charge.repeated_calls == 0, charge
-    assert charge.invocations >= 1 and report.tools["book"].invocations >= 1
+    assert charge.invocations >= 1 and charge.outcome_unknown >= 1, charge

@@ -264,7 +264,7 @@ async def test_a_client_without_the_seal_key_decides_through_the_workers(
             pending = [a for a in snap.approvals if a.status == "pending"] if snap else []
             return pending[0].approval_id if pending else None
 
-        approval_id = await until(held)
+        approval_id = await until(held, timeout=10)  # a snapshot waits out no timeout
         out = await asyncio.to_thread(
             cli_elsewhere,
             up.url,

@@ -50,7 +50,7 @@ from tests.test_seal_key import Up, env_without_key
 
 DEMO = "jetloop.demo.agent:app"
 # Long enough to be due after either upgrade is over (asserted: it still waits then).
-TIMER_SECONDS = 20
+TIMER_SECONDS = 15
 HOLD = "call_tool.in_tool"
 
 

@@ -6,18 +6,21 @@ five minutes after its subscription ends (its inactive threshold). A stream hold
 consumers limit reached"), so about three listings a second — a console refreshing a session
 page, a client polling snapshots, the registry read on each send — would leave the bucket's
 stream unable to make another consumer for minutes, for every reader of the namespace. Here
-each listing deletes its consumer as soon as it is done, and a short threshold removes it
-even if this process dies first.
+each listing's consumer is made with a threshold of two seconds: it is gone two seconds after
+the listing ends, so even a reader listing ten times a second keeps about twenty.
+
+It is not deleted at once: a delete is a worker's right only (the ``client`` and ``operator``
+roles may not delete consumers, ``jetloop.services.natsauth``), and a request they may not
+send is never answered, so each listing would wait out the request's timeout — a client's
+snapshot, which lists three times, took fifteen seconds.
 """
 
 from __future__ import annotations
 
-from nats.errors import Error as NatsError
 from nats.js.kv import KeyValue
 
-# How long the server keeps a listing's consumer once nobody listens (a backstop: it is
-# deleted at once when the listing ends).
-INACTIVE_SECONDS = 5.0
+# How long the server keeps a listing's consumer once nobody listens.
+INACTIVE_SECONDS = 2.0
 
 
 async def keys(kv: KeyValue, pattern: str = ">") -> list[str]:
@@ -34,19 +37,4 @@ async def keys(kv: KeyValue, pattern: str = ">") -> list[str]:
             out.append(entry.key)
     finally:
         await watcher.stop()  # type: ignore[no-untyped-call]
-        await _delete_consumer(kv, watcher)
     return out
-
-
-async def _delete_consumer(kv: KeyValue, watcher: KeyValue.KeyWatcher) -> None:
-    # nats-py keeps the consumer's name and the JetStream context on private attributes.
-    sub = getattr(watcher, "_sub", None)
-    name = getattr(sub, "_consumer", None)
-    js = getattr(kv, "_js", None)
-    stream = getattr(kv, "_stream", None)
-    if not (name and js and stream):
-        return  # the threshold removes it
-    try:
-        await js.delete_consumer(stream, name)
-    except (NatsError, TimeoutError):
-        pass  # gone already, or no server now: the threshold removes it

@@ -423,6 +423,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a resumed model step does not add the lost attempt's paid call to the turn's count",
         ("tests/test_usage.py::test_a_crash_does_not_reset_the_count",),
     ),
+    Mutation(
+        "throttle-uses-an-attempt",
+        "jetloop/consumers/run_model.py",
+        '        await d.commit(claimed.model_copy(update={"attempt": None, '
+        '"attempts": turn.attempts}))\n',
+        '        await d.commit(claimed.model_copy(update={"attempt": None}))\n',
+        "a 429 with Retry-After uses up one of the model step's attempts",
+        ("tests/test_usage.py::test_a_429_pauses_every_worker_and_uses_no_attempt",),
+    ),
+    Mutation(
+        "pause-not-shared",
+        "jetloop/streams/pauses.py",
+        "        if self.kv is None:\n            return\n        body",
+        "        if True:\n            return\n        body",
+        "a worker throttled by a 429 pauses alone: the others go on calling the provider",
+        ("tests/test_usage.py::test_a_429_pauses_every_worker_and_uses_no_attempt",),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -24,8 +25,8 @@ from jetloop.services.gateway.app import make_app
 from jetloop.services.readmodel.projector import Projector
 from jetloop.sessions.usage import totals
 from jetloop.streams.registry import Registry
-from tests.conftest import WorkerFactory
-from tests.fakes.base import FakeCall, Reply
+from tests.conftest import WorkerFactory, until
+from tests.fakes.base import Failure, FakeCall, Reply
 from tests.fakes.openai_chat import FakeOpenAIChat
 from tests.test_gateway import READ, make_config, ok, problem
 
@@ -156,8 +157,13 @@ async def test_a_turn_stops_at_its_budget_and_the_next_turn_is_told(
     assert [(x.model_step, x.attempt) for x in lines] == [(0, 1), (1, 1)]
     nxt = await client.wait(await client.send("capped", "b1", "what happened?"), timeout=60)
     assert "stopped by its budget" in (nxt.text or "") and "250 tokens" in (nxt.text or "")
-    snap = await client.snapshot("b1")
-    assert snap is not None and snap.spent.calls == 3 and snap.spent.tokens == 360
+
+    async def both_ended() -> Any:  # the session moves on just after the turn's record ends
+        snap = await client.snapshot("b1")
+        return snap if snap is not None and snap.turns_done == 2 else None
+
+    snap = await until(both_ended)
+    assert snap.spent.calls == 3 and snap.spent.tokens == 360
 
 
 async def test_a_crash_does_not_reset_the_count(
@@ -196,3 +202,34 @@ async def test_a_session_stops_at_its_cost_budget(declared: Client, workers: Wor
     assert (failed.value.turn.error or "").startswith("budget: the session's cap of $0.0001")
     total = totals(await client.usage("b3"))["all"]
     assert total.calls == 2 and total.cost_usd == pytest.approx(2 * 0.000027)
+
+
+async def test_a_429_pauses_every_worker_and_uses_no_attempt(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """The provider answers one call "429, retry after 2 s": that worker pauses the endpoint
+    for every worker (`jl_limits`), both hear it, nobody calls the provider until the pause
+    ends although six more turns arrive meanwhile, and no model step used an attempt on it."""
+    async with FakeOpenAIChat() as fake:
+        fake.script(
+            Failure(429, "Rate limit reached", "rate_limit_error", {"retry-after": "2"}),
+            *[Reply(text="ok") for _ in range(7)],
+        )
+        pair = [workers.start(env=env_of(fake), app="jetloop.demo.agent:app") for _ in range(2)]
+        for w in pair:
+            await w.wait_for("worker.started", timeout=30)
+        first = await client.send("demo", "r0", "hello")
+
+        async def heard() -> bool:  # the one throttled, and the other from the bucket
+            return all(w.find("pause.heard") or w.find("model.throttled") for w in pair)
+
+        await until(heard, timeout=10)
+        rest = [await client.send("demo", f"r{i}", "hello") for i in range(1, 7)]
+        for h in (first, *rest):
+            assert (await client.wait(h, timeout=60)).text == "ok"
+        received = list(fake.received)
+    assert len(received) == 8, "one 429, then one call per turn"
+    throttled_at = received[0].at
+    assert min(r.at for r in received[1:]) >= throttled_at + 1.9, "nobody called in the pause"
+    snap = await client.snapshot("r0")
+    assert snap is not None and snap.turn is not None and snap.turn.attempts == 1

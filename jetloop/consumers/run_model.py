@@ -11,7 +11,7 @@ publish, ack.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 from pydantic import ValidationError
@@ -44,6 +44,7 @@ from jetloop.schemas import (
 from jetloop.schemas.errors import ProviderError, ProviderRejected, ProviderRetryable
 from jetloop.streams.bus import event_out
 from jetloop.streams.holds import drained
+from jetloop.streams.pauses import pause_key
 from jetloop.streams.state import turn_key
 from jetloop.streams.topology import live_subject
 
@@ -154,6 +155,11 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         await end_turn(rt, failed)
         return
     assert messages is not None
+    endpoint = pause_key(agent.model)
+    paused = rt.pauses.remaining(endpoint)
+    if paused > 0:
+        # The provider asked every worker to wait (a 429's Retry-After): no attempt is used.
+        raise RetryLater(paused, f"the model provider asked to wait {paused:.1f}s more")
 
     attempt = rt.new_attempt(turn.attempts + 1)
     claimed = turn.model_copy(
@@ -205,19 +211,22 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         await d.commit(failed)
         await end_turn(rt, failed)
         return
-    except Exception as exc:
-        log.warning("model.call_failed", error=str(exc))
-        # The attempt ended (it was not lost): record that, so the next one is no resume; its
-        # cause is what the turn's error names if this was the last attempt.
-        await d.commit(
-            claimed.model_copy(
-                update={"attempt": None, "error": f"{ATTEMPT} {attempt.no}: {_cause(exc)}"}
-            )
+    except ProviderRetryable as exc:
+        wait = exc.retry_after
+        if exc.status != 429 or not wait:
+            await _attempt_failed(d, claimed, attempt.no, exc)
+        # Too many requests, and the provider said for how long: not this step's fault, so
+        # not one of its attempts; every worker calling that endpoint waits as long.
+        log.warning("model.throttled", retry_after=wait, error=str(exc))
+        await rt.pauses.pause(
+            endpoint,
+            wait,
+            {"provider": exc.provider, "model": model_of(agent.model), "by": rt.worker_id},
         )
-        delay = min(30.0, 0.5 * 2 ** (attempt.no - 1))
-        if isinstance(exc, ProviderRetryable) and exc.retry_after:
-            delay = max(delay, exc.retry_after)  # honour Retry-After with a delayed nak
-        raise RetryLater(delay, f"model call failed: {exc}") from exc
+        await d.commit(claimed.model_copy(update={"attempt": None, "attempts": turn.attempts}))
+        raise RetryLater(wait, f"model call throttled: {exc}") from exc
+    except Exception as exc:
+        await _attempt_failed(d, claimed, attempt.no, exc)
 
     # Paid for: in the ledger before anything else, so a crash before the commit that
     # makes this step run again still counts this call (jetloop.consumers.usage).
@@ -247,6 +256,20 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
 
 
 ATTEMPT = "attempt"
+
+
+async def _attempt_failed(d: Delivery, claimed: TurnRecord, no: int, exc: Exception) -> NoReturn:
+    """A model call failed: the attempt ended (it was not lost) and is recorded so, the next
+    one no resume; its cause is what the turn's error names if this was the last attempt.
+    Raises the ``RetryLater`` that hands the step back (after ``Retry-After`` when given)."""
+    log.warning("model.call_failed", error=str(exc))
+    await d.commit(
+        claimed.model_copy(update={"attempt": None, "error": f"{ATTEMPT} {no}: {_cause(exc)}"})
+    )
+    delay = min(30.0, 0.5 * 2 ** (no - 1))
+    if isinstance(exc, ProviderRetryable) and exc.retry_after:
+        delay = max(delay, exc.retry_after)  # honour Retry-After with a delayed nak
+    raise RetryLater(delay, f"model call failed: {exc}") from exc
 
 
 def _exhausted(n: int, turn: TurnRecord) -> str:

@@ -34,6 +34,7 @@ from jetloop.streams.bus import Bus
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.holds import Holds
 from jetloop.streams.loops import running_loop
+from jetloop.streams.pauses import Pauses
 from jetloop.streams.state import Conflict, StateStore
 
 log = structlog.get_logger("jetloop.fence")
@@ -68,6 +69,8 @@ class Runtime:
     holds: Holds | None = None
     # What model calls cost (jetloop.agents.prices): the usage ledger charges by it.
     prices: Prices = field(default_factory=Prices)
+    # Providers paused by a 429, shared by every worker (jetloop.streams.pauses).
+    pauses: Pauses = field(default_factory=Pauses)
 
     def new_attempt(self, no: int) -> Attempt:
         return Attempt(

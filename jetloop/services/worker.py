@@ -50,6 +50,7 @@ from jetloop.streams.connection import ConnectionLost, connect
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.holds import Holds
 from jetloop.streams.intake import Intake
+from jetloop.streams.pauses import Pauses
 from jetloop.streams.registry import Registry
 from jetloop.streams.state import StateStore
 from jetloop.streams.topology import alive_subject
@@ -170,6 +171,7 @@ class Worker(Service):
                 incarnation=incarnation,
                 holds=holds,
                 prices=Prices(s.prices),
+                pauses=await Pauses.open(js),
             )
             self._rt = rt
             for agent in self.app.agents.values():
@@ -250,6 +252,8 @@ class Worker(Service):
                 await control.stop()
             await self._drain(holds)
         finally:
+            if self._rt is not None:
+                await self._rt.pauses.close()
             if nc.is_connected:
                 await nc.drain()
             elif not nc.is_closed:

@@ -29,6 +29,10 @@ BLOB_BUCKET = "jl_blobs"
 AGENTS_BUCKET = "jl_agents"
 WORKERS_BUCKET = "jl_workers"
 PRESENCE_TTL = 15.0
+# What the workers of a deployment share about model providers: ``pause.<provider>.<endpoint>``,
+# until when a provider asked (429 Retry-After) to be left alone (jetloop.streams.pauses).
+LIMITS_BUCKET = "jl_limits"
+LIMITS_TTL = 3600.0
 
 # Named once, with the step kinds each pool serves (``jetloop.schemas.kinds``).
 SESSION_POOL = Pool.SESSION.value
@@ -297,10 +301,12 @@ async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = 
 
 
 async def _registry(js: JetStreamContext, cfg: TopologyConfig) -> None:
-    """The two small buckets that say which agents are served (see AGENTS_BUCKET)."""
+    """The small JSON buckets: which agents are served (see AGENTS_BUCKET), and what the
+    workers share about providers (LIMITS_BUCKET)."""
     for bucket, ttl, what in (
         (AGENTS_BUCKET, None, "jetloop agents any worker has served"),
         (WORKERS_BUCKET, PRESENCE_TTL, "jetloop live workers and the agents they serve"),
+        (LIMITS_BUCKET, LIMITS_TTL, "jetloop model provider pauses shared by the workers"),
     ):
         try:
             await js.key_value(bucket)

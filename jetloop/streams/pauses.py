@@ -1,0 +1,131 @@
+"""Provider pauses shared by every worker: a 429's ``Retry-After`` slows them all.
+
+When a model provider answers a worker "too many requests, retry after N seconds", that
+worker writes ``pause.<provider>.<endpoint>`` in the ``jl_limits`` bucket: until when the
+provider asked to be left alone (the later of what is there and what it was told). Every
+worker watches the bucket and keeps the pauses in memory, so checking one before a model
+call costs no round trip; a model step that finds its provider paused is handed back for
+the rest of the pause without being tried (``jetloop.consumers.run_model``). The endpoint is
+the adapter's base URL and model, hashed into a key (a provider's limits are per key and
+model); the value also names them in clear, for ``nats kv get``.
+
+A watch learns of a pause within a round trip or two; a worker that calls in that moment
+meets the 429 itself, and pauses like the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import time
+from typing import Any
+
+import structlog
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from jetloop.streams.topology import LIMITS_BUCKET
+
+log = structlog.get_logger("jetloop.pauses")
+
+PREFIX = "pause."
+
+
+def pause_key(adapter: Any) -> str | None:
+    """The key of the endpoint ``adapter`` calls (provider, base URL, model), or None for an
+    adapter that does not say (a scripted model, a framework's own)."""
+    provider = getattr(adapter, "provider", None)
+    base_url = getattr(adapter, "base_url", None)
+    model = getattr(adapter, "model", None)
+    if not all(isinstance(x, str) and x for x in (provider, base_url, model)):
+        return None
+    return _key(str(provider), str(base_url), str(model))
+
+
+@functools.lru_cache(maxsize=256)
+def _key(provider: str, base_url: str, model: str) -> str:
+    token = "".join(c if c.isalnum() or c in "-_" else "_" for c in provider)
+    digest = hashlib.sha256(f"{base_url}|{model}".encode()).hexdigest()[:16]
+    return f"{PREFIX}{token}.{digest}"
+
+
+class Pauses:
+    """The pauses of ``jl_limits``, as this worker last heard them."""
+
+    def __init__(self, kv: KeyValue | None = None) -> None:
+        self.kv = kv
+        self.until: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(cls, js: JetStreamContext) -> Pauses:
+        pauses = cls(await js.key_value(LIMITS_BUCKET))
+        pauses._task = asyncio.create_task(pauses._follow(), name="jetloop-pauses")
+        return pauses
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def remaining(self, key: str | None) -> float:
+        """Seconds the endpoint of ``key`` is still paused (0: not paused)."""
+        if key is None:
+            return 0.0
+        return max(0.0, self.until.get(key, 0.0) - time.time())
+
+    async def pause(self, key: str | None, seconds: float, what: dict[str, Any]) -> None:
+        """Pause the endpoint of ``key`` for ``seconds`` from now, for every worker (kept if a
+        longer pause is there already). A write that fails leaves the pause to this worker."""
+        if key is None:
+            return
+        until = time.time() + seconds
+        self.until[key] = max(self.until.get(key, 0.0), until)
+        if self.kv is None:
+            return
+        body = json.dumps({"until": until, **what}).encode()
+        for _ in range(5):
+            try:
+                try:
+                    entry = await self.kv.get(key)
+                except KeyNotFoundError:
+                    await self.kv.create(key, body)
+                    return
+                if entry.value and json.loads(entry.value).get("until", 0) >= until:
+                    return
+                await self.kv.update(key, body, last=entry.revision)
+                return
+            except KeyWrongLastSequenceError:
+                continue  # another worker paused it meanwhile: read again
+            except (NatsError, TimeoutError, ValueError) as exc:
+                log.warning("pause.not_shared", key=key, error=str(exc))
+                return
+
+    async def _follow(self) -> None:
+        assert self.kv is not None
+        while True:
+            try:
+                watcher = await self.kv.watch(f"{PREFIX}>", inactive_threshold=5.0)
+                async for entry in watcher:
+                    if entry is None or not entry.value:
+                        continue
+                    try:
+                        until = float(json.loads(entry.value)["until"])
+                    except (ValueError, KeyError, TypeError):
+                        continue
+                    if until > self.until.get(entry.key, 0.0) or entry.key not in self.until:
+                        log.info(
+                            "pause.heard", key=entry.key, seconds=round(until - time.time(), 3)
+                        )
+                    self.until[entry.key] = max(self.until.get(entry.key, 0.0), until)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # an outage: watch again
+                log.debug("pause.watch_lost", error=str(exc))
+                await asyncio.sleep(1.0)

@@ -440,6 +440,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a worker throttled by a 429 pauses alone: the others go on calling the provider",
         ("tests/test_usage.py::test_a_429_pauses_every_worker_and_uses_no_attempt",),
     ),
+    Mutation(
+        "window-tokens-not-checked",
+        "jetloop/streams/windows.py",
+        "                if tpm is not None and requests and tokens + reserve > tpm:\n",
+        "                if False:\n",
+        "a window's token limit is not checked: every worker calls as fast as it can",
+        ("tests/test_usage.py::test_a_token_limit_per_window_holds_across_two_workers",),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

@@ -210,3 +210,22 @@ async def test_a_claude_agent_sdk_agent_passes(
     charge = report.tools["charge"]
     assert charge.effect == "non_idempotent_write" and charge.repeated_calls == 0, charge
     assert charge.invocations >= 1 and charge.outcome_unknown >= 1, charge
+
+
+async def test_the_readme_agent_passes_with_the_server_restarted(in_app_dir: Path) -> None:
+    """`--mode server_restart`: at each boundary the nats-server is SIGKILLed and started
+    again on its store, under the running worker; the README's agent passes, its SMS never
+    sent twice."""
+    report = await crash_test_async(
+        "shop:app",
+        [Message(None, "refund order 42")],
+        vendor_dedupes=["refund"],
+        mode="server_restart",
+        quick=True,
+        seed=39,
+        work_dir=in_app_dir / "run",
+    )
+    print(format_report(report))
+    assert report.ok, report.failures
+    assert report.mode == "server_restart" and sum(1 for r in report.rounds if not r.missed) >= 5
+    assert report.tools["send_sms"].repeated_calls == 0

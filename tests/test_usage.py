@@ -233,3 +233,46 @@ async def test_a_429_pauses_every_worker_and_uses_no_attempt(
     assert min(r.at for r in received[1:]) >= throttled_at + 1.9, "nobody called in the pause"
     snap = await client.snapshot("r0")
     assert snap is not None and snap.turn is not None and snap.turn.attempts == 1
+
+
+async def test_a_token_limit_per_window_holds_across_two_workers(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """Two workers share 500 tokens per 3-second window on one endpoint; each call uses 120
+    (its reservation): twelve turns sent at once are spread over windows of at most four
+    calls, none failed and none used an attempt on it. Measured in the shared windows of
+    `jl_limits` and at the provider."""
+    limits = {
+        f"openai:{MODEL}": {"tokens_per_minute": 500, "reserve_tokens": 120, "window_seconds": 3}
+    }
+    async with FakeOpenAIChat() as fake:
+        fake.script(*[Reply(text="ok", usage=(100, 20)) for _ in range(12)])
+        env = env_of(fake, JETLOOP_PROVIDER_LIMITS=json.dumps(limits))
+        pair = [workers.start(env=env, app="jetloop.demo.agent:app") for _ in range(2)]
+        for w in pair:
+            await w.wait_for("worker.started", timeout=30)
+        handles = [await client.send("demo", f"t{i}", "hello") for i in range(12)]
+        for h in handles:
+            assert (await client.wait(h, timeout=60)).text == "ok"
+        arrivals = [r.at for r in fake.received]
+    assert len(arrivals) == 12 and fake.billed == [(100, 20)] * 12
+    kv = await client.js.key_value("jl_limits")
+    windows = [
+        json.loads((await kv.get(k)).value or b"{}")
+        for k in await kv.keys()
+        if k.startswith("window.")
+    ]
+    print("windows:", windows)
+    assert sum(w["requests"] for w in windows) == 12
+    assert all(w["tokens"] <= 500 and w["requests"] <= 4 for w in windows), windows
+    assert len(windows) >= 3
+    # At the provider: per 3-second window of arrival, at most four calls (one more where a
+    # call admitted at a window's last instant arrived in the next).
+    per_window: dict[int, int] = {}
+    for at in arrivals:
+        per_window[int(at // 3)] = per_window.get(int(at // 3), 0) + 1
+    print("at the provider:", per_window)
+    assert max(per_window.values()) <= 5, per_window
+    for h in handles:
+        snap = await client.snapshot(h.session_id)
+        assert snap is not None and snap.turn is not None and snap.turn.attempts == 1

@@ -47,6 +47,7 @@ from jetloop.streams.holds import drained
 from jetloop.streams.pauses import pause_key
 from jetloop.streams.state import turn_key
 from jetloop.streams.topology import live_subject
+from jetloop.streams.windows import Admitted
 
 log = structlog.get_logger("jetloop.run_model")
 
@@ -161,89 +162,102 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         # The provider asked every worker to wait (a 429's Retry-After): no attempt is used.
         raise RetryLater(paused, f"the model provider asked to wait {paused:.1f}s more")
 
-    attempt = rt.new_attempt(turn.attempts + 1)
-    claimed = turn.model_copy(
-        update={
-            "status": TurnStatus.RUNNING,
-            "attempt": attempt,
-            "attempts": attempt.no,
-            "first_attempt_at": turn.first_attempt_at or now,
-            "lost": lost,
-            "spent": spent,
-        }
-    )
-    await d.claim(turn_key(sid, tid), claimed, cur.revision)
-    bind_step(attempt=attempt.no)
-    if resumed is not None:
-        await tell_resumed(rt, turn, step.step_key(), resumed, Resume(len(lost), stopped), {})
-
-    request = ModelRequest(
-        agent=agent.name,
-        instructions=agent.instructions,
-        messages=messages,
-        tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in agent.tools],
-        attempt=attempt.no,
-        session_id=sid,
-        turn_id=tid,
-        model_step=n,
-    )
-    await rt.faults.point("run_model.in_call")
-    if not await d.still_ours(fresh_for=rt.lease_seconds / 4):
-        # Stalled past the lease since the claim: another attempt owns the step, and a model
-        # call now would be paid for and thrown away (or ask again what was answered).
-        raise TakenOver(turn_key(sid, tid))
-    log.debug("model.call", attempt=attempt.no)
+    admitted = Admitted("", 0)
+    limited = rt.limits_of(agent.model)
+    if limited is not None and endpoint is not None:
+        # The endpoint's requests and tokens per window, shared by every worker.
+        got = await rt.windows.admit(endpoint, limited)
+        if not isinstance(got, Admitted):
+            raise RetryLater(got, "the model endpoint's limit for this window is reached")
+        admitted = got
+    used: int | None = None  # the call's tokens, once it answered
     try:
-        async with d.cancelled_when_lost():
-            response = await _complete(rt, agent, request, sid, tid, attempt.no)
-    except TakenOver:
-        raise
-    except ProviderRejected as exc:
-        # The provider refused the request itself (a 4xx): trying again cannot help.
-        log.warning("model.rejected", error=str(exc))
-        failed = claimed.model_copy(
+        attempt = rt.new_attempt(turn.attempts + 1)
+        claimed = turn.model_copy(
             update={
-                "status": TurnStatus.FAILED,
-                "attempt": None,
-                "error": f"the model provider rejected model step {n}: {exc}",
+                "status": TurnStatus.RUNNING,
+                "attempt": attempt,
+                "attempts": attempt.no,
+                "first_attempt_at": turn.first_attempt_at or now,
+                "lost": lost,
+                "spent": spent,
             }
         )
-        await d.commit(failed)
-        await end_turn(rt, failed)
-        return
-    except ProviderRetryable as exc:
-        wait = exc.retry_after
-        if exc.status != 429 or not wait:
-            await _attempt_failed(d, claimed, attempt.no, exc)
-        # Too many requests, and the provider said for how long: not this step's fault, so
-        # not one of its attempts; every worker calling that endpoint waits as long.
-        log.warning("model.throttled", retry_after=wait, error=str(exc))
-        await rt.pauses.pause(
-            endpoint,
-            wait,
-            {"provider": exc.provider, "model": model_of(agent.model), "by": rt.worker_id},
-        )
-        await d.commit(claimed.model_copy(update={"attempt": None, "attempts": turn.attempts}))
-        raise RetryLater(wait, f"model call throttled: {exc}") from exc
-    except Exception as exc:
-        await _attempt_failed(d, claimed, attempt.no, exc)
+        await d.claim(turn_key(sid, tid), claimed, cur.revision)
+        bind_step(attempt=attempt.no)
+        if resumed is not None:
+            await tell_resumed(rt, turn, step.step_key(), resumed, Resume(len(lost), stopped), {})
 
-    # Paid for: in the ledger before anything else, so a crash before the commit that
-    # makes this step run again still counts this call (jetloop.consumers.usage).
-    paid = await record_usage(
-        rt.bus,
-        usage_event(
-            rt.prices,
-            agent.name,
-            agent.model,
-            response,
+        request = ModelRequest(
+            agent=agent.name,
+            instructions=agent.instructions,
+            messages=messages,
+            tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in agent.tools],
+            attempt=attempt.no,
             session_id=sid,
             turn_id=tid,
             model_step=n,
-            attempt=attempt.no,
-        ),
-    )
-    spent = spent.plus(paid.input_tokens, paid.output_tokens, paid.cost_usd)
+        )
+        await rt.faults.point("run_model.in_call")
+        if not await d.still_ours(fresh_for=rt.lease_seconds / 4):
+            # Stalled past the lease since the claim: another attempt owns the step, and a model
+            # call now would be paid for and thrown away (or ask again what was answered).
+            raise TakenOver(turn_key(sid, tid))
+        log.debug("model.call", attempt=attempt.no)
+        try:
+            async with d.cancelled_when_lost():
+                response = await _complete(rt, agent, request, sid, tid, attempt.no)
+        except TakenOver:
+            raise
+        except ProviderRejected as exc:
+            # The provider refused the request itself (a 4xx): trying again cannot help.
+            log.warning("model.rejected", error=str(exc))
+            failed = claimed.model_copy(
+                update={
+                    "status": TurnStatus.FAILED,
+                    "attempt": None,
+                    "error": f"the model provider rejected model step {n}: {exc}",
+                }
+            )
+            await d.commit(failed)
+            await end_turn(rt, failed)
+            return
+        except ProviderRetryable as exc:
+            wait = exc.retry_after
+            if exc.status != 429 or not wait:
+                await _attempt_failed(d, claimed, attempt.no, exc)
+            # Too many requests, and the provider said for how long: not this step's fault, so
+            # not one of its attempts; every worker calling that endpoint waits as long.
+            log.warning("model.throttled", retry_after=wait, error=str(exc))
+            await rt.pauses.pause(
+                endpoint,
+                wait,
+                {"provider": exc.provider, "model": model_of(agent.model), "by": rt.worker_id},
+            )
+            await d.commit(claimed.model_copy(update={"attempt": None, "attempts": turn.attempts}))
+            raise RetryLater(wait, f"model call throttled: {exc}") from exc
+        except Exception as exc:
+            await _attempt_failed(d, claimed, attempt.no, exc)
+
+        # Paid for: in the ledger before anything else, so a crash before the commit that
+        # makes this step run again still counts this call (jetloop.consumers.usage).
+        paid = await record_usage(
+            rt.bus,
+            usage_event(
+                rt.prices,
+                agent.name,
+                agent.model,
+                response,
+                session_id=sid,
+                turn_id=tid,
+                model_step=n,
+                attempt=attempt.no,
+            ),
+        )
+        spent = spent.plus(paid.input_tokens, paid.output_tokens, paid.cost_usd)
+        used = paid.input_tokens + paid.output_tokens
+    finally:
+        await rt.windows.settle(admitted, used)
     committed = await _plan(rt, agent, claimed, response, spent)
     await rt.faults.point("run_model.before_commit")
     await d.commit(committed)

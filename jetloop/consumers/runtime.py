@@ -36,6 +36,7 @@ from jetloop.streams.holds import Holds
 from jetloop.streams.loops import running_loop
 from jetloop.streams.pauses import Pauses
 from jetloop.streams.state import Conflict, StateStore
+from jetloop.streams.windows import EndpointLimits, Windows
 
 log = structlog.get_logger("jetloop.fence")
 
@@ -71,6 +72,21 @@ class Runtime:
     prices: Prices = field(default_factory=Prices)
     # Providers paused by a 429, shared by every worker (jetloop.streams.pauses).
     pauses: Pauses = field(default_factory=Pauses)
+    # Requests and tokens per window, by endpoint (JETLOOP_PROVIDER_LIMITS), and the shared
+    # windows they are counted in (jetloop.streams.windows).
+    provider_limits: dict[str, EndpointLimits] = field(default_factory=dict)
+    windows: Windows = field(default_factory=Windows)
+
+    def limits_of(self, adapter: object) -> EndpointLimits | None:
+        """The limits of the endpoint ``adapter`` calls: by ``provider:model``, else by the
+        model's name; None when none are set."""
+        if not self.provider_limits:
+            return None
+        model = getattr(adapter, "model", None)
+        provider = getattr(adapter, "provider", None)
+        return self.provider_limits.get(f"{provider}:{model}") or self.provider_limits.get(
+            str(model)
+        )
 
     def new_attempt(self, no: int) -> Attempt:
         return Attempt(

@@ -31,6 +31,7 @@ from jetloop.services.namespaces import DEFAULT as DEFAULT_NAMESPACE
 from jetloop.services.storefiles import write_once
 from jetloop.streams.seal import DEFAULT_TOLERANCE, Sealer, key_bytes
 from jetloop.streams.topology import TopologyConfig
+from jetloop.streams.windows import EndpointLimits
 
 SEAL_KEY_FILE = "seal.key"
 # Measured (docs/performance.md, issue 15): fewer collections without a longer p99.
@@ -204,6 +205,13 @@ class Settings(BaseSettings):
         default_factory=dict,
         description="model prices in US dollars per million tokens, over the built-in table: "
         'JSON, {"<model>": {"input": 2.5, "output": 10, "cached_input": 1.25}}',
+    )
+    provider_limits: dict[str, EndpointLimits] = Field(
+        default_factory=dict,
+        description="requests and tokens per minute each model endpoint may be sent by every "
+        'worker together: JSON, {"openai:gpt-4o-mini": {"requests_per_minute": 500, '
+        '"tokens_per_minute": 200000, "reserve_tokens": 4096}} (a key is provider:model or a '
+        "model name)",
     )
     model_api_key: SecretStr | None = Field(None, description="the model provider's API key")
     model_base_url: str | None = Field(None, description="the provider's base URL")

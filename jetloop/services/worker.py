@@ -54,6 +54,7 @@ from jetloop.streams.pauses import Pauses
 from jetloop.streams.registry import Registry
 from jetloop.streams.state import StateStore
 from jetloop.streams.topology import alive_subject
+from jetloop.streams.windows import Windows
 
 log = structlog.get_logger("jetloop.worker")
 
@@ -172,6 +173,8 @@ class Worker(Service):
                 holds=holds,
                 prices=Prices(s.prices),
                 pauses=await Pauses.open(js),
+                provider_limits=dict(s.provider_limits),
+                windows=Windows(await js.key_value(topology.LIMITS_BUCKET)),
             )
             self._rt = rt
             for agent in self.app.agents.values():

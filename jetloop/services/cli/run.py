@@ -332,7 +332,9 @@ def trials(
 @click.argument(
     "which",
     nargs=-1,
-    type=click.Choice(["overhead", "throughput", "history", "waiting", "profile", "peer"]),
+    type=click.Choice(
+        ["overhead", "throughput", "history", "waiting", "profile", "peer", "limits"]
+    ),
 )
 @click.option(
     "--quick", is_flag=True, help="small samples: a smoke run (about 30 s on 2 idle cores)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jetloop.tooling.bench.limits import LimitsResult, format_limits
 from jetloop.tooling.bench.peer import RESTATE, PeerResult, format_peer
 from jetloop.tooling.bench.profile import ProfileResult
 
@@ -37,6 +38,7 @@ class BenchReport:
     waiting: WaitingResult | None = None
     profile: ProfileResult | None = None
     peer: PeerResult | None = None
+    limits: LimitsResult | None = None
     targets: list[Target] = field(default_factory=list)
     wall_seconds: float = 0.0
 
@@ -211,6 +213,8 @@ def format_report(rep: BenchReport) -> str:
             )
     if rep.peer is not None:
         lines += ["", format_peer(rep.peer)]
+    if rep.limits is not None:
+        lines += ["", format_limits(rep.limits)]
     if rep.profile is not None:
         p = rep.profile
         lines += ["", "### Profile of the worker on 7-step turns (pyinstrument, self time)", ""]

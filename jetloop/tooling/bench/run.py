@@ -43,6 +43,7 @@ from jetloop.schemas import Event, approval_id_for, call_key, decode, turn_id_fo
 from jetloop.services.client import Client
 from jetloop.streams.bus import H_SESSION
 from jetloop.streams.seal import Sealer, key_bytes
+from jetloop.tooling.bench.limits import limit_cost
 from jetloop.tooling.bench.peer import available, peer_side_by_side
 from jetloop.tooling.bench.profile import profile_engine
 from jetloop.tooling.bench.report import BenchReport, format_report, judge
@@ -438,7 +439,7 @@ async def waiting_at_scale(r: Rig, sessions: int = 2000, in_flight: int = 200) -
 
 # --- the run -------------------------------------------------------------------------------
 
-BENCHMARKS = ("overhead", "throughput", "history", "waiting", "profile", "peer")
+BENCHMARKS = ("overhead", "throughput", "history", "waiting", "profile", "peer", "limits")
 
 
 @dataclass(frozen=True)
@@ -463,6 +464,7 @@ class Sizes:
     chunks: int = 4
     throughput_workers: tuple[int, ...] = (1, 2, 4)
     peer_workers: int = 1  # jetloop's worker processes beside the peers
+    limit_calls: int = 2000
 
 
 # A smoke run: every benchmark on small numbers, well under a minute on 2 idle cores.
@@ -483,6 +485,7 @@ QUICK = Sizes(
     op_turns=5,
     chunks=2,
     throughput_workers=(1,),
+    limit_calls=200,
 )
 
 
@@ -568,6 +571,8 @@ async def _run_one(
             )
         elif name == "waiting":
             rep.waiting = await waiting_at_scale(r, sizes.waiting_sessions)
+        elif name == "limits":
+            rep.limits = await limit_cost(r, sizes.limit_calls)
         elif name == "peer":
             rep.peer = await peer_side_by_side(
                 r,

@@ -9,7 +9,7 @@ adapter's estimate of the request's input tokens, priced as input). If that pass
 ``budget:``; the user reads it where every turn error is shown and the model of the session's
 next turn reads it in a note. The check is made against durable counts, so a crash never
 resets it; one call's output is what it cannot know in advance, so a turn can pass its cap
-by at most one answer.
+by at most one answer. A compaction's summary call is in the ledger, not in these counts.
 """
 
 from __future__ import annotations

@@ -410,8 +410,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "usage-keyed-per-step",
         "jetloop/consumers/usage.py",
-        "        key=usage_key(session_id, turn_id, model_step, attempt, purpose),\n",
-        "        key=usage_key(session_id, turn_id, model_step, 1, purpose),\n",
+        "            request.model_step,\n            request.attempt,\n",
+        "            request.model_step,\n            1,\n",
         "a model call's usage is keyed by its step, not its attempt: a repeat is dropped",
         ("tests/test_usage.py::test_usage_equals_what_the_provider_billed_across_a_worker_kill",),
     ),

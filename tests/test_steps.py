@@ -365,6 +365,11 @@ async def test_compaction_stores_one_summary(
     assert snap is not None and snap.summary == "SUMMARY of 2 messages"
     roles = [e.role for e in snap.history]
     assert roles.count("user") == 2 and roles.count("summary") == 1
+    # The usage ledger has the summary call beside the two turns' model steps.
+    used = sorted(
+        (x.turn_id == h2.turn_id, x.purpose, x.model_step) for x in await client.usage("cp")
+    )
+    assert used == [(False, "answer", 0), (True, "answer", 0), (True, "summary", 0)], used
 
 
 async def test_compaction_failing_fails_the_turn_and_the_next_message_compacts_again(

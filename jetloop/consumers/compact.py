@@ -175,18 +175,7 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
             log.warning("compact.call_failed", error=str(exc))
             await d.commit(comp.model_copy(update={"attempt": None, "error": str(exc)}))
             raise RetryLater(min(30.0, 0.5 * 2 ** (attempt.no - 1)), str(exc)) from exc
-        summary_usage = usage_event(
-            rt.prices,
-            agent.name,
-            agent.model,
-            response,
-            session_id=sid,
-            turn_id=tid,
-            model_step=n,
-            attempt=attempt.no,
-            purpose="summary",
-        )
-        await record_usage(rt.bus, summary_usage)
+        await record_usage(rt.bus, usage_event(rt.prices, agent.model, request, response))
         comp = comp.model_copy(update={"attempt": None, "done": True, "text": response.text})
         await d.commit(comp)
 

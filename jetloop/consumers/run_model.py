@@ -241,19 +241,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
 
         # Paid for: in the ledger before anything else, so a crash before the commit that
         # makes this step run again still counts this call (jetloop.consumers.usage).
-        paid = await record_usage(
-            rt.bus,
-            usage_event(
-                rt.prices,
-                agent.name,
-                agent.model,
-                response,
-                session_id=sid,
-                turn_id=tid,
-                model_step=n,
-                attempt=attempt.no,
-            ),
-        )
+        paid = await record_usage(rt.bus, usage_event(rt.prices, agent.model, request, response))
         spent = spent.plus(paid.input_tokens, paid.output_tokens, paid.cost_usd)
         used = paid.input_tokens + paid.output_tokens
     finally:

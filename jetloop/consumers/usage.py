@@ -18,7 +18,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter
 
-from jetloop.agents import ModelResponse
+from jetloop.agents import ModelRequest, ModelResponse
 from jetloop.agents.prices import Prices
 from jetloop.schemas import Event, EventType, decode
 from jetloop.schemas.events import ModelUsageData
@@ -51,34 +51,33 @@ def model_of(adapter: Any, response: ModelResponse | None = None) -> str | None:
 
 
 def usage_event(
-    prices: Prices,
-    agent: str,
-    adapter: Any,
-    response: ModelResponse,
-    *,
-    session_id: str,
-    turn_id: str,
-    model_step: int,
-    attempt: int,
-    purpose: str = "answer",
+    prices: Prices, adapter: Any, request: ModelRequest, response: ModelResponse
 ) -> Event:
+    """The ledger's record of the call ``request`` that ``adapter`` answered with
+    ``response`` (the request says whose: agent, session, turn, step, attempt, purpose)."""
     model = model_of(adapter, response)
     u = response.usage
     return Event.of(
         ModelUsageData(
-            agent=agent,
-            model_step=model_step,
-            attempt=attempt,
-            purpose=purpose,
+            agent=request.agent,
+            model_step=request.model_step,
+            attempt=request.attempt,
+            purpose=request.purpose,
             model=model,
             input_tokens=int(u.get("input_tokens", 0)),
             output_tokens=int(u.get("output_tokens", 0)),
             cached_input_tokens=int(u.get("cached_input_tokens", 0)),
             cost_usd=prices.cost(model, u),
         ),
-        key=usage_key(session_id, turn_id, model_step, attempt, purpose),
-        session_id=session_id,
-        turn_id=turn_id,
+        key=usage_key(
+            request.session_id,
+            request.turn_id,
+            request.model_step,
+            request.attempt,
+            request.purpose,
+        ),
+        session_id=request.session_id,
+        turn_id=request.turn_id,
     )
 
 

@@ -106,7 +106,6 @@ __all__ = [
 ]
 
 
-
 if not _typing.TYPE_CHECKING:  # the type checker reads the names from jetloop._face
 
     def __getattr__(name: str) -> object:

@@ -448,6 +448,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a window's token limit is not checked: every worker calls as fast as it can",
         ("tests/test_usage.py::test_a_token_limit_per_window_holds_across_two_workers",),
     ),
+    Mutation(
+        "repeated-attempt-span-not-linked",
+        "jetloop/consumers/tracing.py",
+        "        if attempt <= 1:\n            return []\n",
+        "        if True:\n            return []\n",
+        "an attempt made again after a crash is a span with no link to the first attempt's",
+        ("tests/test_tracing.py::test_one_trace_across_a_worker_kill",),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

@@ -48,6 +48,7 @@ from jetloop.consumers.liveness import H_HOLDER_LOST, holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import record_loss, tell_resumed
 from jetloop.consumers.runtime import Delivery
+from jetloop.consumers.tracing import tool_span
 from jetloop.schemas import (
     CallOutcome,
     CallRecord,
@@ -286,7 +287,8 @@ async def run(env: CallEnv) -> None:
         raise TakenOver(env.skey)
     ctx = ToolCtx(env.d, env.turn, env.n, env.call, attempt.no)
     try:
-        result = await tool.fn(args, ctx)
+        with tool_span(rt.tracing, env.turn, env.n, env.call, attempt.no):
+            result = await tool.fn(args, ctx)
     except ToolError as exc:
         outcome = CallOutcome(state=CallState.FAILED, error=str(exc))
     except Exception as exc:

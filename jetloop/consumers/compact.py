@@ -20,6 +20,7 @@ from jetloop.consumers.liveness import holder_lost
 from jetloop.consumers.losses import record_loss, tell_resumed
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.session import end_turn
+from jetloop.consumers.tracing import answered, model_span
 from jetloop.consumers.usage import record_usage, usage_event
 from jetloop.schemas import (
     CompactionRecord,
@@ -167,8 +168,10 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
             raise TakenOver(ckey)  # stalled past the lease: the summary is another's to pay for
         log.debug("model.call", attempt=attempt.no, purpose="summary")
         try:
-            async with d.cancelled_when_lost():
-                response = await agent.model.complete(request)
+            with model_span(rt.tracing, turn, request, agent.model) as span:
+                async with d.cancelled_when_lost():
+                    response = await agent.model.complete(request)
+                answered(span, response)
         except TakenOver:
             raise
         except Exception as exc:

@@ -30,6 +30,7 @@ from jetloop.consumers.losses import Resume, loss_id, lost_event, lost_reason, t
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.session import end_turn
 from jetloop.consumers.side_by_side import side_by_side
+from jetloop.consumers.tracing import answered, model_span
 from jetloop.consumers.usage import lost_call, model_of, record_usage, usage_event
 from jetloop.schemas import (
     HistoryEntry,
@@ -205,8 +206,10 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             raise TakenOver(turn_key(sid, tid))
         log.debug("model.call", attempt=attempt.no)
         try:
-            async with d.cancelled_when_lost():
-                response = await _complete(rt, agent, request, sid, tid, attempt.no)
+            with model_span(rt.tracing, claimed, request, agent.model) as span:
+                async with d.cancelled_when_lost():
+                    response = await _complete(rt, agent, request, sid, tid, attempt.no)
+                answered(span, response)
         except TakenOver:
             raise
         except ProviderRejected as exc:

@@ -28,6 +28,7 @@ from jetloop.agents.prices import Prices
 from jetloop.consumers.conversation import MessageCache
 from jetloop.consumers.errors import TakenOver
 from jetloop.consumers.faults import Faults
+from jetloop.consumers.tracing import Tracing
 from jetloop.schemas import Attempt, CallRecord
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus
@@ -76,6 +77,8 @@ class Runtime:
     # windows they are counted in (jetloop.streams.windows).
     provider_limits: dict[str, EndpointLimits] = field(default_factory=dict)
     windows: Windows = field(default_factory=Windows)
+    # Traces of turns (jetloop.consumers.tracing), None when off.
+    tracing: Tracing | None = None
 
     def limits_of(self, adapter: object) -> EndpointLimits | None:
         """The limits of the endpoint ``adapter`` calls: by ``provider:model``, else by the

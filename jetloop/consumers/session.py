@@ -33,6 +33,7 @@ from jetloop.schemas import (
 )
 from jetloop.schemas.codec import DecodeError, decode_map
 from jetloop.schemas.events import TurnAcceptedData
+from jetloop.schemas.ids import parse_traceparent
 from jetloop.streams.bus import event_out
 from jetloop.streams.replies import first_seq
 from jetloop.streams.seal import SealBroken
@@ -101,6 +102,7 @@ async def on_turn_request(d: Delivery) -> None:
             text=text,
             text_ref=text_ref,
             parent=req.parent,
+            traceparent=_traceparent(d.msg.headers, req),
         )
         try:
             await rt.state.write(turn_key(sid, tid), record, None)
@@ -270,6 +272,16 @@ def _decode_request(data: bytes) -> TurnRequest:
     return decode(TurnRequest, data)
 
 
+def _traceparent(headers: dict[str, str] | None, req: TurnRequest) -> str | None:
+    """The caller's W3C trace context: the message's ``traceparent`` header, else its
+    ``metadata.traceparent``; one that is malformed is dropped (the turn starts a trace of
+    its own), as W3C Trace Context says."""
+    for value in ((headers or {}).get("traceparent"), req.metadata.get("traceparent")):
+        if isinstance(value, str) and parse_traceparent(value) is not None:
+            return value.strip().lower()
+    return None
+
+
 async def on_turn_done(d: Delivery, step: StepMessage) -> None:
     """A ``turn_done`` message (published by workers of an earlier version): as
     ``session_moves_on``."""
@@ -284,6 +296,8 @@ async def end_turn(rt: Runtime, turn: TurnRecord) -> None:
     redelivery of that step finds the turn ended and calls this again: both parts are
     idempotent (message ids; the session moves only while the turn is still in it)."""
     await finished(turn).publish(rt.bus)
+    if rt.tracing is not None:
+        rt.tracing.turn_ended(turn)
     await session_moves_on(rt, turn.session_id, turn.turn_id, turn.spent)
 
 

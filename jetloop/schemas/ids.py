@@ -60,3 +60,18 @@ def approval_id_for(call_key_: str) -> str:
 
 def question_id_for(call_key_: str) -> str:
     return "q" + _digest("question", call_key_)
+
+
+TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+def parse_traceparent(value: str | None) -> tuple[int, int] | None:
+    """(trace id, parent span id) of a W3C ``traceparent``; None when absent or malformed
+    (an all-zero id is invalid too)."""
+    m = TRACEPARENT.match((value or "").strip().lower())
+    if m is None:
+        return None
+    trace_id, span_id = int(m.group(1), 16), int(m.group(2), 16)
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id

@@ -159,6 +159,8 @@ class TurnRecord(BaseModel):
     # Loss accounting: one id per attempt found lost (a takeover after a lapsed lease).
     lost: list[str] = Field(default_factory=list)
     parent: ParentCall | None = None  # set on a delegated child turn
+    # The caller's W3C trace context (``traceparent``): the turn's trace is its child.
+    traceparent: str | None = None
     seal: str | None = None
 
 

@@ -62,6 +62,7 @@ from jetloop.schemas.errors import (
 # Raised by the client, defined with the rest of the public tree: importable from here too.
 from jetloop.schemas.errors import TurnFailed as TurnFailed
 from jetloop.schemas.errors import UnknownAgent as UnknownAgent
+from jetloop.schemas.ids import parse_traceparent
 from jetloop.services import namespaces
 from jetloop.services.control import PREFIX as CONTROL_PREFIX
 from jetloop.services.control import subject as control_subject
@@ -290,9 +291,19 @@ class Client:
         return await retrying(lambda: reg.status(agent), self.retry_for, "agent status")
 
     async def send(
-        self, agent: str, session_id: str, text: str, request_id: str | None = None
+        self,
+        agent: str,
+        session_id: str,
+        text: str,
+        request_id: str | None = None,
+        *,
+        traceparent: str | None = None,
     ) -> TurnHandle:
         """Publish a user message; the request id makes a resend harmless.
+
+        ``traceparent`` (W3C Trace Context, ``00-<trace id>-<span id>-<flags>``) makes the
+        turn's trace a child of the caller's span (README, "Traces"); a malformed one is a
+        ``ValueError``.
 
         A repeat is told from state: the turn id is derived from the request id, so a turn
         record that exists means the request was accepted before; it is not published
@@ -307,6 +318,11 @@ class Client:
         """
         validate_name("agent", agent)
         validate_name("session id", session_id)
+        if traceparent is not None and parse_traceparent(traceparent) is None:
+            raise ValueError(
+                f"traceparent {traceparent!r} is not W3C trace context "
+                "(00-<32 hex trace id>-<16 hex span id>-<2 hex flags>, ids not all zero)"
+            )
         reg = await self.registry()
         if not await retrying(lambda: reg.known(agent), self.retry_for, "agent lookup"):
             raise UnknownAgent(agent)
@@ -329,17 +345,18 @@ class Client:
                 lambda: blobs.put(f"request.{session_id}.{rid}", data), self.retry_for, "blob"
             )
             body = TurnRequest(text="", text_ref=ref)
+        headers = {
+            # The stream dedupes ids across all subjects: scope the id by session.
+            "Nats-Msg-Id": scoped_msg_id(session_id, rid),
+            "Jl-Request-Id": rid,
+            "Jl-Kind": "turn.request",
+            "Jl-Session": session_id,
+        }
+        if traceparent is not None:
+            headers["traceparent"] = traceparent
         ack = await retrying(
             lambda: self.js.publish(
-                topology.turn_subject(agent, session_id),
-                encode(body),
-                headers={
-                    # The stream dedupes ids across all subjects: scope the id by session.
-                    "Nats-Msg-Id": scoped_msg_id(session_id, rid),
-                    "Jl-Request-Id": rid,
-                    "Jl-Kind": "turn.request",
-                    "Jl-Session": session_id,
-                },
+                topology.turn_subject(agent, session_id), encode(body), headers=dict(headers)
             ),
             self.retry_for,
             "send",

@@ -34,6 +34,7 @@ from jetloop.consumers.dispatch import Handler
 from jetloop.consumers.liveness import HOLDING
 from jetloop.consumers.metrics import watch_lag
 from jetloop.consumers.runtime import new_incarnation
+from jetloop.consumers.tracing import Tracing
 from jetloop.schemas.errors import NotAuthorized
 from jetloop.services.client import publish_trigger
 from jetloop.services.control import ControlService
@@ -175,6 +176,7 @@ class Worker(Service):
                 pauses=await Pauses.open(js),
                 provider_limits=dict(s.provider_limits),
                 windows=Windows(await js.key_value(topology.LIMITS_BUCKET)),
+                tracing=Tracing.from_env("jetloop-worker"),
             )
             self._rt = rt
             for agent in self.app.agents.values():
@@ -257,6 +259,8 @@ class Worker(Service):
         finally:
             if self._rt is not None:
                 await self._rt.pauses.close()
+                if self._rt.tracing is not None:
+                    await asyncio.to_thread(self._rt.tracing.shutdown)
             if nc.is_connected:
                 await nc.drain()
             elif not nc.is_closed:

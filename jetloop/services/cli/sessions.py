@@ -31,6 +31,7 @@ from jetloop.services.cli.main import (
 @click.option("--agent", required=True)
 @click.option("--session", "session_id", required=True)
 @click.option("--request-id", help="idempotency key of this message (default: random)")
+@click.option("--traceparent", help="W3C trace context whose span parents the turn's trace")
 @click.option("--nats", "nats_url")
 @namespace_option
 @click.option("--wait/--no-wait", default=True, show_default=True)
@@ -44,6 +45,7 @@ def send(
     wait: bool,
     timeout: float,
     text: str,
+    traceparent: str | None,
 ) -> None:
     """Send a message to a session, print its events and the answer."""
     from jetloop.schemas import validate_name
@@ -54,7 +56,9 @@ def send(
             validate_name("session id", session_id)
             # Client.send tells a repeat from the turn record (state), not only from the
             # PubAck, whose id a work queue forgets: the note below holds after a restart.
-            h = await jl.send(agent, session_id, text, request_id=request_id)
+            h = await jl.send(
+                agent, session_id, text, request_id=request_id, traceparent=traceparent
+            )
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
         note = ""

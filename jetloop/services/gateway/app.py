@@ -72,6 +72,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
 from jetloop.schemas.errors import SettingsError, TurnFailed
+from jetloop.schemas.ids import parse_traceparent
 from jetloop.services import namespaces
 from jetloop.services.gateway import console, hooks, sse
 from jetloop.services.gateway.browser import browser_rules, json_writes
@@ -177,7 +178,12 @@ async def send_message(request: web.Request) -> web.Response:
         raise Problem(422, "invalid Idempotency-Key", "1-200 printable ASCII characters, no spaces")
     body = await read_body(request, MessageIn)
     client = await client_of(request)
-    h = await client.send(agent, session, body.text, request_id=key)
+    # The caller's W3C trace context parents the turn's trace; a malformed one is ignored,
+    # as Trace Context asks of a receiver.
+    trace = request.headers.get("traceparent")
+    if trace is not None and parse_traceparent(trace) is None:
+        trace = None
+    h = await client.send(agent, session, body.text, request_id=key, traceparent=trace)
     out = TurnOut(
         agent=agent,
         session_id=session,

@@ -1,4 +1,5 @@
-"""What flow control toward a provider costs a model step (``jetloop bench limits``).
+"""What flow control toward a provider costs a model step, and tracing when it is off
+(``jetloop bench limits``).
 
 Three paths, measured in the same run on the rig's server:
 
@@ -7,7 +8,9 @@ Three paths, measured in the same run on the rig's server:
 - an endpoint **with limits** (``JETLOOP_PROVIDER_LIMITS``): the call is admitted into the
   window before it is made and settled after (``jetloop.streams.windows``: each a
   compare-and-set of one ``jl_limits`` key, a read and a write);
-- the **baseline**: one KV get of a ``jl_limits`` key, the smallest round trip there is.
+- the **baseline**: one KV get of a ``jl_limits`` key, the smallest round trip there is;
+- **tracing off** (no OTLP endpoint, or no ``otel`` extra): what a model step pays for the
+  span it would have made — a null context and a no-op.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from jetloop.agents import ModelRequest, ModelResponse
 from jetloop.consumers.runtime import Runtime
+from jetloop.consumers.tracing import answered, model_span
+from jetloop.schemas import TurnRecord
 from jetloop.streams.pauses import Pauses
 from jetloop.streams.topology import LIMITS_BUCKET
 from jetloop.streams.windows import Admitted, EndpointLimits, Windows
@@ -27,6 +33,7 @@ from jetloop.tooling.bench.rig import Rig
 class LimitsResult:
     calls: int
     unlimited_us: float  # per model step: the pause lookup and the limits lookup
+    tracing_off_us: float  # per model step without an OTLP endpoint: the span placeholder
     limited_p50_ms: float  # admit + settle
     limited_mean_ms: float
     baseline_p50_ms: float  # one KV get
@@ -57,6 +64,15 @@ async def limit_cost(r: Rig, calls: int) -> LimitsResult:
         pauses.remaining(endpoint)
         rt.limits_of(adapter)
     unlimited_us = (time.perf_counter() - began) / (calls * 10) * 1e6
+    # Tracing off: the model span is a null context, the answer's attributes a no-op.
+    turn = TurnRecord(session_id="s", turn_id="t", agent="a", request_id="r", text="")
+    request = ModelRequest(agent="a", instructions="", messages=[], tools=[], attempt=1)
+    response = ModelResponse(text="ok")
+    began = time.perf_counter()
+    for _ in range(calls * 10):
+        with model_span(None, turn, request, adapter) as span:
+            answered(span, response)
+    tracing_off_us = (time.perf_counter() - began) / (calls * 10) * 1e6
     limited: list[float] = []
     baseline: list[float] = []
     for _ in range(calls):
@@ -73,6 +89,7 @@ async def limit_cost(r: Rig, calls: int) -> LimitsResult:
     return LimitsResult(
         calls=calls,
         unlimited_us=round(unlimited_us, 3),
+        tracing_off_us=round(tracing_off_us, 3),
         limited_p50_ms=round(p50, 3),
         limited_mean_ms=round(statistics.mean(limited) * 1000, 3),
         baseline_p50_ms=round(base, 3),
@@ -83,11 +100,13 @@ async def limit_cost(r: Rig, calls: int) -> LimitsResult:
 def format_limits(res: LimitsResult) -> str:
     return "\n".join(
         [
-            "### Flow control toward a provider, per model call",
+            "### Flow control toward a provider, and tracing off, per model call",
             "",
             "| path | p50 | ratio to one KV get |",
             "|---|---:|---:|",
             f"| endpoint without limits (in-process lookups) | {res.unlimited_us:.2f} µs | – |",
+            f"| tracing off (no OTLP endpoint): the span placeholder | {res.tracing_off_us:.2f} µs "
+            "| – |",
             f"| endpoint with limits (admit + settle) | {res.limited_p50_ms:.3f} ms "
             f"| {res.ratio_p50:.2f}× |",
             f"| baseline: one KV get | {res.baseline_p50_ms:.3f} ms | 1.00× |",

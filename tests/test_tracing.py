@@ -117,3 +117,47 @@ def test_without_an_endpoint_nothing_of_opentelemetry_is_imported() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+async def test_waits_are_spans_of_their_own(client: Client, workers: WorkerFactory) -> None:
+    """A call held for approval, a timer and a question: each wait is a span from when it
+    began to when it ended, under the turn's span (the demo's scripted model, no provider)."""
+    async with OtlpReceiver() as otlp:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        workers.start(env=env, app="jetloop.demo.agent:app")
+        held = await client.send("demo", "tw", "close T-1")
+
+        async def pending() -> str | None:
+            snap = await client.snapshot("tw")
+            waiting = [a for a in snap.approvals if a.status == "pending"] if snap else []
+            return waiting[0].approval_id if waiting else None
+
+        await client.approve("tw", await until(pending), by="boss")
+        await client.wait(held, timeout=30)
+        timed = await client.send("demo", "tw2", "wait 1 seconds")
+        await client.wait(timed, timeout=30)
+        asked = await client.send("demo", "tw3", "ask me what colour the printer is")
+
+        async def question() -> str | None:
+            snap = await client.snapshot("tw3")
+            open_ = [q for q in snap.questions if not q.answered] if snap else []
+            return open_[0].question_id if open_ else None
+
+        await client.answer("tw3", await until(question), "beige", by="boss")
+        await client.wait(asked, timeout=30)
+
+        async def both() -> bool:
+            return len(otlp.named("invoke_agent ")) >= 3 and len(otlp.named("await_")) >= 3
+
+        await until(both, timeout=15)
+        spans = list(otlp.spans)
+    turns = {s.attributes["jetloop.session_id"]: s for s in spans if s.name.startswith("invoke")}
+    (approval,) = [s for s in spans if s.name == "await_approval close_ticket"]
+    assert approval.parent_span_id == turns["tw"].span_id
+    assert approval.attributes["jetloop.decision"] == "approved"
+    assert approval.attributes["jetloop.decided_by"] == "boss"
+    (timer,) = [s for s in spans if s.name.startswith("await_timer")]
+    assert timer.parent_span_id == turns["tw2"].span_id
+    assert timer.end_ns - timer.start_ns >= 0.9e9, "the span covers the second waited"
+    (answer,) = [s for s in spans if s.name.startswith("await_answer")]
+    assert answer.parent_span_id == turns["tw3"].span_id

@@ -16,6 +16,7 @@ import structlog
 
 from jetloop.consumers import metrics
 from jetloop.consumers.calls import CallEnv, settle, write
+from jetloop.consumers.tracing import wait_ended
 from jetloop.schemas import (
     ApprovalRecord,
     CallOutcome,
@@ -107,6 +108,18 @@ async def gate(env: CallEnv) -> Gate | CallEnv:
         # Counted where the held call resumes, whoever decided: a CLI or another short-lived
         # process that decides is gone before anything scrapes its counters.
         metrics.APPROVALS_DECIDED.inc()
+        wait_ended(
+            rt.tracing,
+            env.turn,
+            env.n,
+            env.call,
+            "approval",
+            approval.requested_at,
+            {
+                "jetloop.decision": approval.status.value,
+                "jetloop.decided_by": approval.decided_by or "",
+            },
+        )
     if approval.status == Decision.REJECTED:
         await settle(env, denial(approval), "denied", approval_id=aid)
         return Gate.DONE

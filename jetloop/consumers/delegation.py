@@ -8,10 +8,13 @@ holding nothing; the child's end wakes it (``finished`` followers of the child t
 
 from __future__ import annotations
 
+import time
+
 import structlog
 
 from jetloop.agents.tools import DelegateArgs
 from jetloop.consumers.calls import TOOL_CALL_NOT_RUN_ERROR_PREFIX, CallEnv, settle, write
+from jetloop.consumers.tracing import wait_ended
 from jetloop.schemas import (
     CallOutcome,
     CallState,
@@ -110,3 +113,12 @@ async def child_ready(env: CallEnv) -> None:
             error=f"the delegated turn {turn.status.value}: {turn.error}",
         )
     await settle(env, outcome, "delegated")
+    wait_ended(
+        env.rt.tracing,
+        env.turn,
+        env.n,
+        env.call,
+        "child",
+        turn.first_attempt_at or time.time(),
+        {"jetloop.child_session": sid, "jetloop.child_turn": turn.turn_id},
+    )

@@ -199,6 +199,40 @@ class Tracing:
             },
         )
 
+    def wait_ended(
+        self,
+        turn: TurnRecord,
+        n: int,
+        call: PlannedCall,
+        kind: str,
+        started: float,
+        attrs: dict[str, Any] | None = None,
+    ) -> None:
+        """A wait of a call (``approval``, ``answer``, ``timer``, ``child``), from when it
+        began to now, made when it ends: the wait holds no process, so no span is open."""
+        step = f"{turn.session_id}.{turn.turn_id}.m{n}.c{call.index}"
+        token = _NEXT.set((trace_id_of(turn), _derived(f"wait:{step}.{kind}", 64)))
+        try:
+            span = self.tracer.start_span(
+                f"await_{kind} {call.tool}",
+                context=self._parent(turn),
+                start_time=int(min(started, time.time()) * 1e9),
+                attributes={
+                    "jetloop.session_id": turn.session_id,
+                    "jetloop.turn_id": turn.turn_id,
+                    "jetloop.agent": turn.agent,
+                    "jetloop.step_key": step,
+                    "jetloop.wait": kind,
+                    "gen_ai.tool.name": call.tool,
+                    "gen_ai.tool.call.id": call.call_id,
+                    "jetloop.idempotency_key": call.idempotency_key,
+                    **(attrs or {}),
+                },
+            )
+        finally:
+            _NEXT.reset(token)
+        span.end()
+
     def turn_ended(self, turn: TurnRecord) -> None:
         """The turn's own span, made when it ended: from its first model step to now."""
         from opentelemetry.trace import (
@@ -273,6 +307,20 @@ def tool_span(
     if tracing is None:
         return contextlib.nullcontext(None)
     return tracing.tool_call(turn, n, call, attempt)
+
+
+def wait_ended(
+    tracing: Tracing | None,
+    turn: TurnRecord,
+    n: int,
+    call: PlannedCall,
+    kind: str,
+    started: float,
+    attrs: dict[str, Any] | None = None,
+) -> None:
+    """The span of a wait that ended, or nothing when tracing is off."""
+    if tracing is not None:
+        tracing.wait_ended(turn, n, call, kind, started, attrs)
 
 
 def _fixed_ids() -> Any:

@@ -17,6 +17,7 @@ import structlog
 from jetloop.agents.tools import AskUserArgs, WaitArgs
 from jetloop.consumers.calls import CallEnv, settle, write
 from jetloop.consumers.errors import RetryLater
+from jetloop.consumers.tracing import wait_ended
 from jetloop.schemas import (
     CallOutcome,
     CallState,
@@ -86,6 +87,7 @@ async def answer_ready(env: CallEnv) -> None:
         CallOutcome(state=CallState.SUCCEEDED, result={"answer": q.value.answer}),
         "answered",
     )
+    wait_ended(env.rt.tracing, env.turn, env.n, env.call, "answer", q.value.asked_at)
 
 
 def _at(due: float) -> str:
@@ -172,4 +174,5 @@ async def timer_due(env: CallEnv) -> None:
         CallOutcome(state=CallState.SUCCEEDED, result={"waited_seconds": args.seconds}),
         "timer_fired",
     )
+    wait_ended(env.rt.tracing, env.turn, env.n, env.call, "timer", due - max(0.0, args.seconds))
     log.info("timer.fired")

@@ -456,6 +456,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "an attempt made again after a crash is a span with no link to the first attempt's",
         ("tests/test_tracing.py::test_one_trace_across_a_worker_kill",),
     ),
+    Mutation(
+        "slots-not-taken",
+        "jetloop/streams/windows.py",
+        "        if self.kv is None or limits.concurrent is None:\n",
+        "        if True:\n",
+        "an endpoint's concurrency cap is not kept: every worker calls it at once",
+        ("tests/test_usage.py::test_calls_in_flight_are_capped_across_two_workers",),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

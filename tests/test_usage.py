@@ -276,3 +276,46 @@ async def test_a_token_limit_per_window_holds_across_two_workers(
     for h in handles:
         snap = await client.snapshot(h.session_id)
         assert snap is not None and snap.turn is not None and snap.turn.attempts == 1
+
+
+async def test_calls_in_flight_are_capped_across_two_workers(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """Two workers may have two calls in flight to the endpoint together: six turns sent at
+    once, each call taking half a second at the provider, never have more than two there
+    at a time, and none used an attempt waiting for a slot."""
+    limits = {f"openai:{MODEL}": {"concurrent": 2}}
+    async with FakeOpenAIChat() as fake:
+        fake.script(*[Reply(text="ok", delay=0.5) for _ in range(6)])
+        env = env_of(fake, JETLOOP_PROVIDER_LIMITS=json.dumps(limits))
+        pair = [workers.start(env=env, app="jetloop.demo.agent:app") for _ in range(2)]
+        for w in pair:
+            await w.wait_for("worker.started", timeout=30)
+        handles = [await client.send("demo", f"c{i}", "hello") for i in range(6)]
+        for h in handles:
+            assert (await client.wait(h, timeout=60)).text == "ok"
+        assert fake.most_in_flight == 2, fake.most_in_flight
+    for h in handles:
+        snap = await client.snapshot(h.session_id)
+        assert snap is not None and snap.turn is not None and snap.turn.attempts == 1
+
+
+async def test_a_slot_held_by_a_dead_worker_is_taken_over(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """One call in flight at most, and the worker holding the slot is SIGKILLed inside the
+    model step: the step's new attempt finds the slot's attempt gone from the turn record
+    and takes the slot over; the turn completes."""
+    limits = {f"openai:{MODEL}": {"concurrent": 1}}
+    async with FakeOpenAIChat() as fake:
+        fake.script(Reply(text="ok"))
+        env = env_of(fake, JETLOOP_PROVIDER_LIMITS=json.dumps(limits))
+        victim = workers.start(env=env, app="jetloop.demo.agent:app", hold="run_model.in_call")
+        h = await client.send("demo", "dead-slot", "hello")
+        await victim.wait_for("fault.hold", point="run_model.in_call", timeout=30)
+        kv = await client.js.key_value("jl_limits")
+        held = [k for k in await kv.keys() if k.startswith("slot.")]
+        assert len(held) == 1, held
+        victim.kill()
+        workers.start(env=env, app="jetloop.demo.agent:app")
+        assert (await client.wait(h, timeout=60)).text == "ok"

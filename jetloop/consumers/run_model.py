@@ -11,6 +11,7 @@ publish, ack.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 import structlog
@@ -48,7 +49,7 @@ from jetloop.streams.holds import drained
 from jetloop.streams.pauses import pause_key
 from jetloop.streams.state import turn_key
 from jetloop.streams.topology import live_subject
-from jetloop.streams.windows import Admitted
+from jetloop.streams.windows import Admitted, Slot
 
 log = structlog.get_logger("jetloop.run_model")
 
@@ -172,6 +173,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             raise RetryLater(got, "the model endpoint's limit for this window is reached")
         admitted = got
     used: int | None = None  # the call's tokens, once it answered
+    slot: Slot | None = None
     try:
         attempt = rt.new_attempt(turn.attempts + 1)
         claimed = turn.model_copy(
@@ -186,6 +188,16 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         )
         await d.claim(turn_key(sid, tid), claimed, cur.revision)
         bind_step(attempt=attempt.no)
+        if limited is not None and limited.concurrent is not None and endpoint is not None:
+            holder = {"session": sid, "turn": tid, "incarnation": rt.incarnation, "no": attempt.no}
+            slot = await rt.windows.take_slot(endpoint, limited, holder, _still_held(rt))
+            if slot is None:
+                # Every call the endpoint may have in flight is: hand the step back, its
+                # attempt not used.
+                await d.commit(
+                    claimed.model_copy(update={"attempt": None, "attempts": turn.attempts})
+                )
+                raise RetryLater(0.25, "every slot of the model endpoint is in use")
         if resumed is not None:
             await tell_resumed(rt, turn, step.step_key(), resumed, Resume(len(lost), stopped), {})
 
@@ -249,6 +261,8 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         used = paid.input_tokens + paid.output_tokens
     finally:
         await rt.windows.settle(admitted, used)
+        if slot is not None:
+            await rt.windows.free_slot(slot)
     committed = await _plan(rt, agent, claimed, response, spent)
     await rt.faults.point("run_model.before_commit")
     await d.commit(committed)
@@ -261,6 +275,22 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
 
 
 ATTEMPT = "attempt"
+
+
+def _still_held(rt: Runtime) -> Callable[[dict[str, Any]], Awaitable[bool]]:
+    """Whether the attempt a slot names still holds its model step (its turn record says
+    so): otherwise the slot is stale, and another call may take it."""
+
+    async def held(holder: dict[str, Any]) -> bool:
+        found = await rt.state.turn(str(holder.get("session")), str(holder.get("turn")))
+        attempt = found.value.attempt if found is not None else None
+        return (
+            attempt is not None
+            and attempt.incarnation == holder.get("incarnation")
+            and attempt.no == holder.get("no")
+        )
+
+    return held
 
 
 async def _attempt_failed(d: Delivery, claimed: TurnRecord, no: int, exc: Exception) -> NoReturn:

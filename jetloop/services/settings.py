@@ -208,8 +208,9 @@ class Settings(BaseSettings):
     )
     provider_limits: dict[str, EndpointLimits] = Field(
         default_factory=dict,
-        description="requests and tokens per minute each model endpoint may be sent by every "
-        'worker together: JSON, {"openai:gpt-4o-mini": {"requests_per_minute": 500, '
+        description="calls in flight, requests and tokens per minute each model endpoint may be "
+        'sent by every worker together: JSON, {"openai:gpt-4o-mini": {"concurrent": 8, '
+        '"requests_per_minute": 500, '
         '"tokens_per_minute": 200000, "reserve_tokens": 4096}} (a key is provider:model or a '
         "model name)",
     )

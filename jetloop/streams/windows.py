@@ -12,6 +12,13 @@ call failed). The token limit therefore holds as long as no call uses more than
 plus a prompt). A worker that dies between the two leaves its reservation counted, which
 errs on the side of the provider. Windows expire with the bucket's TTL.
 
+``concurrent`` caps the calls in flight: ``slot.<provider>.<endpoint>.<i>`` for i below it,
+each created by the attempt that takes it (it names the turn, the worker's incarnation and
+the attempt) and deleted when the call ends. A slot whose attempt no longer holds its step
+(the turn record says so: the call answered, or the step was taken over from a dead worker)
+is taken over by compare-and-set, so a crash never leaks one for longer than the step's
+lease.
+
 Cost: two compare-and-set writes per model call of a limited endpoint (each a read and a
 write); none for an endpoint without limits.
 """
@@ -20,7 +27,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 from nats.errors import Error as NatsError
@@ -38,12 +47,23 @@ class EndpointLimits(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    # Calls in flight at once, every worker together (a slot each, held from the step's
+    # claim to its answer).
+    concurrent: int | None = Field(None, ge=1, le=1000)
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
     # Set aside for each call until it answers: the most one call uses (input + output).
     reserve_tokens: int = Field(4096, ge=1)
     # The window the "per minute" limits count in (shorter windows: for tests).
     window_seconds: float = Field(60.0, ge=1.0)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A slot held for a call in flight: its key and the revision this attempt wrote."""
+
+    key: str
+    revision: int
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,55 @@ class Windows:
             except (NatsError, TimeoutError) as exc:
                 log.warning("window.not_settled", key=admitted.key, error=str(exc))
                 return
+
+    async def take_slot(
+        self,
+        endpoint: str,
+        limits: EndpointLimits,
+        holder: dict[str, Any],
+        still_held: Callable[[dict[str, Any]], Awaitable[bool]],
+    ) -> Slot | None:
+        """One of the endpoint's ``concurrent`` slots for the attempt ``holder`` names (its
+        turn, incarnation and attempt number), or None when all are held. A slot whose holder
+        ``still_held`` says no longer holds its step (the call answered, failed, or was taken
+        over from a dead worker) is taken over by compare-and-set."""
+        if self.kv is None or limits.concurrent is None:
+            return Slot("", 0)
+        base = f"slot.{endpoint.removeprefix('pause.')}"
+        body = json.dumps(holder).encode()
+        held: list[tuple[str, dict[str, Any], int]] = []
+        try:
+            for i in range(limits.concurrent):
+                key = f"{base}.{i}"
+                try:
+                    return Slot(key, await self.kv.create(key, body))
+                except KeyWrongLastSequenceError:
+                    pass
+                try:
+                    entry = await self.kv.get(key)
+                except KeyNotFoundError:
+                    continue  # released meanwhile: the next admission takes it
+                held.append((key, json.loads(entry.value or b"{}"), entry.revision or 0))
+            for key, value, revision in held:
+                if await still_held(value):
+                    continue
+                try:
+                    return Slot(key, await self.kv.update(key, body, last=revision))
+                except KeyWrongLastSequenceError:
+                    continue  # another worker took it first
+        except (NatsError, TimeoutError) as exc:
+            log.warning("slot.unavailable", endpoint=endpoint, error=str(exc))
+            return Slot("", 0)  # an outage: the provider's own 429 still guards it
+        return None
+
+    async def free_slot(self, slot: Slot) -> None:
+        """Give the slot back (only if it is still this attempt's)."""
+        if self.kv is None or not slot.key:
+            return
+        try:
+            await self.kv.delete(slot.key, last=slot.revision)
+        except (NatsError, TimeoutError, KeyWrongLastSequenceError):
+            pass  # taken over, or no server now: the next admission finds it stale
 
     async def _read(self, key: str) -> tuple[dict[str, int], int | None]:
         assert self.kv is not None

@@ -43,6 +43,8 @@ class Reply:
     cut: bool = False
     # Streaming only: an error event (type, message) after the content.
     stream_error: tuple[str, str] | None = None
+    # Seconds the provider takes before it answers (``in_flight`` counts the calls meanwhile).
+    delay: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,9 @@ class FakeProvider(ABC):
         self.abandoned = 0
         # The usage of every answer sent whole, in order: what the provider bills.
         self.billed: list[tuple[int, int]] = []
+        # Calls being answered now (a ``Reply`` with a ``delay``), and the most at once.
+        self.in_flight = 0
+        self.most_in_flight = 0
         self._outcomes: deque[Outcome] = deque()
         self._released = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -220,6 +225,13 @@ class FakeProvider(ABC):
         if isinstance(outcome, Stall):
             await self._stall(request)
             return self.error(503, "the fake provider closed", "api_error")
+        if outcome.delay:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            try:
+                await asyncio.sleep(outcome.delay)
+            finally:
+                self.in_flight -= 1
         if not body.get("stream"):
             rendered = self.render(outcome, body)
             self.billed.append(outcome.usage)

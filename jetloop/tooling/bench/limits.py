@@ -36,6 +36,7 @@ class LimitsResult:
     tracing_off_us: float  # per model step without an OTLP endpoint: the span placeholder
     limited_p50_ms: float  # admit + settle
     limited_mean_ms: float
+    slot_p50_ms: float  # concurrent: take a slot and free it
     baseline_p50_ms: float  # one KV get
     ratio_p50: float  # limited / baseline
 
@@ -75,6 +76,12 @@ async def limit_cost(r: Rig, calls: int) -> LimitsResult:
     tracing_off_us = (time.perf_counter() - began) / (calls * 10) * 1e6
     limited: list[float] = []
     baseline: list[float] = []
+    slots: list[float] = []
+    capped = EndpointLimits.model_validate({"concurrent": 64})
+
+    async def never_stale(holder: dict[str, object]) -> bool:
+        return True
+
     for _ in range(calls):
         t = time.perf_counter()
         await kv.get("bench.baseline")
@@ -84,6 +91,11 @@ async def limit_cost(r: Rig, calls: int) -> LimitsResult:
         assert isinstance(got, Admitted)
         await windows.settle(got, 1000)
         limited.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        slot = await windows.take_slot(endpoint, capped, {"no": 1}, never_stale)
+        assert slot is not None and slot.key
+        await windows.free_slot(slot)
+        slots.append(time.perf_counter() - t)
     p50 = statistics.median(limited) * 1000
     base = statistics.median(baseline) * 1000
     return LimitsResult(
@@ -92,6 +104,7 @@ async def limit_cost(r: Rig, calls: int) -> LimitsResult:
         tracing_off_us=round(tracing_off_us, 3),
         limited_p50_ms=round(p50, 3),
         limited_mean_ms=round(statistics.mean(limited) * 1000, 3),
+        slot_p50_ms=round(statistics.median(slots) * 1000, 3),
         baseline_p50_ms=round(base, 3),
         ratio_p50=round(p50 / base, 2) if base else 0.0,
     )
@@ -109,6 +122,8 @@ def format_limits(res: LimitsResult) -> str:
             "| – |",
             f"| endpoint with limits (admit + settle) | {res.limited_p50_ms:.3f} ms "
             f"| {res.ratio_p50:.2f}× |",
+            f"| endpoint with a concurrency cap (take + free a slot) | {res.slot_p50_ms:.3f} ms "
+            f"| {res.slot_p50_ms / res.baseline_p50_ms if res.baseline_p50_ms else 0:.2f}× |",
             f"| baseline: one KV get | {res.baseline_p50_ms:.3f} ms | 1.00× |",
             "",
             f"{res.calls} calls; mean with limits {res.limited_mean_ms:.3f} ms.",

@@ -87,10 +87,13 @@ async def test_a_step_of_an_unknown_kind_is_dead_lettered(
 ) -> None:
     """A step whose kind no row describes (subject, header and body alike) is a newer
     jetloop's: handed back for a worker that knows it, and dead-lettered with the kind named
-    in the reason once none took it within JETLOOP_NEWER_WRITER_SECONDS (1 s here); a known
+    in the reason once none took it within JETLOOP_NEWER_WRITER_SECONDS (3 s here); a known
     kind sent on another pool's subject is dead-lettered at once. Neither is run or acked,
     and the worker serves on."""
-    w = workers.start(env={"JETLOOP_NEWER_WRITER_SECONDS": "1"})
+    w = workers.start(env={"JETLOOP_NEWER_WRITER_SECONDS": "3"})
+    # Published once the worker serves: a step it first meets past the window (a slow
+    # start on a busy machine) is dead-lettered at once, without the hand-back asserted below.
+    await w.wait_for("worker.started", timeout=30)
     unknown = {"kind": "frobnicate", "agent": "tester", "session_id": "uk", "turn_id": "t1"}
     await client.js.publish(
         "jl.step.tool.tester.frobnicate.uk",
@@ -111,14 +114,14 @@ async def test_a_step_of_an_unknown_kind_is_dead_lettered(
         dead = {subject: reason for subject, reason, _ in await client.dead_letters()}
         return dead if len(dead) == 2 else None
 
-    dead = await until(both, timeout=10)
+    dead = await until(both, timeout=15)
     reason = dead["jl.step.tool.tester.frobnicate.uk"]
     assert "unknown step kind 'frobnicate'" in reason, reason
     assert "run_model" in reason  # and which kinds this worker knows
     reason = dead["jl.step.tool.tester.turn_done.uk"]
     assert "does not match its body" in reason, reason
     assert "'jl.step.session.tester.turn_done.uk'" in reason, reason
-    assert "no worker that reads it took it in 1 s" in dead["jl.step.tool.tester.frobnicate.uk"]
+    assert "no worker that reads it took it in 3 s" in dead["jl.step.tool.tester.frobnicate.uk"]
     assert w.find("step.newer_writer", step="uk.t1.frob")  # handed back first
     assert w.find("step.error") == []  # refused at decode: never a retry
     assert len(w.find("step.dead_letter", kind="frobnicate")) == 1  # termed there, not acked

@@ -263,8 +263,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if False:\n",
         "an older sealed state put back inside the time tolerance is trusted",
         (
-            "tests/test_seal_binding.py::test_a_session_put_back_inside_the_tolerance_runs_nothing",
             "tests/test_seal_binding.py::test_a_rejection_cannot_be_undone_inside_the_tolerance",
+            "tests/test_seal_binding.py::test_a_session_put_back_inside_the_tolerance_runs_nothing",
         ),
     ),
     Mutation(
@@ -285,8 +285,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    rt = d.rt\n    return\n    if held.incarnation == rt.incarnation:\n",
         "another delivery of a step takes it over while the attempt holding it lives",
         (
-            "tests/test_recovery.py::test_live_holder_is_never_taken_over",
             "tests/test_recovery.py::test_a_holder_past_its_lease_but_beating_is_live",
+            "tests/test_recovery.py::test_live_holder_is_never_taken_over",
         ),
     ),
     Mutation(

@@ -301,6 +301,10 @@ async def test_turn_on_a_worker_defers_each_custom_tool_by_its_effect(
     ]
     assert {"type": "text", "text": "all three done"} in sent[3]["content"]
     assert "did it work?" in json.dumps(sent[-1])
+    # The usage ledger prices each segment by the options' model (a list price is known).
+    used = await client.usage("c1")
+    assert len(used) == 3 and {x.model for x in used} == {"claude-sonnet-4-5"}, used
+    assert all(x.cost_usd is not None for x in used)
 
 
 async def test_worker_killed_mid_deferred_tools(

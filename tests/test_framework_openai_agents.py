@@ -351,6 +351,9 @@ async def test_turn_runs_tools_and_hands_off(
     assert res2.text == "still billing"
     (fourth,) = fake.requests_of(text2)
     assert fourth["instructions"] == BILLING
+    # The usage ledger names the SDK model every request went to.
+    used = await client.usage("t")
+    assert len(used) == 4 and {x.model for x in used} == {"gpt-fake"}, used
 
 
 async def test_tool_of_another_agent_is_refused(

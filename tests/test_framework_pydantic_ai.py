@@ -291,6 +291,10 @@ async def test_a_turn_runs_each_model_request_and_tool_as_a_step(
         assert rec is not None and rec.state == "succeeded" and rec.attempts == 1
         assert rec.effect == effect
     assert steps_asked(await vendor.payload_counts("model_call")) == {0: 1, 1: 1}
+    # The usage ledger names the pydantic-ai model each request went to.
+    used = await pai.usage("s1")
+    assert [x.model_step for x in used] == [0, 1]
+    assert all(x.model == "function:scripted:" for x in used), {x.model for x in used}
 
 
 async def test_model_retry_and_bad_arguments_reach_the_model_as_failed_calls(

@@ -242,7 +242,9 @@ class ClaudeSegments:
             calls = [ToolCallRequest(self.deferred[asked.name], asked.input, asked.id)]
         if not calls:
             text = result.result if result.result is not None else text
-        return ModelResponse(text=text, tool_calls=calls, usage=_usage(result.usage))
+        return ModelResponse(
+            text=text, tool_calls=calls, usage=_usage(result.usage), model=self.options.model
+        )
 
     def _options(self, request: ModelRequest, messages: list[dict[str, Any]]) -> Any:
         hooks = {k: list(v) for k, v in (self.options.hooks or {}).items()}

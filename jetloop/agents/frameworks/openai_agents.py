@@ -24,6 +24,7 @@ writes plain SDK code (``from agents import Agent, function_tool``) and only add
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import re
@@ -375,7 +376,10 @@ class SdkModel:
             raise mapped from exc
         # What the model was offered this step (``is_enabled`` may hide a tool or handoff).
         allowed = {t.name for t in tools if isinstance(t, FunctionTool)}
-        return self.answer(response, allowed | {h.tool_name for h in handoffs})
+        answer = self.answer(response, allowed | {h.tool_name for h in handoffs})
+        # The model's name, as the usage ledger prices it: the agent's, or its Model's.
+        name = agent.model if isinstance(agent.model, str) else getattr(agent.model, "model", None)
+        return dataclasses.replace(answer, model=name if isinstance(name, str) else None)
 
     def answer(self, response: Any, allowed: set[str]) -> ModelResponse:
         """The SDK's output items as jetloop's answer: text, and the function calls (a call

@@ -316,6 +316,14 @@ class PydanticAIModel:
         self.agent = agent
         self.deps = deps
 
+    def model_name(self) -> str | None:
+        """The agent's model's name, as the usage ledger prices it (None: it has none)."""
+        raw = self.agent.model
+        if isinstance(raw, str):
+            return raw.rpartition(":")[2]
+        name = getattr(raw, "model_name", None)
+        return name if isinstance(name, str) else None
+
     def estimate_tokens(self, messages: list[Message]) -> int:
         return rough_tokens(messages)
 
@@ -377,6 +385,7 @@ class PydanticAIModel:
                                 for c in calls
                             ],
                             usage=_usage(run.usage),
+                            model=answer.model_name or self.model_name(),
                         )
                 # No call for the engine: pydantic-ai validates the output (and asks the model
                 # again, within this step, if it does not validate).
@@ -384,7 +393,7 @@ class PydanticAIModel:
             output = node.data.output
             usage = _usage(run.usage)
         text = output if isinstance(output, str) else pydantic_core.to_json(output).decode()
-        return ModelResponse(text=text, usage=usage)
+        return ModelResponse(text=text, usage=usage, model=self.model_name())
 
     async def _summary(self, request: ModelRequest) -> ModelResponse:
         """The compaction call: the agent's model, no tools, the engine's instructions."""
@@ -402,7 +411,9 @@ class PydanticAIModel:
             "input_tokens": answer.usage.input_tokens,
             "output_tokens": answer.usage.output_tokens,
         }
-        return ModelResponse(text=answer.text or "", usage=usage)
+        return ModelResponse(
+            text=answer.text or "", usage=usage, model=answer.model_name or self.model_name()
+        )
 
 
 def to_model_messages(items: Sequence[UserText | Context | Exchange]) -> list[pm.ModelMessage]:

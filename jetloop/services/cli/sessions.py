@@ -405,9 +405,12 @@ def usage(
         width = max(len(by), *(len(g) for g in groups))
         click.echo(f"{by:<{width}}  {'calls':>6}  {'input':>10}  {'output':>10}  {'cost USD':>12}")
         for name, t in [*groups.items(), ("total", totals(lines)["all"])]:
-            cost = f"{t.cost_usd:12.6f}" + (
-                f"  ({t.unpriced_calls} unpriced)" if t.unpriced_calls else ""
-            )
+            if t.unpriced_calls == t.calls:
+                cost = f"{'–':>12}  (no price for {', '.join(t.models)})"
+            else:
+                cost = f"{t.cost_usd:12.6f}" + (
+                    f"  ({t.unpriced_calls} unpriced)" if t.unpriced_calls else ""
+                )
             click.echo(
                 f"{name:<{width}}  {t.calls:>6}  {t.input_tokens:>10}  "
                 f"{t.output_tokens:>10}  {cost}"

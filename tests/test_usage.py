@@ -20,11 +20,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from jetloop.agents.prices import DEFAULT_PRICES, Price, Prices
 from jetloop.schemas.errors import TurnFailed
-from jetloop.services.client import Client
+from jetloop.services.client import Client, TurnHandle
 from jetloop.services.gateway.app import make_app
 from jetloop.services.readmodel.projector import Projector
 from jetloop.sessions.usage import totals
 from jetloop.streams.registry import Registry
+from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import WorkerFactory, until
 from tests.fakes.base import Failure, FakeCall, Reply
 from tests.fakes.openai_chat import FakeOpenAIChat
@@ -131,6 +132,21 @@ async def test_usage_equals_what_the_provider_billed_across_a_worker_kill(
 BUDGETS = "tests.apps_budget:app"
 
 
+async def two_workers(workers: WorkerFactory, env: dict[str, str]) -> list[WorkerProcess]:
+    """Two workers of the demo app on the fake provider, both serving."""
+    pair = [workers.start(env=env, app="jetloop.demo.agent:app") for _ in range(2)]
+    for w in pair:
+        await w.wait_for("worker.started", timeout=30)
+    return pair
+
+
+async def no_attempt_used(client: Client, handles: list[TurnHandle]) -> None:
+    """Each turn's model step was made on its first attempt: waiting used none."""
+    for h in handles:
+        snap = await client.snapshot(h.session_id)
+        assert snap is not None and snap.turn is not None and snap.turn.attempts == 1
+
+
 @pytest.fixture
 async def declared(client: Client) -> Client:
     """The budget app's agents declared as a deploy does, so a send waits for its worker."""
@@ -215,9 +231,7 @@ async def test_a_429_pauses_every_worker_and_uses_no_attempt(
             Failure(429, "Rate limit reached", "rate_limit_error", {"retry-after": "2"}),
             *[Reply(text="ok") for _ in range(7)],
         )
-        pair = [workers.start(env=env_of(fake), app="jetloop.demo.agent:app") for _ in range(2)]
-        for w in pair:
-            await w.wait_for("worker.started", timeout=30)
+        pair = await two_workers(workers, env_of(fake))
         first = await client.send("demo", "r0", "hello")
 
         async def heard() -> bool:  # the one throttled, and the other from the bucket
@@ -248,9 +262,7 @@ async def test_a_token_limit_per_window_holds_across_two_workers(
     async with FakeOpenAIChat() as fake:
         fake.script(*[Reply(text="ok", usage=(100, 20)) for _ in range(12)])
         env = env_of(fake, JETLOOP_PROVIDER_LIMITS=json.dumps(limits))
-        pair = [workers.start(env=env, app="jetloop.demo.agent:app") for _ in range(2)]
-        for w in pair:
-            await w.wait_for("worker.started", timeout=30)
+        await two_workers(workers, env)
         handles = [await client.send("demo", f"t{i}", "hello") for i in range(12)]
         for h in handles:
             assert (await client.wait(h, timeout=60)).text == "ok"
@@ -273,9 +285,7 @@ async def test_a_token_limit_per_window_holds_across_two_workers(
         per_window[int(at // 3)] = per_window.get(int(at // 3), 0) + 1
     print("at the provider:", per_window)
     assert max(per_window.values()) <= 5, per_window
-    for h in handles:
-        snap = await client.snapshot(h.session_id)
-        assert snap is not None and snap.turn is not None and snap.turn.attempts == 1
+    await no_attempt_used(client, handles)
 
 
 async def test_calls_in_flight_are_capped_across_two_workers(
@@ -288,16 +298,12 @@ async def test_calls_in_flight_are_capped_across_two_workers(
     async with FakeOpenAIChat() as fake:
         fake.script(*[Reply(text="ok", delay=0.5) for _ in range(6)])
         env = env_of(fake, JETLOOP_PROVIDER_LIMITS=json.dumps(limits))
-        pair = [workers.start(env=env, app="jetloop.demo.agent:app") for _ in range(2)]
-        for w in pair:
-            await w.wait_for("worker.started", timeout=30)
+        await two_workers(workers, env)
         handles = [await client.send("demo", f"c{i}", "hello") for i in range(6)]
         for h in handles:
             assert (await client.wait(h, timeout=60)).text == "ok"
         assert fake.most_in_flight == 2, fake.most_in_flight
-    for h in handles:
-        snap = await client.snapshot(h.session_id)
-        assert snap is not None and snap.turn is not None and snap.turn.attempts == 1
+    await no_attempt_used(client, handles)
 
 
 async def test_a_slot_held_by_a_dead_worker_is_taken_over(

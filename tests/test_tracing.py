@@ -95,6 +95,8 @@ async def test_one_trace_across_a_worker_kill(client: Client, workers: WorkerFac
     assert again.attributes["jetloop.effect"] == "idempotent_write"
     assert again.attributes["jetloop.idempotency_key"].startswith("jl-")
     assert again.attributes["gen_ai.tool.name"] == "create_ticket"
+    assert again.attributes["jetloop.outcome"] == "succeeded"
+    assert all(s.attributes["jetloop.outcome"] == "succeeded" for s in chats)
     ((link_trace, link_span, link_attrs),) = again.links
     first = attempt_span_id(f"tr.{h.turn_id}.m0.c0", 1)
     assert (link_trace, link_span) == (CALLER_TRACE, f"{first:016x}")

@@ -15,7 +15,8 @@ conventions' attributes (``gen_ai.operation.name``, ``gen_ai.request.model``,
 ``gen_ai.usage.input_tokens``/``output_tokens``, ``gen_ai.response.finish_reasons`` …), a
 tool call an ``execute_tool <tool>`` span with its effect and idempotency key, and each has
 jetloop's own (``jetloop.session_id``, ``jetloop.turn_id``, ``jetloop.step_key``,
-``jetloop.attempt``). An attempt's span id is derived from its step and attempt number, so an
+``jetloop.attempt``, and ``jetloop.outcome``: ``succeeded`` or ``failed``, of that attempt).
+An attempt's span id is derived from its step and attempt number, so an
 attempt made again after a crash is a new span with a link to the first attempt's, even when
 the first was never exported (its worker died holding it).
 """
@@ -157,9 +158,12 @@ class Tracing:
         try:
             yield span
         except BaseException as exc:
+            span.set_attribute("jetloop.outcome", "failed")
             span.record_exception(exc)
             span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
             raise
+        else:
+            span.set_attribute("jetloop.outcome", "succeeded")
         finally:
             span.end()
 

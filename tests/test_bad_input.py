@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from jetloop.services.client import Client, TurnFailed
-from tests.conftest import WorkerFactory, call, script
+from tests.conftest import WorkerFactory, call, script, until
 
 
 async def test_malformed_messages_are_dead_lettered(client: Client, workers: WorkerFactory) -> None:
@@ -81,8 +81,12 @@ async def test_a_message_to_another_agents_session_fails_its_turn(
     stray = await client.send("compactor", "owned", "hello")
     with pytest.raises(TurnFailed, match="belongs to agent 'tester', not 'compactor'"):
         await client.wait(stray, timeout=20)
-    dead = [r for s, r, _ in await client.dead_letters() if s == "jl.turn.compactor.owned"]
-    assert dead and "belongs to agent 'tester'" in dead[0]
+
+    async def dead_lettered() -> list[str]:  # just after the turn's end is told
+        return [r for s, r, _ in await client.dead_letters() if s == "jl.turn.compactor.owned"]
+
+    dead = await until(dead_lettered, timeout=10)
+    assert "belongs to agent 'tester'" in dead[0]
 
     after = await client.send("tester", "owned", script([call("write", name="again")]))
     await client.wait(after, timeout=30)

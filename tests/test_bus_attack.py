@@ -32,7 +32,7 @@ from tests.conftest import until
 from tests.test_seal_key import Up
 from tests.test_up import wait_ready
 
-FLOOD_SECONDS = 25.0
+FLOOD_SECONDS = 15.0
 
 
 def foreign(stream: str, kind: str) -> float:

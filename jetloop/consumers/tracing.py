@@ -130,31 +130,41 @@ class Tracing:
         )
         return [Link(first, {"jetloop.link": "first attempt"})]
 
+    def _start(self, turn: TurnRecord, span_id: int, name: str, **kw: Any) -> Any:
+        """Start a span of ``turn``'s trace whose id is ``span_id`` (derived, so every process
+        names the same span the same way), with the turn's ids among its attributes."""
+        attributes = {
+            "jetloop.session_id": turn.session_id,
+            "jetloop.turn_id": turn.turn_id,
+            "jetloop.agent": turn.agent,
+            **kw.pop("attributes", {}),
+        }
+        token = _NEXT.set((trace_id_of(turn), span_id))
+        try:
+            return self.tracer.start_span(name, attributes=attributes, **kw)
+        finally:
+            _NEXT.reset(token)
+
     @contextlib.contextmanager
     def _span(
         self, name: str, turn: TurnRecord, step_key: str, attempt: int, attrs: dict[str, Any]
     ) -> Iterator[Any]:
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
-        token = _NEXT.set((trace_id_of(turn), attempt_span_id(step_key, attempt)))
-        try:
-            span = self.tracer.start_span(
-                name,
-                context=self._parent(turn),
-                kind=SpanKind.CLIENT if name.startswith("chat") else SpanKind.INTERNAL,
-                links=self._links(turn, step_key, attempt),
-                attributes={
-                    "jetloop.session_id": turn.session_id,
-                    "jetloop.turn_id": turn.turn_id,
-                    "jetloop.agent": turn.agent,
-                    "jetloop.step_key": step_key,
-                    "jetloop.attempt": attempt,
-                    "jetloop.repeated": attempt > 1,
-                    **attrs,
-                },
-            )
-        finally:
-            _NEXT.reset(token)
+        span = self._start(
+            turn,
+            attempt_span_id(step_key, attempt),
+            name,
+            context=self._parent(turn),
+            kind=SpanKind.CLIENT if name.startswith("chat") else SpanKind.INTERNAL,
+            links=self._links(turn, step_key, attempt),
+            attributes={
+                "jetloop.step_key": step_key,
+                "jetloop.attempt": attempt,
+                "jetloop.repeated": attempt > 1,
+                **attrs,
+            },
+        )
         try:
             yield span
         except BaseException as exc:
@@ -188,7 +198,7 @@ class Tracing:
         )
 
     def tool_call(self, turn: TurnRecord, n: int, call: PlannedCall, attempt: int) -> Any:
-        step = f"{turn.session_id}.{turn.turn_id}.m{n}.c{call.index}"
+        step = _call_step(turn, n, call)
         return self._span(
             f"execute_tool {call.tool}",
             turn,
@@ -214,28 +224,22 @@ class Tracing:
     ) -> None:
         """A wait of a call (``approval``, ``answer``, ``timer``, ``child``), from when it
         began to now, made when it ends: the wait holds no process, so no span is open."""
-        step = f"{turn.session_id}.{turn.turn_id}.m{n}.c{call.index}"
-        token = _NEXT.set((trace_id_of(turn), _derived(f"wait:{step}.{kind}", 64)))
-        try:
-            span = self.tracer.start_span(
-                f"await_{kind} {call.tool}",
-                context=self._parent(turn),
-                start_time=int(min(started, time.time()) * 1e9),
-                attributes={
-                    "jetloop.session_id": turn.session_id,
-                    "jetloop.turn_id": turn.turn_id,
-                    "jetloop.agent": turn.agent,
-                    "jetloop.step_key": step,
-                    "jetloop.wait": kind,
-                    "gen_ai.tool.name": call.tool,
-                    "gen_ai.tool.call.id": call.call_id,
-                    "jetloop.idempotency_key": call.idempotency_key,
-                    **(attrs or {}),
-                },
-            )
-        finally:
-            _NEXT.reset(token)
-        span.end()
+        step = _call_step(turn, n, call)
+        self._start(
+            turn,
+            _derived(f"wait:{step}.{kind}", 64),
+            f"await_{kind} {call.tool}",
+            context=self._parent(turn),
+            start_time=int(min(started, time.time()) * 1e9),
+            attributes={
+                "jetloop.step_key": step,
+                "jetloop.wait": kind,
+                "gen_ai.tool.name": call.tool,
+                "gen_ai.tool.call.id": call.call_id,
+                "jetloop.idempotency_key": call.idempotency_key,
+                **(attrs or {}),
+            },
+        ).end()
 
     def turn_ended(self, turn: TurnRecord) -> None:
         """The turn's own span, made when it ended: from its first model step to now."""
@@ -253,28 +257,24 @@ class Tracing:
             caller = SpanContext(given[0], given[1], is_remote=True, trace_flags=TraceFlags(1))
             context = self._trace.set_span_in_context(NonRecordingSpan(caller))
         started = turn.first_attempt_at or time.time()
-        token = _NEXT.set((trace_id_of(turn), turn_span_id(turn)))
-        try:
-            span = self.tracer.start_span(
-                f"invoke_agent {turn.agent}",
-                context=context,
-                start_time=int(started * 1e9),
-                attributes={
-                    "gen_ai.operation.name": "invoke_agent",
-                    "gen_ai.agent.name": turn.agent,
-                    "gen_ai.usage.input_tokens": turn.spent.input_tokens,
-                    "gen_ai.usage.output_tokens": turn.spent.output_tokens,
-                    "jetloop.session_id": turn.session_id,
-                    "jetloop.turn_id": turn.turn_id,
-                    "jetloop.request_id": turn.request_id,
-                    "jetloop.status": turn.status.value,
-                    "jetloop.model_calls": turn.spent.calls,
-                    "jetloop.cost_usd": turn.spent.cost_usd,
-                    "jetloop.lost_attempts": len(turn.lost),
-                },
-            )
-        finally:
-            _NEXT.reset(token)
+        span = self._start(
+            turn,
+            turn_span_id(turn),
+            f"invoke_agent {turn.agent}",
+            context=context,
+            start_time=int(started * 1e9),
+            attributes={
+                "gen_ai.operation.name": "invoke_agent",
+                "gen_ai.agent.name": turn.agent,
+                "gen_ai.usage.input_tokens": turn.spent.input_tokens,
+                "gen_ai.usage.output_tokens": turn.spent.output_tokens,
+                "jetloop.request_id": turn.request_id,
+                "jetloop.status": turn.status.value,
+                "jetloop.model_calls": turn.spent.calls,
+                "jetloop.cost_usd": turn.spent.cost_usd,
+                "jetloop.lost_attempts": len(turn.lost),
+            },
+        )
         if turn.status != TurnStatus.COMPLETED:
             span.set_status(Status(StatusCode.ERROR, turn.error or turn.status.value))
         span.end()
@@ -325,6 +325,11 @@ def wait_ended(
     """The span of a wait that ended, or nothing when tracing is off."""
     if tracing is not None:
         tracing.wait_ended(turn, n, call, kind, started, attrs)
+
+
+def _call_step(turn: TurnRecord, n: int, call: PlannedCall) -> str:
+    """The key of a call's step (``StepMessage.step_key`` of its CallTool step)."""
+    return f"{turn.session_id}.{turn.turn_id}.m{n}.c{call.index}"
 
 
 def _fixed_ids() -> Any:

@@ -53,6 +53,7 @@ __all__ = [
     "InvalidName",
     "JetloopError",
     "Limits",
+    "MCPServer",
     "MalformedToolCall",
     "Message",
     "ModelAdapter",

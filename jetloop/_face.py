@@ -34,6 +34,7 @@ from jetloop.agents import (
     tool,
     wait,
 )
+from jetloop.agents.mcp import MCPServer
 from jetloop.agents.tools import Found, NotFound
 from jetloop.consumers import TOOL_CALL_NOT_RUN_ERROR_PREFIX
 from jetloop.schemas import Event, EventType, TurnRecord, TurnStatus

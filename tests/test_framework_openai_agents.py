@@ -501,12 +501,7 @@ async def test_hosted_tool_repeats_with_its_model_call(rig: Rig, fake: Scripted)
     (worker kill) calls the model again, so the search runs again; a server failure within
     the lease may cost nothing (1 or 2)."""
     rig.workers.env["TEST_OPENAI_AGENTS_URL"] = fake.base_url
-    plain_start = rig.workers.start
-
-    def start_ours(name: str | None = None, app: str = APP, **kw: Any) -> Any:
-        return plain_start(name, app=app, **kw)
-
-    rig.workers.start = start_ours  # type: ignore[method-assign]
+    rig.app = APP
     victim = rig.worker(hold="run_model.before_commit")
     await declared(rig.client)
     text = script(answer="sunny, found on the web", search_at=0)

@@ -12,7 +12,6 @@ the crash matrix, tested in all three columns on tests/test_matrix.py's rig).
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -482,7 +481,7 @@ async def test_native_tool_runs_inside_run_model_and_repeats_with_it(rig: Rig) -
     request and the search with it (at-least-once); a server restart or a takeover within
     the lease lets the attempt go on (once), past it repeats it (twice). The turn completes
     with one answer either way."""
-    rig.workers.start = functools.partial(rig.workers.start, app=APP)  # type: ignore[method-assign]
+    rig.app = APP
     await declare(rig.client)
     victim = rig.worker(hold="run_model.before_commit")
     h = await rig.client.send("pai-native", "m", json.dumps({"query": "jetloop"}))

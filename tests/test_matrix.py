@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from jetloop.demo.vendor import Vendor
+from jetloop.schemas.ids import idempotency_key
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.services.settings import Settings
@@ -34,6 +35,7 @@ from jetloop.streams import topology
 from jetloop.streams.connection import connect
 from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import LEASE, WorkerFactory, body, call, prepare, script, until
+from tests.mcp_ledger import Ledger, keys_of
 
 MODES = ("worker_kill", "server_restart", "takeover")
 
@@ -52,9 +54,12 @@ class Rig:
     server: EmbeddedServer | None = None
     cluster: Any = None  # jetloop.tooling.trials.cluster.LocalCluster
     killed: int = -1  # the node the takeover column killed
+    app: str = "tests.apps:app"  # what every worker of the cell serves
 
     def worker(self, hold: str | None = None, **env: str) -> WorkerProcess:
-        return self.workers.start(hold=hold, release_file=self.release if hold else None, env=env)
+        return self.workers.start(
+            hold=hold, release_file=self.release if hold else None, app=self.app, env=env
+        )
 
     async def fail(self, victim: WorkerProcess | None, in_flight: bool = False) -> None:
         """Apply this column's failure to the system as it stands.
@@ -68,7 +73,7 @@ class Rig:
             else:
                 for w in self.workers.procs:
                     w.kill()
-            self.workers.start("survivor")
+            self.workers.start("survivor", app=self.app)
             return
         if in_flight:
             self.release.touch()
@@ -449,6 +454,73 @@ async def settled_at_most_once(rig: Rig, h: Any, res: Any, made_by_lost: bool) -
         assert made == 1
 
 
+MCP_CALLS = {
+    "balance": {"account": "acct-1"},
+    "set_limit": {"account": "acct-1", "limit": 10_000},
+    "transfer": {"account": "acct-1", "amount": 500},
+}
+
+
+async def mcp_while_running(rig: Rig, transport: str) -> None:
+    """A call of each effect among an MCP server's tools (tests/apps_mcp.py: the example
+    ledger server, over stdio or streamable HTTP), each in a session of its own, all held
+    after the server made them and before their outcomes are committed; then the column's
+    failure. Judged from the server's own log of invocations by `_meta` idempotency key: the
+    read made again, the idempotent write made again with the same key, the single-attempt
+    write never made twice (``outcome_unknown`` when its attempt was lost)."""
+    led = Ledger(rig.release.parent / "mcp-log.jsonl", rig.release.parent / "mcp-state.json")
+    if transport == "http":
+        led.start_http()
+    rig.app = "tests.apps_mcp:app"
+    rig.workers.env.update(led.env())
+    try:
+        victim = rig.worker(hold="call_tool.before_commit")
+        handles = {
+            tool: await rig.client.send("tester", f"m-{tool}", script([call(tool, **args)]))
+            for tool, args in MCP_CALLS.items()
+        }
+
+        async def all_held() -> bool:
+            return len(victim.find("fault.hold", point="call_tool.before_commit")) == 3
+
+        await until(all_held, timeout=60)
+        await rig.fail(victim)
+        recs = {}
+        for tool, h in handles.items():
+            res = await rig.client.wait(h, timeout=90)
+            rec = await rig.client.call(f"m-{tool}", h.turn_id, 0, 0)
+            assert rec is not None
+            recs[tool] = (body(res.text)["seen"][0]["status"], rec)
+            keys = keys_of(led.log, tool)
+            assert set(keys) == {idempotency_key(f"m-{tool}", h.turn_id, 0, 0)}, (tool, keys)
+            if tool == "transfer":
+                assert len(keys) == 1, "a single-attempt write is never made twice"
+            else:
+                # Made again after a lost attempt (a worker kill always loses it; a server
+                # failure only when the outage outlasted its lease).
+                assert len(keys) == rec.attempts
+                assert rec.attempts == 2 if rig.worker_killed else rec.attempts in (1, 2)
+        assert recs["balance"][0] == recs["set_limit"][0] == "ok"
+        status, rec = recs["transfer"]
+        if rig.worker_killed:
+            assert (status, rec.state) == ("outcome_unknown", "outcome_unknown")
+        else:
+            assert (status, rec.state) in (
+                ("ok", "succeeded"),
+                ("outcome_unknown", "outcome_unknown"),
+            )
+    finally:
+        led.stop()
+
+
+async def mcp_stdio_while_running(rig: Rig) -> None:
+    await mcp_while_running(rig, "stdio")
+
+
+async def mcp_http_while_running(rig: Rig) -> None:
+    await mcp_while_running(rig, "http")
+
+
 async def approval_while_waiting(rig: Rig) -> None:
     rig.worker()
     h = await rig.client.send("tester", "m", script([call("guarded", name="g")]))
@@ -646,6 +718,8 @@ ROWS: dict[str, Callable[[Rig], Awaitable[None]]] = {
     "single_attempt-before-mark": single_attempt_before_mark,
     "single_attempt-after-mark": single_attempt_after_mark,
     "single_attempt-while-running": single_attempt_while_running,
+    "mcp_stdio-while-running": mcp_stdio_while_running,
+    "mcp_http-while-running": mcp_http_while_running,
     "approval-while-waiting": approval_while_waiting,
     "question-while-waiting": question_while_waiting,
     "timer-while-waiting": timer_while_waiting,

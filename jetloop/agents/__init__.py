@@ -5,6 +5,7 @@ from jetloop.agents.adapters import (
     adapter_from_spec,
 )
 from jetloop.agents.agent import Agent, App, Budget, Limits, Trigger, load_app
+from jetloop.agents.mcp import MCPServer
 from jetloop.agents.model import (
     Message,
     ModelAdapter,
@@ -39,6 +40,7 @@ __all__ = [
     "Effect",
     "Found",
     "Limits",
+    "MCPServer",
     "MalformedToolCall",
     "Message",
     "ModelAdapter",

@@ -8,9 +8,14 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import structlog
+
+from jetloop.agents.mcp import MCPServer
 from jetloop.agents.model import ModelAdapter
 from jetloop.agents.tools import Tool
 from jetloop.schemas import validate_name
+
+log = structlog.get_logger("jetloop.agents")
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,9 @@ class Trigger:
 
 @dataclass(frozen=True)
 class Agent:
-    """An agent: its name (a subject token), instructions, model adapter, tools, limits and
-    cron triggers. Serve it with a worker through an ``App``."""
+    """An agent: its name (a subject token), instructions, model adapter, tools, limits,
+    cron triggers and the MCP servers whose tools it offers too (``jetloop.agents.mcp``).
+    Serve it with a worker through an ``App``."""
 
     name: str
     instructions: str
@@ -82,6 +88,7 @@ class Agent:
     tools: tuple[Tool, ...] = ()
     limits: Limits = field(default_factory=Limits)
     triggers: tuple[Trigger, ...] = ()
+    mcp_servers: tuple[MCPServer, ...] = ()
 
     def __post_init__(self) -> None:
         validate_name("agent name", self.name)
@@ -90,12 +97,50 @@ class Agent:
             if t.name in seen:
                 raise ValueError(f"agent {self.name}: two tools are named {t.name!r}")
             seen.add(t.name)
+        servers: set[str] = set()
+        for s in self.mcp_servers:
+            if s.name in servers:
+                raise ValueError(f"agent {self.name}: two MCP servers are named {s.name!r}")
+            servers.add(s.name)
 
     def tool(self, name: str) -> Tool | None:
+        """The tool of this name: the agent's own, else the first MCP server's that listed it
+        (as this worker last read the lists)."""
         for t in self.tools:
             if t.name == name:
                 return t
+        for s in self.mcp_servers:
+            found = s.known(name)
+            if found is not None:
+                return found
         return None
+
+    async def list_tools(self) -> tuple[Tool, ...]:
+        """The tools the model is offered now: the agent's own, then each MCP server's as it
+        lists them now (a tool named as one before it is left out, with a warning). Raises
+        ``MCPUnreachable`` for a server this worker could never list."""
+        if not self.mcp_servers:
+            return self.tools
+        offered = list(self.tools)
+        names = {t.name for t in offered}
+        for s in self.mcp_servers:
+            for t in await s.list_tools():
+                if t.name in names:
+                    log.warning("mcp.tool_shadowed", server=s.name, tool=t.name)
+                    continue
+                names.add(t.name)
+                offered.append(t)
+        return tuple(offered)
+
+    async def find_tool(self, name: str) -> Tool | None:
+        """``tool(name)`` as it stands now: the MCP servers are listed again first (a server
+        may have removed or changed the tool since the model was offered it), unless it is
+        one of the agent's own."""
+        if not self.mcp_servers or any(t.name == name for t in self.tools):
+            return self.tool(name)
+        for s in self.mcp_servers:
+            await s.list_tools()
+        return self.tool(name)
 
 
 class App:

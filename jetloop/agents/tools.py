@@ -164,9 +164,16 @@ class Tool:
     # An IDEMPOTENT_WRITE whose vendor dedupes a key only for this long: a resume within
     # the window sends again with the same key, past it the call is settled like any write.
     dedupe_window_seconds: float | None = None
+    # The arguments' JSON schema as the tool's owner gave it (an MCP server's tool), when it
+    # is not derived from ``args_model``; and where the effect class was read from, when it
+    # was not declared in code (an MCP server's annotations), for the snapshot and console.
+    schema: dict[str, Any] | None = None
+    effect_from: str | None = None
 
     def json_schema(self) -> dict[str, Any]:
         """The arguments' JSON schema, computed once per argument model (read-only)."""
+        if self.schema is not None:
+            return self.schema
         return _schema_of(self.args_model)
 
     def needs_approval(self, args: BaseModel) -> bool:

@@ -26,6 +26,7 @@ import structlog
 from pydantic import BaseModel, ValidationError
 
 from jetloop.agents import Effect, Found, ToolKind
+from jetloop.agents.mcp import MCPUnreachable
 from jetloop.consumers import delegation, tasks, waits
 from jetloop.consumers.approvals import Gate, denial, gate
 from jetloop.consumers.calls import (
@@ -111,7 +112,11 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
     agent = rt.app.agent(turn.agent)
     if agent is None and call.invalid is None:
         raise RetryLater(5.0, f"agent {turn.agent!r} is not served by this worker")
-    tool = agent.tool(call.tool) if agent else None
+    try:
+        tool = await agent.find_tool(call.tool) if agent else None
+    except MCPUnreachable as exc:
+        # An MCP server this worker never listed cannot be reached: nothing was sent.
+        raise RetryLater(5.0, str(exc)) from exc
     if agent is None or tool is None or call.invalid is not None:
         # Gates as they stand now: a tool the agent no longer offers (a deploy removed or
         # renamed it) is not made (docs/design.md, "Deploying new agent code").

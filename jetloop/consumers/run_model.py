@@ -11,14 +11,15 @@ publish, ack.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn
 
 import structlog
 from pydantic import ValidationError
 
-from jetloop.agents import Agent, Message, ModelRequest, ModelResponse, ToolSpec
+from jetloop.agents import Agent, Message, ModelRequest, ModelResponse, Tool, ToolSpec
 from jetloop.agents.adapters import MalformedToolCall
+from jetloop.agents.mcp import MCPUnreachable
 from jetloop.consumers import metrics
 from jetloop.consumers.budgets import over_budget
 from jetloop.consumers.compact import compact_first, compaction_needed, estimate
@@ -125,6 +126,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             await compact_first(rt, turn)
             return
 
+    tools = agent.tools
     reason = None
     if exhausted:
         reason = _exhausted(n, turn)
@@ -135,6 +137,11 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             # Read before the claim: a read that fails (an election) then leaves no claimed
             # attempt behind, which the next delivery would have to count as lost.
             messages = await conversation(rt, sid, session=session, history=history)
+        try:
+            # Listed before the claim too: the MCP servers' tools as they are now.
+            tools = await agent.list_tools()
+        except MCPUnreachable as exc:
+            raise RetryLater(5.0, str(exc)) from exc
         if limits.turn_budget is not None or limits.session_budget is not None:
             reads = estimate(agent, messages)
             reason = over_budget(
@@ -205,7 +212,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             agent=agent.name,
             instructions=agent.instructions,
             messages=messages,
-            tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in agent.tools],
+            tools=[ToolSpec(t.name, t.description, t.json_schema()) for t in tools],
             attempt=attempt.no,
             session_id=sid,
             turn_id=tid,
@@ -263,7 +270,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         await rt.windows.settle(admitted, used)
         if slot is not None:
             await rt.windows.free_slot(slot)
-    committed = await _plan(rt, agent, claimed, response, spent)
+    committed = await _plan(rt, tools, claimed, response, spent)
     await rt.faults.point("run_model.before_commit")
     await d.commit(committed)
     log.debug("model.answered", calls=len(committed.calls), status=committed.status.value)
@@ -400,10 +407,12 @@ async def _complete(
 
 
 async def _plan(
-    rt: Runtime, agent: Agent, turn: TurnRecord, resp: ModelResponse, spent: Spent
+    rt: Runtime, tools: Sequence[Tool], turn: TurnRecord, resp: ModelResponse, spent: Spent
 ) -> TurnRecord:
-    """The write-ahead checkpoint: the answer and every call it asks for, not yet made, and
-    what the turn's model calls have used with this one."""
+    """The write-ahead checkpoint: the answer and every call it asks for (of the tools the
+    model was offered), not yet made, and what the turn's model calls have used with this
+    one. Each call's effect is written here, and never read again from the tool."""
+    offered = {t.name: t for t in tools}
     sid, tid, n = turn.session_id, turn.turn_id, turn.model_step
     assert turn.attempt is not None
     text: str | None = resp.text
@@ -414,7 +423,7 @@ async def _plan(
         text = None
     calls = []
     for i, c in enumerate(resp.tool_calls):
-        t = agent.tool(c.name)
+        t = offered.get(c.name)
         invalid = None
         if isinstance(c, MalformedToolCall):
             invalid = f"malformed arguments for {c.name}: {c.problem}"

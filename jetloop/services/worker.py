@@ -259,6 +259,9 @@ class Worker(Service):
         finally:
             if self._rt is not None:
                 await self._rt.pauses.close()
+                for agent in self.app.agents.values():
+                    for server in agent.mcp_servers:
+                        await server.close()  # a stdio server's process ends with it
                 if self._rt.tracing is not None:
                     await asyncio.to_thread(self._rt.tracing.shutdown)
             if nc.is_connected:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextvars
 import hashlib
-import importlib
 import os
 import sys
 import tempfile
@@ -44,13 +43,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, create_model, model_validator
+from pydantic import BaseModel
 
 from jetloop.agents.adapters.anthropic import AnthropicAdapter
 from jetloop.agents.adapters.history import NOTE_PREFIX, Item, UserText, conversation
 from jetloop.agents.agent import Agent, Limits
+from jetloop.agents.jsonargs import JsonArgs, json_args_model
 from jetloop.agents.model import Message, ModelRequest, ModelResponse, ToolCallRequest, rough_tokens
 from jetloop.agents.tools import ApprovalPolicy, Effect, Tool, ToolContext
 from jetloop.schemas.errors import ProviderRejected, ProviderRetryable, ToolError
@@ -300,30 +300,8 @@ def _input_schema(sdk_tool: SdkMcpTool[Any]) -> dict[str, Any] | None:
     return build(sdk_tool) if callable(build) else None
 
 
-class ToolArgs(BaseModel):
-    """Arguments as the model sent them, checked against the tool's JSON Schema as the SDK's
-    own server checks them: a call that fails is recorded as failed and never made."""
-
-    model_config = ConfigDict(extra="allow")
-    input_schema: ClassVar[dict[str, Any] | None] = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check(cls, value: Any) -> Any:
-        if cls.input_schema is not None and isinstance(value, dict):
-            # jsonschema comes with the SDK (it validates MCP tool input); it has no hints.
-            validator: Any = importlib.import_module("jsonschema")
-            try:
-                validator.validate(instance=value, schema=cls.input_schema)
-            except validator.ValidationError as exc:
-                raise ValueError(f"Input validation error: {exc.message}") from None
-        return value
-
-
-def _args_model(sdk_tool: SdkMcpTool[Any]) -> type[ToolArgs]:
-    model = create_model(f"{sdk_tool.name}_args", __base__=ToolArgs)
-    model.input_schema = _input_schema(sdk_tool)
-    return model
+def _args_model(sdk_tool: SdkMcpTool[Any]) -> type[JsonArgs]:
+    return json_args_model(sdk_tool.name, _input_schema(sdk_tool))
 
 
 def _jetloop_tool(

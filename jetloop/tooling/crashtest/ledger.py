@@ -151,12 +151,15 @@ def watched_tool(tool: Tool, ledger: Ledger, faults: Faults) -> Tool:
 
 
 def watch(app: App, ledger: Ledger, faults: Faults | None = None) -> App:
-    """The app with every call and task tool of every agent watched."""
+    """The app with every call and task tool of every agent watched (its MCP servers' too)."""
     faults = faults or Faults()
     agents = []
     for agent in app.agents.values():
-        tools = tuple(
-            watched_tool(t, ledger, faults) if t.kind in WATCHED else t for t in agent.tools
-        )
-        agents.append(dataclasses.replace(agent, tools=tools))
+        def wrap(t: Tool) -> Tool:
+            return watched_tool(t, ledger, faults) if t.kind in WATCHED else t
+
+        tools = tuple(wrap(t) for t in agent.tools)
+        # An MCP server's tools are watched as it lists them.
+        servers = tuple(s.watched(wrap) for s in agent.mcp_servers)
+        agents.append(dataclasses.replace(agent, tools=tools, mcp_servers=servers))
     return App(agents)

@@ -1,0 +1,214 @@
+"""MCP servers' tools as durable steps (jetloop.agents.mcp), against the repository's example
+ledger server (examples/mcp_ledger/server.py) built with the MCP SDK: run by the worker over
+stdio, or by the test over streamable HTTP. The server logs every invocation with the
+idempotency key the call carried in ``_meta``: what a test counts.
+
+The crash matrix's cells for MCP tools (worker kill, server restart, takeover) are rows of
+tests/test_matrix.py; a crash test of an MCP agent is in tests/test_crashtest.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jetloop.agents import Effect
+from jetloop.agents.mcp import META_IDEMPOTENCY_KEY, MCPServer
+from jetloop.services.client import Client
+from tests.apps_mcp import SERVER
+from tests.conftest import WorkerFactory, body, call, script, until
+from tests.mcp_ledger import Ledger, invocations, keys_of
+
+APP = "tests.apps_mcp:app"
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    led = Ledger(tmp_path / "mcp-log.jsonl", tmp_path / "mcp-state.json")
+    try:
+        yield led
+    finally:
+        led.stop()
+
+
+class _Ctx:
+    """What a tool is handed, for a call made outside a worker."""
+
+    def __init__(self, key: str) -> None:
+        self.idempotency_key = key
+        self.call_id = f"{key}-call"
+        self.attempt = 1
+
+
+async def test_effects_come_from_annotations_and_the_key_travels(ledger: Ledger) -> None:
+    """read-only → READ, idempotent → IDEMPOTENT_WRITE, the rest (destructive, or no
+    annotations) a single-attempt write; `effects=` overrides; `include` and `prefix` shape
+    what the model is offered; the schema is the server's; the key is in `_meta`."""
+    server = MCPServer.stdio(
+        "ledger", sys.executable, [str(SERVER)], env={"PATH": os.environ["PATH"], **ledger.env()}
+    )
+    try:
+        tools = {t.name: t for t in await server.list_tools()}
+        assert {n: t.effect for n, t in tools.items()} == {
+            "balance": Effect.READ,
+            "set_limit": Effect.IDEMPOTENT_WRITE,
+            "transfer": Effect.NON_IDEMPOTENT_WRITE,
+            "close_account": Effect.NON_IDEMPOTENT_WRITE,
+        }
+        assert tools["balance"].effect_from == "MCP server ledger: readOnlyHint"
+        assert tools["close_account"].effect_from == "MCP server ledger: no annotations"
+        schema = tools["transfer"].json_schema()
+        assert schema["required"] == ["account", "amount"]
+        assert schema["properties"]["amount"]["type"] == "integer"
+        # The server's schema checks the arguments before anything is sent.
+        with pytest.raises(ValueError, match="amount"):
+            tools["transfer"].args_model.model_validate({"account": "a", "amount": "lots"})
+
+        args = tools["transfer"].args_model.model_validate({"account": "a", "amount": 5})
+        assert await tools["transfer"].fn(args, _Ctx("k-1")) == "moved 5 out of a"
+        assert invocations(ledger.log)[-1]["key"] == "k-1"
+        assert META_IDEMPOTENCY_KEY == "dev.jetloop/idempotency-key"
+    finally:
+        await server.close()
+
+    overridden = MCPServer.stdio(
+        "ledger",
+        sys.executable,
+        [str(SERVER)],
+        env={"PATH": os.environ["PATH"], **ledger.env()},
+        effects={"transfer": Effect.IDEMPOTENT_WRITE},
+        include=["transfer", "balance"],
+        prefix="bank_",
+    )
+    try:
+        tools = {t.name: t for t in await overridden.list_tools()}
+        assert sorted(tools) == ["bank_balance", "bank_transfer"]
+        assert tools["bank_transfer"].effect is Effect.IDEMPOTENT_WRITE
+        assert tools["bank_transfer"].effect_from == "MCP server ledger: set in code"
+    finally:
+        await overridden.close()
+
+    with pytest.raises(ValueError, match="exactly one"):
+        MCPServer("both", command="x", url="http://127.0.0.1:1/mcp")
+
+
+CALLS = {
+    "balance": {"account": "acct-1"},
+    "set_limit": {"account": "acct-1", "limit": 10_000},
+    "transfer": {"account": "acct-1", "amount": 500},
+}
+
+
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+async def test_mcp_tools_are_durable_steps(
+    transport: str, ledger: Ledger, workers: WorkerFactory, client: Client
+) -> None:
+    """A turn that calls the three tools: each one tool step, made once with its key, its
+    effect (from the annotations) in the snapshot; over HTTP the headers go with every
+    request. A tool that asks for approval waits for it like any other."""
+    if transport == "http":
+        ledger.start_http()
+    workers.start(app=APP, env=ledger.env())
+    text = script([call(tool, **args) for tool, args in CALLS.items()])
+    res = await client.wait(await client.send("tester", "s1", text), timeout=60)
+    seen = body(res.text)["seen"]
+    assert [s["status"] for s in seen] == ["ok", "ok", "ok"], seen
+    assert seen[2]["result"] == "moved 500 out of acct-1"
+    snap = await client.snapshot("s1")
+    calls = {c.tool: c for c in snap.calls}
+    assert {t: c.effect for t, c in calls.items()} == {
+        "balance": "read",
+        "set_limit": "idempotent_write",
+        "transfer": "non_idempotent_write",
+    }
+    for tool in CALLS:
+        assert keys_of(ledger.log, tool) == [calls[tool].idempotency_key]
+    if transport == "http":
+        assert {i["authorization"] for i in invocations(ledger.log)} == {"Bearer test"}
+
+    # close_account asks for approval (set in tests/apps_mcp.py): not made until approved.
+    h = await client.send("tester", "s2", script([call("close_account", account="acct-9")]))
+    snap = await until(lambda: _with_approval(client, "s2"))
+    assert keys_of(ledger.log, "close_account") == []
+    await client.approve("s2", snap.approvals[0].approval_id, by="test")
+    res = await client.wait(h, timeout=60)
+    assert body(res.text)["seen"][0]["status"] == "ok"
+    assert len(keys_of(ledger.log, "close_account")) == 1
+
+
+async def _with_approval(client: Client, session: str) -> Any:
+    snap = await client.snapshot(session)
+    return snap if snap.approvals else None
+
+
+async def test_a_tool_the_server_no_longer_lists_is_not_made(
+    ledger: Ledger, workers: WorkerFactory, client: Client
+) -> None:
+    """The server is released again without `close_account` while a call of it waits for
+    approval: once approved, the call is not made and fails as a tool a deploy removed; the
+    model sees why, and the next model step is offered the tools as they are now."""
+    ledger.start_http()
+    workers.start(app=APP, env=ledger.env())
+    h = await client.send(
+        "tester",
+        "s1",
+        script([call("close_account", account="acct-9")], [call("balance", account="acct-9")]),
+    )
+    snap = await until(lambda: _with_approval(client, "s1"))
+    ledger.stop()
+    ledger.start_http(MCP_LEDGER_TOOLS="balance,set_limit,transfer")
+    await client.approve("s1", snap.approvals[0].approval_id, by="test")
+    res = await client.wait(h, timeout=60)
+    seen = body(res.text)["seen"]
+    assert seen[0]["status"] == "error", seen[0]
+    assert "no longer offers the tool 'close_account'" in seen[0]["error"], seen[0]
+    assert "approved by test" in seen[0]["error"]
+    assert seen[1]["status"] == "ok"
+    assert keys_of(ledger.log, "close_account") == []
+
+
+async def test_the_mcp_server_killed_mid_call(
+    ledger: Ledger, workers: WorkerFactory, client: Client
+) -> None:
+    """The stdio server is SIGKILLed while a call of each tool runs in it: each call is
+    settled by its effect — the read and the idempotent write made again (the same key), the
+    single-attempt write recorded `outcome_unknown` and never sent again — and the next call
+    is made on a new server process, without user code."""
+    workers.start(app=APP, env=ledger.env(MCP_LEDGER_DELAY="2"))
+    handles = {
+        tool: await client.send("tester", f"s-{tool}", script([call(tool, **args)]))
+        for tool, args in CALLS.items()
+    }
+
+    async def all_running() -> set[int] | None:
+        inv = invocations(ledger.log)
+        return {i["pid"] for i in inv} if len(inv) == len(CALLS) else None
+
+    pids = await until(all_running, timeout=60)
+    assert len(pids) == 1
+    (pid,) = pids
+    os.kill(pid, signal.SIGKILL)
+    results = {tool: await client.wait(h, timeout=90) for tool, h in handles.items()}
+    status = {t: body(r.text)["seen"][0]["status"] for t, r in results.items()}
+    assert status == {"balance": "ok", "set_limit": "ok", "transfer": "outcome_unknown"}
+    for tool in ("balance", "set_limit"):
+        keys = keys_of(ledger.log, tool)
+        assert len(keys) == 2 and len(set(keys)) == 1, (tool, keys)
+    assert len(keys_of(ledger.log, "transfer")) == 1, "a single-attempt write is never repeated"
+    rec = await client.call("s-transfer", handles["transfer"].turn_id, 0, 0)
+    assert rec is not None and rec.state == "outcome_unknown" and rec.attempts == 1
+
+    res = await client.wait(
+        await client.send("tester", "s-next", script([call("balance", account="acct-1")])),
+        timeout=60,
+    )
+    assert body(res.text)["seen"][0]["status"] == "ok"
+    assert invocations(ledger.log)[-1]["pid"] != pid
+    await asyncio.sleep(0)

@@ -250,6 +250,84 @@ def test_wrapping_declares_effects_and_refuses_what_it_cannot_run() -> None:
         durable(agent)
 
 
+async def test_mcp_servers_are_served_by_jetloops_mcp_client(tmp_path: Path) -> None:
+    """An agent's ``MCPServerStdio`` is no longer refused: its tools are jetloop tools with the
+    effects of the server's annotations (``effects=`` over them), ``require_approval`` and an
+    ``allowed_tool_names`` filter kept; the active agent's model is offered them as the SDK
+    offers tools, and a call carries the key in ``_meta``; the SDK never connects itself."""
+    from agents.items import ModelResponse as SdkResponse
+    from agents.mcp import MCPServerStdio
+    from agents.models.interface import Model
+    from agents.usage import Usage
+    from openai.types.responses import ResponseFunctionToolCall
+
+    from jetloop.agents.model import ToolSpec
+    from tests.apps_mcp import SERVER
+    from tests.mcp_ledger import invocations
+
+    class Offering(Model):
+        offered: list[str] = []
+
+        async def get_response(self, *args: Any, **kwargs: Any) -> Any:
+            Offering.offered = [t.name for t in args[3]]
+            call = ResponseFunctionToolCall(
+                arguments='{"account": "a", "amount": 5}',
+                call_id="c1",
+                name="transfer",
+                type="function_call",
+            )
+            return SdkResponse(output=[call], usage=Usage(), response_id=None)
+
+        def stream_response(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError
+
+    log = tmp_path / "log.jsonl"
+    env = {"MCP_LEDGER_LOG": str(log), "MCP_LEDGER_STATE": str(tmp_path / "state.json")}
+    server = MCPServerStdio(
+        {"command": sys.executable, "args": [str(SERVER)], "env": env},
+        name="ledger",
+        require_approval={"always": {"tool_names": ["close_account"]}},
+        tool_filter={"allowed_tool_names": ["balance", "transfer", "close_account"]},
+    )
+    sdk = Agent(name="bank", instructions="Pay.", model=Offering(), mcp_servers=[server])
+    agent = durable(sdk, effects={"balance": Effect.IDEMPOTENT_WRITE})
+    [mcp] = agent.mcp_servers
+    try:
+        tools = {t.name: t for t in await agent.list_tools()}
+        assert {n: (t.effect, t.approval) for n, t in tools.items()} == {
+            "balance": (Effect.IDEMPOTENT_WRITE, False),
+            "transfer": (Effect.NON_IDEMPOTENT_WRITE, False),
+            "close_account": (Effect.NON_IDEMPOTENT_WRITE, True),
+        }
+        specs = [ToolSpec(t.name, t.description, t.json_schema()) for t in tools.values()]
+        asked = await agent.model.complete(
+            ModelRequest("bank", "Pay.", [Message("user", "pay")], specs, 1)
+        )
+        assert sorted(Offering.offered) == sorted(tools)
+        [c] = asked.tool_calls
+        assert c.name == "transfer" and not isinstance(c, MalformedToolCall)
+
+        class Ctx:
+            idempotency_key, call_id, attempt = "key-1", "t1-0-0", 1
+
+        tool = tools["transfer"]
+        out = await tool.fn(tool.args_model.model_validate(c.arguments), Ctx())  # type: ignore[arg-type]
+        assert out == "moved 5 out of a"
+        assert [(i["tool"], i["key"]) for i in invocations(log)] == [("transfer", "key-1")]
+        assert server.session is None, "the SDK never connected to the server itself"
+    finally:
+        await mcp.close()
+    with pytest.raises(TypeError, match="allowed_tool_names"):
+        durable(
+            Agent(
+                name="x",
+                mcp_servers=[
+                    MCPServerStdio({"command": "x"}, tool_filter={"blocked_tool_names": ["a"]})
+                ],
+            )
+        )
+
+
 async def test_chat_completions_model_conversation_and_errors() -> None:
     """The SDK's Chat Completions model: the handoff's result in the conversation makes the
     billing agent answer; the summary call has no tools; provider errors are classified."""

@@ -211,6 +211,58 @@ async def test_tools_of_other_toolsets_are_deferred_when_named() -> None:
     assert [(c.name, c.arguments) for c in asked.tool_calls] == [("geo_area", {"side": 2})]
 
 
+async def test_an_mcp_toolset_is_served_by_jetloops_mcp_client(tmp_path: Any) -> None:
+    """An ``MCPToolset`` (stdio) among the agent's toolsets: its tools are jetloop tools with
+    the effects the server's annotations give (``effects=`` over them), offered to the model
+    in its step as pydantic-ai offers tools, and a call carries the key in ``_meta``; pydantic-ai
+    never starts the server itself (one server process answers everything)."""
+    import os
+    import sys
+
+    from fastmcp.client.transports import StdioTransport
+    from pydantic_ai.mcp import MCPToolset
+
+    from jetloop.agents.model import ToolSpec
+    from tests.apps_mcp import SERVER
+    from tests.mcp_ledger import invocations
+
+    log = tmp_path / "log.jsonl"
+    env = {"MCP_LEDGER_LOG": str(log), "MCP_LEDGER_STATE": str(tmp_path / "state.json")}
+    offered: list[str] = []
+
+    def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        offered.extend(t.name for t in info.function_tools)
+        return ModelResponse(parts=[ToolCallPart("transfer", {"account": "a", "amount": 5})])
+
+    toolset = MCPToolset(
+        StdioTransport(command=sys.executable, args=[str(SERVER)], env=env), id="ledger"
+    )
+    agent = PydanticAgent(FunctionModel(model), name="bank", toolsets=[toolset])
+    wrapped = durable(agent, effects={"close_account": Effect.IDEMPOTENT_WRITE})
+    assert [s.name for s in wrapped.mcp_servers] == ["ledger"]
+    try:
+        tools = {t.name: t for t in await wrapped.list_tools()}
+        assert {n: t.effect for n, t in tools.items()} == {
+            "balance": Effect.READ,
+            "set_limit": Effect.IDEMPOTENT_WRITE,
+            "transfer": Effect.NON_IDEMPOTENT_WRITE,
+            "close_account": Effect.IDEMPOTENT_WRITE,
+        }
+        specs = [ToolSpec(t.name, t.description, t.json_schema()) for t in tools.values()]
+        asked = await wrapped.model.complete(
+            ModelRequest("bank", "", [Message("user", "pay")], specs, 1)
+        )
+        assert sorted(offered) == sorted(tools)
+        [c] = asked.tool_calls
+        tool = tools[c.name]
+        out = await tool.fn(tool.args_model.model_validate(c.arguments), Call())
+        assert out == "moved 5 out of a"
+        assert [(i["tool"], i["key"]) for i in invocations(log)] == [("transfer", "key-1")]
+    finally:
+        await wrapped.mcp_servers[0].close()
+    assert os.path.exists(log)
+
+
 async def test_the_readme_example_runs_on_pydantic_ais_test_model() -> None:
     """README's "### pydantic-ai" block, with pydantic-ai's ``TestModel`` for the real model:
     the app it builds serves ``weather``, whose model step asks for its tool, whose tool step

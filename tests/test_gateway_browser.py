@@ -55,6 +55,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     }
     yield from running_up(tmp / "store", log, env, free_port())
 
+
 def call(
     gateway: str,
     method: str,

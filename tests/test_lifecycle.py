@@ -63,8 +63,7 @@ async def test_drain_timeout_hands_the_step_back(
     assert await vendor.effect_count("slow_reply") == 1
     assert w.find("worker.drain_ran_out", steps=1)
     resumed = [
-        e.data
-        async for e in client.events("dt", ("agent.run.crash_resumed",), follow=False)
+        e.data async for e in client.events("dt", ("agent.run.crash_resumed",), follow=False)
     ]
     assert [(r["drained"], r["losses"], r["lost_worker"]) for r in resumed] == [
         (True, 0, w.worker_id)

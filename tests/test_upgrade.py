@@ -161,9 +161,7 @@ async def _equal(
     return await read() == want
 
 
-async def test_stop_start_from_the_previous_release(
-    previous: BuiltRelease, tmp_path: Path
-) -> None:
+async def test_stop_start_from_the_previous_release(previous: BuiltRelease, tmp_path: Path) -> None:
     """The previous release's `jetloop up` stopped with work in flight, the current one
     started on its store."""
     release = tmp_path / "release"

@@ -126,9 +126,7 @@ def test_an_sdk_error_is_told_with_its_types_chain_and_url() -> None:
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(SCRIPT), *args], capture_output=True, text=True, timeout=60, cwd=cwd
-    )
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=60, cwd=cwd)
 
 
 async def test_turn_prints_the_answer(

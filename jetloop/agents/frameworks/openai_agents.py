@@ -12,6 +12,12 @@ The wrapper turns an SDK ``Agent`` (and every agent it can hand off to) into one
   hands off to; the active agent is derived from the conversation (the last handoff that
   succeeded), so a redelivered model step derives the same agent again;
 - a tool with ``needs_approval`` waits for a person's decision (AwaitToolApproval);
+- an agent's MCP servers (``MCPServerStdio``, ``MCPServerStreamableHttp``) are served by
+  jetloop's own MCP client (``jetloop.agents.mcp``), not the SDK's: their tools are listed at
+  every model step and offered to the active agent's model as the SDK offers them; each call
+  is a tool step with the effect the server's annotations give (``effects=`` overrides, by
+  tool name), its idempotency key in the request's ``_meta``; ``require_approval`` and a
+  ``tool_filter`` of ``allowed_tool_names`` are kept;
 - hosted tools (``WebSearchTool``, ``FileSearchTool``, ``CodeInterpreterTool``,
   ``ImageGenerationTool``, ``HostedMCPTool``, ``ToolSearchTool``) run at the provider, inside
   the model call: inside RunModel, so they run again when RunModel runs again.
@@ -60,6 +66,7 @@ from pydantic import BaseModel, ConfigDict
 from jetloop.agents.adapters.base import MalformedToolCall, tool_call, usage
 from jetloop.agents.adapters.history import Context, Item, UserText, conversation
 from jetloop.agents.agent import Agent, Limits
+from jetloop.agents.mcp import MCPServer
 from jetloop.agents.model import Message, ModelRequest, ModelResponse, ToolCallRequest, rough_tokens
 from jetloop.agents.tools import Effect, Tool, ToolContext
 from jetloop.schemas.errors import ProviderRejected, ProviderRetryable
@@ -108,19 +115,68 @@ def durable(
         tools.append(function_tool(t, effect, context))
     for tool_name, h in graph.handoffs.items():
         tools.append(handoff_tool(h, Effect(declared.pop(tool_name, Effect.READ)), context))
-    if declared:
+    if declared and not graph.mcp_servers:
         raise ValueError(
             f"effects name tools no agent has: {sorted(declared)} "
             f"(tools: {sorted(graph.function_tools)}, handoffs: {sorted(graph.handoffs)})"
         )
+    # What is left names MCP servers' tools (only listed at run time): it overrides their
+    # annotations.
+    servers = {key: mcp_server(s, declared) for key, s in graph.mcp_servers.items()}
     instructions = agent.instructions if isinstance(agent.instructions, str) else ""
     return Agent(
         name=name or slug(agent.name),
         instructions=instructions,
-        model=SdkModel(graph, model_provider, context, sticky_handoffs),
+        model=SdkModel(graph, model_provider, context, sticky_handoffs, servers),
         tools=tuple(tools),
         limits=limits or Limits(),
+        mcp_servers=tuple(servers.values()),
     )
+
+
+def mcp_server(server: Any, effects: Mapping[str, Effect]) -> MCPServer:
+    """jetloop's MCP client for the server an SDK MCP server object names."""
+    params = getattr(server, "params", None)
+    name = str(getattr(server, "name", "") or "mcp")
+    options: dict[str, Any] = {"effects": effects}
+    policy = getattr(server, "_needs_approval_policy", False)
+    options["approval"] = dict(policy) if isinstance(policy, Mapping) else bool(policy)
+    allowed = _allowed_tools(name, getattr(server, "tool_filter", None))
+    if allowed is not None:
+        options["include"] = allowed
+    if isinstance(params, Mapping) and isinstance(params.get("url"), str):
+        headers = dict(params.get("headers") or {})
+        return MCPServer.http(name, params["url"], headers=headers, **options)
+    command = getattr(params, "command", None)
+    if isinstance(command, str):
+        cwd = getattr(params, "cwd", None)
+        return MCPServer.stdio(
+            name,
+            command,
+            list(getattr(params, "args", None) or []),
+            env=getattr(params, "env", None),
+            cwd=str(cwd) if cwd else None,
+            **options,
+        )
+    raise TypeError(
+        f"MCP server {name!r} ({type(server).__name__}): jetloop reaches MCP servers over "
+        "stdio (MCPServerStdio) or streamable HTTP (MCPServerStreamableHttp)"
+    )
+
+
+def _allowed_tools(server: str, tool_filter: Any) -> list[str] | None:
+    if tool_filter is None:
+        return None
+    if isinstance(tool_filter, Mapping) and set(tool_filter) <= {"allowed_tool_names"}:
+        return list(tool_filter.get("allowed_tool_names") or [])
+    raise TypeError(
+        f"MCP server {server!r}: only a tool_filter of allowed_tool_names is kept by jetloop "
+        "(a blocked list or a callable filter is not)"
+    )
+
+
+async def _made_by_the_engine(ctx: Any, raw: str) -> Any:
+    raise RuntimeError("an MCP tool's call is a jetloop tool step, never the SDK's to make")
 
 
 def slug(text: str) -> str:
@@ -139,6 +195,9 @@ class Graph:
     handoffs: dict[str, Handoff[Any, Any]] = field(default_factory=dict)
     # The agent each handoff tool hands off to.
     targets: dict[str, str] = field(default_factory=dict)
+    # The SDK MCP server objects of every agent (by identity), and each agent's.
+    mcp_servers: dict[int, Any] = field(default_factory=dict)
+    mcp_of: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, start: Any) -> Graph:
@@ -153,11 +212,9 @@ class Graph:
                     raise ValueError(f"two different agents are named {a.name!r}")
                 continue
             graph.agents[a.name] = a
-            if getattr(a, "mcp_servers", None):
-                raise TypeError(
-                    f"agent {a.name!r}: MCP servers are not supported (their tools are only "
-                    "known at run time); wrap what you need as function tools"
-                )
+            for server in getattr(a, "mcp_servers", None) or []:
+                graph.mcp_servers[id(server)] = server
+                graph.mcp_of.setdefault(a.name, []).append(id(server))
             for t in a.tools:
                 graph._add_tool(a, t)
             for h in handoffs_of(a):
@@ -313,13 +370,35 @@ class SdkModel:
     step, for the agent the conversation says is active."""
 
     def __init__(
-        self, graph: Graph, provider: ModelProvider | None, context: Any, sticky: bool
+        self,
+        graph: Graph,
+        provider: ModelProvider | None,
+        context: Any,
+        sticky: bool,
+        mcp_servers: Mapping[int, MCPServer] | None = None,
     ) -> None:
         self.graph = graph
         self.provider = provider
         self.context = context
         self.sticky = sticky
+        self.mcp_servers = dict(mcp_servers or {})
         self._models: dict[str, Model] = {}
+
+    def mcp_tools(self, agent: SdkAgent[Any], request: ModelRequest) -> list[SdkTool]:
+        """The tools jetloop listed for this step from the agent's own MCP servers, as SDK
+        function tools the model is offered (the engine makes their calls, not the SDK)."""
+        servers = [self.mcp_servers[k] for k in self.graph.mcp_of.get(agent.name, [])]
+        return [
+            FunctionTool(
+                name=t.name,
+                description=t.description,
+                params_json_schema=t.parameters,
+                on_invoke_tool=_made_by_the_engine,
+                strict_json_schema=False,
+            )
+            for t in request.tools
+            if any(s.known(t.name) is not None for s in servers)
+        ]
 
     def estimate_tokens(self, messages: list[Message]) -> int:
         return rough_tokens(messages)
@@ -352,7 +431,12 @@ class SdkModel:
             items = conversation(request.messages)
             run = RunContextWrapper(context=self.context)
             system = await agent.get_system_prompt(run)
-            tools = await agent.get_all_tools(run)
+            if agent.mcp_servers:
+                # The SDK would connect to them: jetloop lists their tools instead.
+                tools = await agent.clone(mcp_servers=[]).get_all_tools(run)
+                tools += self.mcp_tools(agent, request)
+            else:
+                tools = await agent.get_all_tools(run)
             handoffs = await turn_preparation.get_handoffs(agent, run)
             output = turn_preparation.get_output_schema(agent)
             prompt = await agent.get_prompt(run)

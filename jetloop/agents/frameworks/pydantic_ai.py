@@ -15,6 +15,13 @@ The user's ``pydantic_ai.Agent`` stays as it is. jetloop's engine keeps the loop
   It runs through pydantic-ai's public ``ToolManager`` (argument validation, ``RunContext``
   with the wrapper's ``deps``), so ``ModelRetry`` and bad arguments reach the model as a failed
   call it can correct.
+- **MCP servers**: an ``MCPToolset`` among the agent's toolsets (over stdio, or a streamable
+  HTTP URL) is served by jetloop's own MCP client (``jetloop.agents.mcp``): its tools are
+  listed at every model step and offered to the model as pydantic-ai offers them, and each
+  call is a tool step with the effect the server's annotations give (``effects=`` overrides,
+  by tool name), the idempotency key in the request's ``_meta``. pydantic-ai does not connect
+  to it. An ``MCPToolset`` wrapped in another toolset (prefixed, filtered) is not recognised:
+  it is one of the other toolsets below.
 - **Approvals**: ``requires_approval=True`` (or a predicate in ``approvals=``) is a jetloop
   approval (AwaitToolApproval); the approved call runs with ``RunContext.tool_call_approved``.
 - **What cannot be deferred** runs inside RunModel and repeats when RunModel runs again
@@ -28,6 +35,7 @@ is installed; nothing in the core imports it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -43,12 +51,13 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
-from pydantic_ai import Agent as PydanticAgent
 from pydantic_ai import (
+    AbstractToolset,
     ApprovalRequired,
     CallDeferred,
     CallToolsNode,
     CombinedToolset,
+    ExternalToolset,
     FunctionToolset,
     ModelRetry,
     NativeOutput,
@@ -59,6 +68,7 @@ from pydantic_ai import (
     ToolOutput,
     ToolReturn,
 )
+from pydantic_ai import Agent as PydanticAgent
 from pydantic_ai import messages as pm
 from pydantic_ai import models as pmodels
 from pydantic_ai.capabilities import Hooks
@@ -69,12 +79,13 @@ from pydantic_ai.exceptions import (
     UserError,
 )
 from pydantic_ai.tool_manager import ToolManager
-from pydantic_ai.tools import ToolDenied
+from pydantic_ai.tools import ToolDefinition, ToolDenied
 from pydantic_ai.usage import RunUsage
 from pydantic_graph import End
 
 from jetloop.agents.adapters.history import Context, Exchange, UserText, conversation
 from jetloop.agents.agent import Agent, Limits, Trigger
+from jetloop.agents.mcp import MCPServer
 from jetloop.agents.model import Message, ModelRequest, ModelResponse, ToolCallRequest, rough_tokens
 from jetloop.agents.tools import Effect, Tool, ToolContext
 from jetloop.schemas.errors import ModelError, ProviderRejected, ProviderRetryable, ToolError
@@ -144,13 +155,19 @@ def durable(
     if not agent_name:
         raise ValueError("durable(agent): give name=... (the pydantic-ai agent has no name)")
     found = _function_tools(agent)
-    other_toolsets = any(not isinstance(ts, FunctionToolset) for ts in agent.toolsets)
+    mcp = _mcp_toolsets(agent)
+    other_toolsets = any(
+        not isinstance(ts, FunctionToolset) and ts not in mcp for ts in agent.toolsets
+    )
     unknown = sorted((set(effects) | set(approvals)) - set(found))
-    if unknown and not other_toolsets:
+    if unknown and not other_toolsets and not mcp:
         raise ValueError(f"durable({agent_name}): no tool named {', '.join(unknown)}")
+    servers = tuple(
+        _mcp_server(agent_name, i, ts, effects, approvals, max_attempts) for i, ts in enumerate(mcp)
+    )
     runner = _ToolRunner(agent, deps)
     tools: list[Tool] = []
-    for tool_name in [*found, *unknown]:
+    for tool_name in [*found, *(unknown if other_toolsets else [])]:
         pai_tool = found.get(tool_name)
         tools.append(
             _jetloop_tool(
@@ -165,13 +182,69 @@ def durable(
     return DurablePydanticAgent(
         name=agent_name,
         instructions=f"(the instructions of the pydantic-ai agent {agent_name})",
-        model=PydanticAIModel(agent, deps=deps),
+        model=PydanticAIModel(agent, deps=deps, mcp_servers=servers),
         tools=tuple(tools),
         limits=limits or Limits(),
         triggers=tuple(triggers),
+        mcp_servers=servers,
         pydantic_agent=agent,
         output_adapter=_output_adapter(agent.output_type),
     )
+
+
+# --- MCP servers ----------------------------------------------------------------------------
+
+
+def _mcp_toolsets(agent: PydanticAgent[Any, Any]) -> list[AbstractToolset[Any]]:
+    """The agent's ``MCPToolset``s (none when pydantic-ai's MCP support is not installed)."""
+    try:
+        from pydantic_ai.mcp import MCPToolset
+    except ImportError:
+        return []
+    return [ts for ts in agent.toolsets if isinstance(ts, MCPToolset)]
+
+
+def _mcp_server(
+    agent_name: str,
+    index: int,
+    toolset: Any,
+    effects: Mapping[str, Effect],
+    approvals: Mapping[str, ArgsPredicate],
+    max_attempts: int,
+) -> MCPServer:
+    """jetloop's MCP client for the server an ``MCPToolset`` names (its command or URL)."""
+    transport = toolset.client.transport
+    name = toolset.id or f"mcp{index}"
+    options: dict[str, Any] = {
+        "effects": effects,
+        "approval": {n: _args_predicate(p) for n, p in approvals.items()},
+        "max_attempts": max_attempts,
+    }
+    url = getattr(transport, "url", None)
+    command = getattr(transport, "command", None)
+    if isinstance(url, str) and type(transport).__name__ == "StreamableHttpTransport":
+        return MCPServer.http(name, url, headers=dict(transport.headers or {}), **options)
+    if isinstance(command, str):
+        return MCPServer.stdio(
+            name,
+            command,
+            list(transport.args or []),
+            env=transport.env,
+            cwd=str(transport.cwd) if transport.cwd else None,
+            **options,
+        )
+    raise ValueError(
+        f"durable({agent_name}): the MCP toolset {name!r} talks over "
+        f"{type(transport).__name__}; jetloop reaches MCP servers over stdio (a command) or "
+        "streamable HTTP (a URL)"
+    )
+
+
+def _args_predicate(pred: ArgsPredicate) -> Callable[[Any], bool]:
+    def needs(args: BaseModel) -> bool:
+        return bool(pred(args.model_dump()))
+
+    return needs
 
 
 # --- tools ----------------------------------------------------------------------------------
@@ -274,10 +347,12 @@ class _ToolRunner:
             run_id=ctx.turn_id,
             conversation_id=ctx.session_id,
         )
-        toolset = CombinedToolset(list(self.agent.toolsets))
+        # The agent's MCP toolsets are not among them: jetloop makes those calls itself.
+        mcp = _mcp_toolsets(self.agent)
+        toolset = CombinedToolset([ts for ts in self.agent.toolsets if ts not in mcp])
         token = _CALL.set(ctx)
         try:
-            async with toolset:  # an MCP server's connection, for this call
+            async with toolset:
                 manager = await ToolManager(
                     toolset=toolset, root_capability=self.agent.root_capability
                 ).for_run_step(run_ctx)
@@ -312,9 +387,31 @@ class _ToolRunner:
 class PydanticAIModel:
     """The jetloop model adapter of a pydantic-ai agent: one model request per RunModel step."""
 
-    def __init__(self, agent: PydanticAgent[Any, Any], *, deps: Any) -> None:
+    def __init__(
+        self,
+        agent: PydanticAgent[Any, Any],
+        *,
+        deps: Any,
+        mcp_servers: Sequence[MCPServer] = (),
+    ) -> None:
         self.agent = agent
         self.deps = deps
+        self.mcp_servers = tuple(mcp_servers)
+
+    def _toolsets(self, request: ModelRequest) -> list[AbstractToolset[Any]]:
+        """The agent's toolsets for one model request, its MCP toolsets replaced by the tools
+        jetloop listed for this step (offered as external tools: the engine makes the calls)."""
+        own = getattr(self.agent, "_function_toolset", None)
+        mcp = _mcp_toolsets(self.agent)
+        kept = [ts for ts in self.agent.toolsets if ts is not own and ts not in mcp]
+        listed = [
+            ToolDefinition(
+                name=t.name, description=t.description, parameters_json_schema=t.parameters
+            )
+            for t in request.tools
+            if any(s.known(t.name) is not None for s in self.mcp_servers)
+        ]
+        return [*kept, ExternalToolset(listed)] if listed else kept
 
     def model_name(self) -> str | None:
         """The agent's model's name, as the usage ledger prices it (None: it has none)."""
@@ -361,6 +458,21 @@ class PydanticAIModel:
             )
             return request_context
 
+        overridden = (
+            self.agent.override(toolsets=self._toolsets(request))
+            if self.mcp_servers
+            else contextlib.nullcontext()
+        )
+        with overridden:
+            return await self._run(history, request, output_tools, note_output_tools)
+
+    async def _run(
+        self,
+        history: list[pm.ModelMessage],
+        request: ModelRequest,
+        output_tools: set[str],
+        note_output_tools: Any,
+    ) -> ModelResponse:
         async with self.agent.iter(
             None,
             message_history=history,

@@ -51,6 +51,15 @@ def _save(state: dict[str, Any]) -> None:
     tmp.replace(f)
 
 
+def _append(line: dict[str, Any]) -> None:
+    log = os.environ.get("MCP_LEDGER_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
 async def _invoked(tool: str, args: dict[str, Any], ctx: Context) -> None:
     """Log the invocation (durably, before it acts), then wait as asked."""
     meta = ctx.request_context.meta or {}
@@ -62,12 +71,7 @@ async def _invoked(tool: str, args: dict[str, Any], ctx: Context) -> None:
         "pid": os.getpid(),
         "authorization": headers.get("authorization"),
     }
-    log = os.environ.get("MCP_LEDGER_LOG")
-    if log:
-        with open(log, "a") as f:
-            f.write(json.dumps(line) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+    _append(line)
     delay = float(os.environ.get("MCP_LEDGER_DELAY", "0") or 0)
     if delay:
         await asyncio.sleep(delay)

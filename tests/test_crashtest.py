@@ -25,6 +25,8 @@ from tests.test_readme import blocks
 
 pytestmark = pytest.mark.timeout(240)
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
 
 @pytest.fixture
 def in_app_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -97,6 +99,34 @@ async def test_a_wrong_declaration_fails_with_the_calls_made_twice(in_app_dir: P
         "repeated_calls",
         "outcome_unknown",
     }
+
+
+async def test_the_readme_mcp_agent_passes(in_app_dir: Path) -> None:
+    """The README's `bank.py`: its tools come from the example MCP server, run by each worker
+    over stdio. Killed at each boundary: pass; the server's own log (one line per invocation,
+    with the `_meta` key) shows the single-attempt `transfer` never made twice for one call,
+    and the idempotent `set_limit` made again only with the same key."""
+    files, _ = blocks()
+    (in_app_dir / "bank.py").write_text(files["bank.py"])
+    (in_app_dir / "examples").symlink_to(EXAMPLES)
+    report = await crash_test_async(
+        "bank:app",
+        [Message(None, "pay 500 from acct-1")],
+        vendor_dedupes=["set_limit"],
+        quick=True,
+        seed=36,
+        work_dir=in_app_dir / "run",
+    )
+    print(format_report(report))
+    assert report.ok, report.failures
+    assert report.tools["transfer"].outcome_unknown >= 1
+    log = [json.loads(ln) for ln in (in_app_dir / "ledger-log.jsonl").read_text().splitlines()]
+    by_key: dict[str, list[str]] = {}
+    for line in log:
+        by_key.setdefault(line["key"], []).append(line["tool"])
+    transfers = [k for k, tools in by_key.items() if "transfer" in tools]
+    assert transfers and all(by_key[k] == ["transfer"] for k in transfers)
+    assert any(tools.count("set_limit") > 1 for tools in by_key.values()), "made again, same key"
 
 
 async def test_the_demo_app_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,8 +58,11 @@ async def test_readme_app_and_client_run(
     prints what the README says it prints and nothing on stderr; "one turn's events" are that
     turn's alone, though the session had a turn before."""
     files, _ = blocks()
-    # shop.py and test_shop.py, the crash test's example, are run by tests/test_crashtest.py.
-    assert set(files) == {"myapp.py", "client.py", "shop.py", "test_shop.py"}, sorted(files)
+    # shop.py and test_shop.py, the crash test's example, and bank.py, the MCP example, are
+    # run by tests/test_crashtest.py.
+    assert set(files) == {"myapp.py", "client.py", "shop.py", "test_shop.py", "bank.py"}, sorted(
+        files
+    )
     for name in ("myapp.py", "client.py"):
         (tmp_path / name).write_text(files[name])
     path = os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])

@@ -155,6 +155,7 @@ def watch(app: App, ledger: Ledger, faults: Faults | None = None) -> App:
     faults = faults or Faults()
     agents = []
     for agent in app.agents.values():
+
         def wrap(t: Tool) -> Tool:
             return watched_tool(t, ledger, faults) if t.kind in WATCHED else t
 

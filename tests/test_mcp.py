@@ -9,7 +9,6 @@ tests/test_matrix.py; a crash test of an MCP agent is in tests/test_crashtest.py
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import sys
@@ -174,13 +173,17 @@ async def test_a_tool_the_server_no_longer_lists_is_not_made(
     assert keys_of(ledger.log, "close_account") == []
 
 
+@pytest.mark.parametrize("transport", ["stdio", "http"])
 async def test_the_mcp_server_killed_mid_call(
-    ledger: Ledger, workers: WorkerFactory, client: Client
+    transport: str, ledger: Ledger, workers: WorkerFactory, client: Client
 ) -> None:
-    """The stdio server is SIGKILLed while a call of each tool runs in it: each call is
-    settled by its effect — the read and the idempotent write made again (the same key), the
-    single-attempt write recorded `outcome_unknown` and never sent again — and the next call
-    is made on a new server process, without user code."""
+    """The server is SIGKILLed while a call of each tool runs in it (over stdio the worker's
+    child; over HTTP the test's process, started again at once): each call is settled by its
+    effect — the read and the idempotent write made again (the same key), the single-attempt
+    write recorded `outcome_unknown` and never sent again — and the next call is made on a new
+    server process, without user code."""
+    if transport == "http":
+        ledger.start_http(MCP_LEDGER_DELAY="2")
     workers.start(app=APP, env=ledger.env(MCP_LEDGER_DELAY="2"))
     handles = {
         tool: await client.send("tester", f"s-{tool}", script([call(tool, **args)]))
@@ -195,6 +198,9 @@ async def test_the_mcp_server_killed_mid_call(
     assert len(pids) == 1
     (pid,) = pids
     os.kill(pid, signal.SIGKILL)
+    if transport == "http":
+        ledger.stop()
+        ledger.start_http(MCP_LEDGER_DELAY="2")
     results = {tool: await client.wait(h, timeout=90) for tool, h in handles.items()}
     status = {t: body(r.text)["seen"][0]["status"] for t, r in results.items()}
     assert status == {"balance": "ok", "set_limit": "ok", "transfer": "outcome_unknown"}
@@ -211,4 +217,3 @@ async def test_the_mcp_server_killed_mid_call(
     )
     assert body(res.text)["seen"][0]["status"] == "ok"
     assert invocations(ledger.log)[-1]["pid"] != pid
-    await asyncio.sleep(0)

@@ -217,3 +217,28 @@ async def test_the_mcp_server_killed_mid_call(
     )
     assert body(res.text)["seen"][0]["status"] == "ok"
     assert invocations(ledger.log)[-1]["pid"] != pid
+
+
+async def test_tools_no_provider_accepts_are_left_out() -> None:
+    """A server (here a stub of one: names are the server's to choose) that lists a tool
+    under a name no model provider accepts, or two tools under one name: those are left out,
+    the others offered; the list is read page by page."""
+    from mcp_types import ListToolsResult
+    from mcp_types import Tool as McpTool
+
+    def tool(name: str) -> McpTool:
+        return McpTool(name=name, input_schema={"type": "object"})
+
+    pages = {
+        None: ListToolsResult(tools=[tool("fine"), tool("has space")], next_cursor="2"),
+        "2": ListToolsResult(tools=[tool("x" * 65), tool("fine"), tool("a.b"), tool("ok-2")]),
+    }
+
+    class Listing:
+        async def list_tools(self, cursor: str | None = None) -> ListToolsResult:
+            return pages[cursor]
+
+    server = MCPServer("stub", url="http://127.0.0.1:1/mcp")
+    listed = await server.list_tools_with(Listing())  # type: ignore[arg-type]
+    assert [t.name for t in listed] == ["fine", "ok-2"]
+    assert all(t.effect is Effect.NON_IDEMPOTENT_WRITE for t in listed)

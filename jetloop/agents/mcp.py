@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,9 @@ log = structlog.get_logger("jetloop.mcp")
 META_IDEMPOTENCY_KEY = "dev.jetloop/idempotency-key"
 META_CALL_ID = "dev.jetloop/call-id"
 META_ATTEMPT = "dev.jetloop/attempt"
+
+# The tool names every model provider accepts (OpenAI's and Anthropic's rule).
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # How many pages of a tool list are read before the rest is ignored (a server that pages
 # forever must not stall a model step).
@@ -212,6 +216,12 @@ class MCPServer:
         tools: dict[str, Tool] = {}
         for t in listed:
             if self.include is not None and t.name not in self.include:
+                continue
+            name = f"{self.prefix}{t.name}"
+            if not TOOL_NAME.fullmatch(name) or name in tools:
+                # A name no model provider accepts (or a second tool of one name) would fail
+                # every model step of the agent: the tool is left out, and said so.
+                log.warning("mcp.tool_refused", server=self.name, tool=name[:100])
                 continue
             made = self._tool_of(t)
             tools[made.name] = made

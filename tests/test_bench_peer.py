@@ -107,3 +107,31 @@ def test_jetloop_on_several_workers_is_named_in_the_table_and_the_target() -> No
     assert "through 2 worker processes." in text
     (target,) = judge(BenchReport(machine={}, peer=result))
     assert target.measured.endswith("; jetloop on 2 workers")
+
+
+def test_what_a_turn_costs_is_counted_and_shown() -> None:
+    """Messages and CPU per turn: a batch's cost is the difference of two readings over its
+    turns; CPU time comes from /proc (this process has spent some); the table shows each
+    metered system per load, and `n/a` where a process's CPU could not be read."""
+    import os
+
+    from jetloop.tooling.bench.costs import Cost, Reading, cpu_seconds
+
+    assert (cpu_seconds(os.getpid()) or 0.0) > 0.0
+    assert cpu_seconds(2**22 + 12345) is None  # no such process
+    cost = Cost()
+    cost.add(Reading(100, 200, 1.0, 2.0, 0.5), Reading(800, 1400, 1.05, 2.1, 0.51), 10)
+    per = cost.per_turn()
+    assert per["in_msgs"] == 70 and per["out_msgs"] == 120
+    assert (
+        round(per["server_cpu_ms"] or 0, 3) == 5.0 and round(per["worker_cpu_ms"] or 0, 3) == 10.0
+    )
+    unread = Cost()
+    unread.add(Reading(0, 0, None, 1.0, 0.0), Reading(7, 9, None, 1.5, 0.0), 1)
+    assert unread.per_turn()["server_cpu_ms"] is None
+
+    result = _result()
+    result.costs = {"50 in flight": {JETLOOP: per, "floor": unread.per_turn()}}
+    text = render(result)
+    assert "| jetloop, 50 in flight | 70.0 | 120.0 | 5.0 | 10.0 | 1.0 |" in text
+    assert "| floor, 50 in flight | 7.0 | 9.0 | n/a | 500.0 | 0.0 |" in text

@@ -57,8 +57,18 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
+from jetloop.tooling.bench.costs import Cost
 from jetloop.tooling.bench.restate import side as restate_side
-from jetloop.tooling.bench.rig import STEPS_OF, TURN_KINDS, Latency, Rig, run_batch, tag
+from jetloop.tooling.bench.rig import (
+    STEPS_OF,
+    TURN_KINDS,
+    Latency,
+    Rig,
+    count_ops,
+    run_batch,
+    start_sized_floor,
+    tag,
+)
 
 FAN = TURN_KINDS["7-step"]
 STEPS = STEPS_OF[FAN]  # 2 model steps + 5 tool steps
@@ -73,6 +83,11 @@ INSTALL_DBOS = "pip install -e '.[peer]'"
 # --- results -------------------------------------------------------------------------------
 
 JETLOOP, RESTATE, DBOS = "jetloop", "Restate", "DBOS"
+# The same turn on raw JetStream (``jetloop.tooling.bench.floor``): the same CAS writes,
+# publishes and acks as the engine's, nothing else; the floor a step's messages cannot go under.
+FLOOR = "floor"
+# The systems whose every message and CPU second on this machine the bench can count.
+METERED = (JETLOOP, FLOOR)
 
 
 @dataclass
@@ -135,6 +150,9 @@ class PeerResult:
     chunks: int  # batches of each system per load, alternating
     steps_per_turn: int = STEPS
     workers: int = 1  # jetloop's worker processes
+    # load → system (jetloop, floor) → per turn: server messages in and out, CPU ms of the
+    # server, the workers and the driving client (jetloop.tooling.bench.costs).
+    costs: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -242,12 +260,15 @@ async def peer_side_by_side(
     peers: list[str] | None = None,
     skipped: list[str] | None = None,
     workers: int = 1,
+    floor: bool = True,
 ) -> PeerResult:
     """The 7-step turn on jetloop (``workers`` worker processes) and on each installed peer
     (Restate, DBOS),
     sequential and ``in_flight`` at once, their batches alternating in ``chunks``; each
     system is warmed up first, and the jetloop side is quiet (every trailing step acked)
-    before each batch of any system."""
+    before each batch of any system. With ``floor`` the raw JetStream floor runs the same
+    batches too; the messages and CPU time of jetloop's batches and the floor's are counted
+    (``PeerResult.costs``)."""
     if peers is None:
         peers, skipped = available()
     load_before = os.getloadavg()
@@ -263,6 +284,17 @@ async def peer_side_by_side(
 
         runners: dict[str, BatchRunner] = {JETLOOP: jetloop_batch}
         await jetloop_batch(WARM_TURNS, WARM_IN_FLIGHT)
+        if floor:
+            # Sized to store what the engine stores per write and per message.
+            await start_sized_floor(r, await count_ops(r, r.engine_turn, FAN, 20, True))
+
+            async def floor_batch(turns: int, width: int) -> tuple[list[float], float]:
+                b = await run_batch(r.floor_turn, FAN, turns, width, tag("floor"))
+                return b.latencies, b.wall
+
+            await floor_batch(WARM_TURNS, WARM_IN_FLIGHT)
+            versions[FLOOR] = "the raw JetStream floor (the engine's writes, publishes, acks)"
+            runners[FLOOR] = floor_batch
         if restate is not None:
             side = restate
 
@@ -289,15 +321,24 @@ async def peer_side_by_side(
             versions[DBOS] = f"DBOS Transact {dbos.hello['dbos_version']} (SQLite)"
             runners[DBOS] = dbos_batch
         rows = []
+        meters = {JETLOOP: r.meter(engine=True), FLOOR: r.meter(engine=False)}
+        costs: dict[str, dict[str, dict[str, float | None]]] = {}
         for load, total, width in (
             ("sequential", sequential, 1),
             (f"{in_flight} in flight", concurrent, in_flight),
         ):
             samples = {name: Samples() for name in runners}
+            spent = {name: Cost() for name in runners if name in METERED}
             for _ in range(chunks):
                 for name, run in runners.items():
                     await r.quiet()
+                    before = await meters[name].read() if name in spent else None
                     samples[name].add(*await run(total // chunks, width))
+                    if before is not None:
+                        # Once the trailing steps are acked too: they are the turn's.
+                        await r.quiet()
+                        spent[name].add(before, await meters[name].read(), total // chunks)
+            costs[load] = {name: c.per_turn() for name, c in spent.items()}
             rows.append(
                 PeerRow(
                     load=load,
@@ -313,6 +354,7 @@ async def peer_side_by_side(
             await dbos.stop()
         if restate is not None:
             await restate.stop()
+        r.stop_floor()
         r.stop_workers()
     return PeerResult(
         rows=rows,
@@ -326,6 +368,7 @@ async def peer_side_by_side(
         cores=os.cpu_count() or 0,
         chunks=chunks,
         workers=workers,
+        costs=costs,
     )
 
 
@@ -395,9 +438,39 @@ def format_peer(result: PeerResult) -> str:
         f" {_load(result.load_before)} at the start, {_load(result.load_after)} at the end."
     )
     lines += ["", " ".join(notes)]
+    lines += _cost_lines(result)
     if result.skipped:
         lines += ["", *result.skipped]
     return "\n".join(lines)
+
+
+def _cost_lines(result: PeerResult) -> list[str]:
+    """What a turn cost, per system the bench can count (jetloop, the floor), per load."""
+    if not result.costs:
+        return []
+    lines = [
+        "",
+        "| per turn | server msgs in | server msgs out | server CPU ms | worker CPU ms |"
+        " client CPU ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for load, systems in result.costs.items():
+        for name, c in systems.items():
+            cells = " | ".join(
+                "n/a" if c[k] is None else f"{c[k]:,.1f}"
+                for k in ("in_msgs", "out_msgs", "server_cpu_ms", "worker_cpu_ms", "client_cpu_ms")
+            )
+            lines.append(f"| {name}, {load} | {cells} |")
+    lines += [
+        "",
+        "Messages are the server's per-connection counters over each batch (every connection"
+        " but the bench's probe, the client's included), until the batch's trailing steps were"
+        " acked; CPU is each process's user + system time (/proc) over the same span (the"
+        " workers: jetloop's worker processes, or the floor's one). The"
+        " client is the bench's driver: it publishes each turn request and hears its end on a"
+        " core subscription, as the floor's driver does.",
+    ]
+    return lines
 
 
 def _ms(v: float) -> str:

@@ -41,6 +41,7 @@ from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.streams import topology
 from jetloop.streams.bus import H_TURN
 from jetloop.tooling.bench import floor as bench_floor
+from jetloop.tooling.bench.costs import PROBE_NAME, Meter
 from jetloop.tooling.trials.harness import WorkerProcess
 from jetloop.tooling.trials.run import percentile
 from jetloop.tooling.trials.servers import write_namespaced_config
@@ -194,6 +195,9 @@ class Rig:
         self.workers: list[WorkerProcess] = []
         self.floor: subprocess.Popen[bytes] | None = None
         self._nc: Nats | None = None
+        # The connection that asks for consumer and stream state (``quiet``, ``counters``):
+        # apart, so that what a batch costs is counted without the bench's own questions.
+        self._probe: Nats | None = None
         self.engine_ends: Ends | None = None
         self.floor_ends: Ends | None = None
         self._ids = 0
@@ -207,10 +211,29 @@ class Rig:
     def js(self) -> JetStreamContext:
         return self.nc.jetstream()
 
+    @property
+    def probe(self) -> JetStreamContext:
+        assert self._probe is not None, "the rig is not running"
+        return self._probe.jetstream()
+
+    def meter(self, engine: bool = True) -> Meter:
+        """What batches cost: the server's messages, and the server's, this process's and
+        the workers' CPU time — the engine's worker processes, or (``engine=False``) the
+        floor's process (``jetloop.tooling.bench.costs``)."""
+        assert self.server.proc is not None
+
+        def worker_pids() -> list[int]:
+            if not engine:
+                return [self.floor.pid] if self.floor is not None else []
+            return [w.proc.pid for w in self.workers if w.proc is not None]
+
+        return Meter(self.monitor_port, self.server.proc.pid, worker_pids)
+
     async def start(self) -> None:
         await asyncio.to_thread(self.server.start)
         await self.server.wait_jetstream()
         self._nc = await nats.connect(self.server.url, name="jetloop-bench")
+        self._probe = await nats.connect(self.server.url, name=PROBE_NAME)
         await topology.apply(self.js, topology.TopologyConfig())
         await bench_floor.apply_topology(self.js)
         self.engine_ends = Ends(self.nc, "jl.event.*.turn.*")
@@ -221,8 +244,9 @@ class Rig:
     async def close(self) -> None:
         self.stop_workers()
         self.stop_floor()
-        if self._nc is not None and not self._nc.is_closed:
-            await self._nc.close()
+        for nc in (self._nc, self._probe):
+            if nc is not None and not nc.is_closed:
+                await nc.close()
         self.server.kill()
 
     # workers
@@ -335,7 +359,7 @@ class Rig:
         while True:
             busy = 0
             for stream, name in consumers:
-                info = await self.js.consumer_info(stream, name)
+                info = await self.probe.consumer_info(stream, name)
                 busy += (info.num_pending or 0) + (info.num_ack_pending or 0)
             if busy == 0:
                 return
@@ -357,14 +381,14 @@ class Rig:
             "acks": 0,
         }
         for s in streams:
-            st = (await self.js.stream_info(s)).state
+            st = (await self.probe.stream_info(s)).state
             out["pub"] += st.last_seq
             out["pub_bytes"] += st.bytes
             out["pub_msgs"] += st.messages
-        st = (await self.js.stream_info(kv)).state
+        st = (await self.probe.stream_info(kv)).state
         out["kv"], out["kv_bytes"], out["kv_msgs"] = st.last_seq, st.bytes, st.messages
         for stream, name in consumers:
-            info = await self.js.consumer_info(stream, name)
+            info = await self.probe.consumer_info(stream, name)
             out["acks"] += info.delivered.consumer_seq if info.delivered else 0
         return out
 
@@ -383,7 +407,7 @@ class Rig:
         """Bytes stored in every jetloop stream and bucket."""
         total = 0
         for s in (*ENGINE_STREAMS, KV_STREAM, BLOB_STREAM):
-            total += (await self.js.stream_info(s)).state.bytes
+            total += (await self.probe.stream_info(s)).state.bytes
         return total
 
 

@@ -148,8 +148,9 @@ class MCPServer:
         cwd: str | None = None,
         **options: Any,
     ) -> MCPServer:
-        """A server the worker runs as a subprocess and talks to over stdio. ``env`` is its
-        whole environment (None: the MCP SDK's safe default, PATH, HOME and a few more)."""
+        """A server the worker runs as a subprocess and talks to over stdio. Its environment
+        is the MCP SDK's safe default (PATH, HOME and a few more) with ``env`` over it, never
+        the worker's own (its seal key and credentials stay in the worker)."""
         return cls(name, command=command, args=args, env=env, cwd=cwd, **options)
 
     @classmethod

@@ -129,10 +129,15 @@ class Intake:
         while not self._ready.empty():
             left.append(self._ready.get_nowait())
         if self._js is not None:
-            js, self._js = self._js, None
+            self._js = None
+            # Asked, not awaited: a role that may not delete consumers (a client's, an
+            # operator's) is refused without an answer, and awaiting one would wait out the
+            # request's timeout (5 s) at the end of every read. Refused, gone already or no
+            # server now: the consumer ages out by its inactive threshold.
+            subject = f"$JS.API.CONSUMER.DELETE.{self.stream}.{self.consumer}"
             try:
-                await js.delete_consumer(self.stream, self.consumer)
-            except Exception:  # gone already, or no server now: it ages out by itself
+                await self.nc.publish(subject, b"", reply=self.nc.new_inbox())
+            except Exception:
                 pass
         return left
 

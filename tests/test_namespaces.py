@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nats
@@ -163,14 +164,17 @@ async def test_two_namespaces_on_one_up_are_kept_apart(
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     url = ["--nats", f"nats://127.0.0.1:{up.port}", "--namespace", "a"]
-    for args in (
+    refusals = (
         ["snapshot", "sa"],
         ["approve", "sa", approval_id],
         ["answer", "sa", "q1", "yes"],
         ["cancel", "sa"],
         ["send", "--agent", "demo", "--session", "sa", "hello"],
-    ):
-        out = await asyncio.to_thread(cli, elsewhere, *args, *url, **as_user(b))
+    )
+    outs = await asyncio.gather(
+        *(asyncio.to_thread(cli, elsewhere, *args, *url, **as_user(b)) for args in refusals)
+    )
+    for args, out in zip(refusals, outs, strict=True):
         assert out.returncode == 1, (args, out)
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and "namespace 'b', not 'a'" in lines[0], (args, out.stderr)
@@ -227,18 +231,26 @@ def test_namespace_names_and_credentials(tmp_path: Path) -> None:
     """A name no account, user or file can hold is refused in one line; a namespace is made
     once; its credentials are 0600 and name their users; the default one is always there."""
     store = tmp_path / ".jetloop"
-    for bad in ("", "A", "a.b", "../x", "-a", "x" * 41, "a b"):
-        out = cli(tmp_path, "namespace", "create", bad)
+    bads = ("", "A", "a.b", "../x", "-a", "x" * 41, "a b")
+    # Refused, so independent of one another: run side by side.
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda bad: cli(tmp_path, "namespace", "create", bad), bads))
+    for bad, out in zip(bads, outs, strict=True):
         assert out.returncode != 0 and len(out.stderr.strip().splitlines()) >= 1, (bad, out)
         assert "Traceback" not in out.stderr, out.stderr
     made = cli(tmp_path, "namespace", "create", "acme")
     assert made.returncode == 0, made.stderr
     again = cli(tmp_path, "namespace", "create", "acme")
     assert again.returncode == 1 and again.stderr.strip() == "Error: namespace 'acme' exists"
-    for who in ("worker", "operator"):
-        out = cli(tmp_path, "namespace", "credential", "acme", who)
-        assert out.returncode == 1 and "reserved" in out.stderr, out
-    out = cli(tmp_path, "namespace", "credential", "nope", "alice")
+    with ThreadPoolExecutor(2) as pool:
+        reserved = pool.map(
+            lambda who: cli(tmp_path, "namespace", "credential", "acme", who),
+            ("worker", "operator"),
+        )
+        nope = pool.submit(cli, tmp_path, "namespace", "credential", "nope", "alice")
+        for out in reserved:
+            assert out.returncode == 1 and "reserved" in out.stderr, out
+        out = nope.result()
     assert out.returncode == 1 and "no namespace 'nope'" in out.stderr, out
     assert cli(tmp_path, "namespace", "credential", "acme", "alice").returncode == 0
     for path in (store / "namespaces").glob("*.json"):

@@ -23,7 +23,7 @@ from jetloop.streams import topology
 from jetloop.streams.connection import connect
 from jetloop.streams.state import StateStore, call_state_key, session_key
 from jetloop.tooling.trials.harness import WorkerProcess
-from tests.conftest import WorkerFactory, body, call, script, until
+from tests.conftest import LEASE, WorkerFactory, body, call, script, until
 from tests.fakes import FakeOpenAIChat, Reply, Stall
 from tests.paused import paused
 from tests.test_models_engine import model_env
@@ -232,6 +232,9 @@ async def test_write_whose_reply_was_lost_is_read_back(nats_ready: EmbeddedServe
         js = nc.jetstream(timeout=0.5)
         kv = await js.key_value(topology.STATE_BUCKET)
         store = StateStore(js, kv, retry_for=30.0)
+        # Its writes and read-backs wait as a worker's with the tests' 2 s lease do (a quarter
+        # of it): each try while the server is stopped costs 1 s, not 5.5 s (5 s defaults).
+        store.write_timeout = store.read_timeout = LEASE / 4
         key = session_key("lr")
         first = await store.write(key, SessionRecord(session_id="lr", agent="tester"), None)
         moved = SessionRecord(session_id="lr", agent="tester", turns_done=1)

@@ -127,7 +127,10 @@ async def test_live_holder_is_never_taken_over(
 
     async def both_waited() -> bool:
         # Either worker may get a copy: the other one waits for the live holder, the holder
-        # itself knows it still runs the step.
+        # itself knows it still runs the step. A copy that settled the call instead fails
+        # at once (the holder is held inside the tool: nothing else may record the call).
+        settled = [ln for w in (holder, other) for ln in w.find("call.recorded")]
+        assert settled == [], f"a copy settled the call its live holder runs: {settled}"
         waited = {
             ln["seq"]
             for w in (holder, other)
@@ -199,6 +202,8 @@ async def test_a_holder_past_its_lease_but_beating_is_live(
     await js.publish(raw.subject, raw.data, headers={**hdrs, "Nats-Msg-Id": f"copy.{seq}"})
 
     async def waited() -> bool:
+        settled = other.find("call.recorded") + holder.find("call.recorded")
+        assert settled == [], f"a copy settled the call its live holder runs: {settled}"
         return any(
             ln["event"] == "step.retry_later" and "is alive" in str(ln.get("reason"))
             for ln in other.lines()

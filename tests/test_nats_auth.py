@@ -22,6 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
 
 from jetloop.demo.vendor import Vendor
 from jetloop.schemas import ApprovalRecord
@@ -40,6 +41,22 @@ from tests.test_seal_key import Up, cancelled_then_next_completes, env_without_k
 from tests.test_up import wait_ready
 
 NO_CREDENTIALS = ("JETLOOP_NATS_USER", "JETLOOP_NATS_PASSWORD")
+
+# A refused publish or request gets no answer: it fails when its wait for one ends. The
+# refusal itself is the server's permissions violation, which each check reads from the
+# connection's errors; so the refused ones wait this long, not the reads' 2 s.
+REFUSED_WAIT = 0.5
+
+
+def forger(nc: NATS) -> KeyValue:
+    """The state bucket, for a put that is to be refused (it gives up after REFUSED_WAIT)."""
+    return KeyValue(
+        name=STATE_BUCKET,
+        stream=f"KV_{STATE_BUCKET}",
+        pre=f"$KV.{STATE_BUCKET}.",
+        js=nc.jetstream(timeout=REFUSED_WAIT),
+        direct=True,
+    )
 
 
 @pytest.fixture
@@ -126,9 +143,9 @@ async def test_roles_of_the_embedded_server(up: Up) -> None:
         kv = await js.key_value(STATE_BUCKET)
         steps_before = (await js.stream_info(STEPS_STREAM)).state.last_seq
         with pytest.raises(NatsError):
-            await kv.put("session.s1", b"forged")
+            await forger(nc).put("session.s1", b"forged")
         with pytest.raises(NatsError):
-            await js.publish("jl.step.tool.demo.call.s1", b"forged")
+            await js.publish("jl.step.tool.demo.call.s1", b"forged", timeout=REFUSED_WAIT)
         await nc.flush()
         # (nats-py lowercases the server's error)
         violations = [e.lower() for e in errors if "permissions violation" in e.lower()]
@@ -156,7 +173,7 @@ async def test_roles_of_the_embedded_server(up: Up) -> None:
         js = nc.jetstream(timeout=2)
         assert (await js.stream_info(STEPS_STREAM)).config.name == STEPS_STREAM
         with pytest.raises(NatsError):
-            await js.publish("jl.turn.demo.s3", b"{}")
+            await js.publish("jl.turn.demo.s3", b"{}", timeout=REFUSED_WAIT)
         await nc.flush()
         assert any("jl.turn.demo.s3" in e for e in errors), errors
     finally:
@@ -171,7 +188,9 @@ async def test_roles_of_the_embedded_server(up: Up) -> None:
         before = (await js.stream_info(f"KV_{STATE_BUCKET}")).state.messages
         assert before > 0
         with pytest.raises(NatsError):
-            await js.purge_stream(f"KV_{STATE_BUCKET}", subject=f"$KV.{STATE_BUCKET}.session.s1")
+            await nc.jetstream(timeout=REFUSED_WAIT).purge_stream(
+                f"KV_{STATE_BUCKET}", subject=f"$KV.{STATE_BUCKET}.session.s1"
+            )
         await nc.flush()
         assert any(f"$js.api.stream.purge.kv_{STATE_BUCKET}" in e.lower() for e in errors), errors
         assert (await js.stream_info(f"KV_{STATE_BUCKET}")).state.messages >= before
@@ -297,9 +316,8 @@ async def test_a_client_without_the_seal_key_decides_through_the_workers(
         await cancelled_then_next_completes(c, "cx", turn_id)
 
         # The same credential still cannot write state itself.
-        kv = await nc.jetstream(timeout=2).key_value(STATE_BUCKET)
         with pytest.raises(NatsError):
-            await kv.put("session.ap", b"forged")
+            await forger(nc).put("session.ap", b"forged")
         await nc.flush()
         assert any(
             "permissions violation" in e and f"$kv.{STATE_BUCKET}.session.ap" in e for e in errors
@@ -489,9 +507,8 @@ async def test_credentials_for_servers_started_elsewhere(tmp_path: Path) -> None
             max_reconnect_attempts=0,
         )
         try:
-            kv = await client_nc.jetstream(timeout=2).key_value(STATE_BUCKET)
             with pytest.raises(NatsError):
-                await kv.put("session.s1", b"forged")
+                await forger(client_nc).put("session.s1", b"forged")
             await client_nc.flush()
             assert any(
                 "permissions violation" in e and f"$kv.{STATE_BUCKET}.session.s1" in e

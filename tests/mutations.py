@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-IGNORED = (".git", ".venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", "*.pyc")
+IGNORED = (".git", ".venv", ".pytest_cache", ".mypy_cache", ".ruff_cache")
 MATRIX = "tests/test_matrix.py::test_matrix"
 
 
@@ -528,12 +528,28 @@ def apply(m: Mutation, root: Path) -> None:
             f"{m.name}: the snippet is found {found} times in {m.path} (it must be once)"
         )
     target.write_text(text.replace(m.find, m.replace))
+    # Its copied bytecode goes too: what runs is compiled from the mutated source, whatever
+    # the timestamps say.
+    for cached in (target.parent / "__pycache__").glob(f"{target.stem}.*.pyc"):
+        cached.unlink()
 
 
 def copy_tree(dest: Path) -> Path:
     tree = dest / "jetloop"
-    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(*IGNORED), symlinks=True)
+    shutil.copytree(ROOT, tree, ignore=_ignored, symlinks=True)
     return tree
+
+
+def _ignored(directory: str, names: list[str]) -> set[str]:
+    """What ``copy_tree`` leaves out. The package's bytecode caches are copied: the copy's
+    interpreters then compile only what changed (the mutated module, whose cache ``apply``
+    removes), not the whole package, at every mutation; Python names the copy's source in
+    what it loads from them. The tests' are not (pytest's rewritten modules would name the
+    original's files in their tracebacks)."""
+    out = set(shutil.ignore_patterns(*IGNORED)(directory, names))
+    if Path(directory).resolve().is_relative_to(ROOT / "tests"):
+        out |= {n for n in names if n == "__pycache__" or n.endswith(".pyc")}
+    return out
 
 
 def env_for(tree: Path) -> dict[str, str]:

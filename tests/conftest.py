@@ -109,7 +109,9 @@ async def prepare(nc: Any, cfg: topology.TopologyConfig) -> None:
     async def once() -> None:
         await topology.apply(nc.jetstream(), cfg)
         registry = await Registry.open(nc.jetstream())
-        await registry.declare([*test_app.agents, *demo_app.agents], "tests")
+        # (`tester_http`: tests/apps_mcp.py's agent that reaches an MCP server over HTTP,
+        # served only when a test runs that server.)
+        await registry.declare([*test_app.agents, *demo_app.agents, "tester_http"], "tests")
 
     await retrying(once, 30.0, "test topology")
 

@@ -35,7 +35,7 @@ from jetloop.streams import topology
 from jetloop.streams.connection import connect
 from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import LEASE, WorkerFactory, body, call, prepare, script, until
-from tests.mcp_ledger import Ledger, keys_of
+from tests.mcp_ledger import Ledger, invocations
 
 MODES = ("worker_kill", "server_restart", "takeover")
 
@@ -461,64 +461,59 @@ MCP_CALLS = {
 }
 
 
-async def mcp_while_running(rig: Rig, transport: str) -> None:
+async def mcp_while_running(rig: Rig) -> None:
     """A call of each effect among an MCP server's tools (tests/apps_mcp.py: the example
-    ledger server, over stdio or streamable HTTP), each in a session of its own, all held
-    after the server made them and before their outcomes are committed; then the column's
-    failure. Judged from the server's own log of invocations by `_meta` idempotency key: the
-    read made again, the idempotent write made again with the same key, the single-attempt
-    write never made twice (``outcome_unknown`` when its attempt was lost)."""
+    ledger server, over stdio as agent `tester` and over streamable HTTP as `tester_http`),
+    each in a session of its own, all six held after the server made them and before their
+    outcomes are committed; then the column's failure. Judged from the servers' own log of
+    invocations by `_meta` idempotency key: the read made again, the idempotent write made
+    again with the same key, the single-attempt write never made twice (``outcome_unknown``
+    when its attempt was lost)."""
     led = Ledger(rig.release.parent / "mcp-log.jsonl", rig.release.parent / "mcp-state.json")
-    if transport == "http":
-        led.start_http()
+    led.start_http()
     rig.app = "tests.apps_mcp:app"
     rig.workers.env.update(led.env())
     try:
         victim = rig.worker(hold="call_tool.before_commit")
         handles = {
-            tool: await rig.client.send("tester", f"m-{tool}", script([call(tool, **args)]))
+            (agent, tool): await rig.client.send(
+                agent, f"m-{agent}-{tool}", script([call(tool, **args)])
+            )
+            for agent in ("tester", "tester_http")
             for tool, args in MCP_CALLS.items()
         }
 
         async def all_held() -> bool:
-            return len(victim.find("fault.hold", point="call_tool.before_commit")) == 3
+            held = victim.find("fault.hold", point="call_tool.before_commit")
+            return len(held) == len(handles)
 
         await until(all_held, timeout=60)
         await rig.fail(victim)
-        recs = {}
-        for tool, h in handles.items():
+        made = [i["key"] for i in invocations(led.log)]
+        for (agent, tool), h in handles.items():
+            session = f"m-{agent}-{tool}"
             res = await rig.client.wait(h, timeout=90)
-            rec = await rig.client.call(f"m-{tool}", h.turn_id, 0, 0)
+            rec = await rig.client.call(session, h.turn_id, 0, 0)
             assert rec is not None
-            recs[tool] = (body(res.text)["seen"][0]["status"], rec)
-            keys = keys_of(led.log, tool)
-            assert set(keys) == {idempotency_key(f"m-{tool}", h.turn_id, 0, 0)}, (tool, keys)
+            status = body(res.text)["seen"][0]["status"]
+            made = [i["key"] for i in invocations(led.log)]
+            times = made.count(idempotency_key(session, h.turn_id, 0, 0))
             if tool == "transfer":
-                assert len(keys) == 1, "a single-attempt write is never made twice"
+                assert times == 1, "a single-attempt write is never made twice"
+                if rig.worker_killed:
+                    assert (status, rec.state) == ("outcome_unknown", "outcome_unknown")
+                else:
+                    assert (status, rec.state) in (
+                        ("ok", "succeeded"),
+                        ("outcome_unknown", "outcome_unknown"),
+                    )
             else:
                 # Made again after a lost attempt (a worker kill always loses it; a server
-                # failure only when the outage outlasted its lease).
-                assert len(keys) == rec.attempts
+                # failure only when the outage outlasted its lease), with the same key.
+                assert status == "ok" and times == rec.attempts, (agent, tool, times)
                 assert rec.attempts == 2 if rig.worker_killed else rec.attempts in (1, 2)
-        assert recs["balance"][0] == recs["set_limit"][0] == "ok"
-        status, rec = recs["transfer"]
-        if rig.worker_killed:
-            assert (status, rec.state) == ("outcome_unknown", "outcome_unknown")
-        else:
-            assert (status, rec.state) in (
-                ("ok", "succeeded"),
-                ("outcome_unknown", "outcome_unknown"),
-            )
     finally:
         led.stop()
-
-
-async def mcp_stdio_while_running(rig: Rig) -> None:
-    await mcp_while_running(rig, "stdio")
-
-
-async def mcp_http_while_running(rig: Rig) -> None:
-    await mcp_while_running(rig, "http")
 
 
 async def approval_while_waiting(rig: Rig) -> None:
@@ -718,8 +713,7 @@ ROWS: dict[str, Callable[[Rig], Awaitable[None]]] = {
     "single_attempt-before-mark": single_attempt_before_mark,
     "single_attempt-after-mark": single_attempt_after_mark,
     "single_attempt-while-running": single_attempt_while_running,
-    "mcp_stdio-while-running": mcp_stdio_while_running,
-    "mcp_http-while-running": mcp_http_while_running,
+    "mcp-while-running": mcp_while_running,
     "approval-while-waiting": approval_while_waiting,
     "question-while-waiting": question_while_waiting,
     "timer-while-waiting": timer_while_waiting,

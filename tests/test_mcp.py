@@ -26,6 +26,7 @@ from tests.conftest import WorkerFactory, body, call, script, until
 from tests.mcp_ledger import Ledger, invocations, keys_of
 
 APP = "tests.apps_mcp:app"
+AGENTS = {"stdio": "tester", "http": "tester_http"}  # tests/apps_mcp.py
 
 
 @pytest.fixture
@@ -112,11 +113,12 @@ async def test_mcp_tools_are_durable_steps(
     """A turn that calls the three tools: each one tool step, made once with its key, its
     effect (from the annotations) in the snapshot; over HTTP the headers go with every
     request. A tool that asks for approval waits for it like any other."""
+    agent = AGENTS[transport]
     if transport == "http":
         ledger.start_http()
     workers.start(app=APP, env=ledger.env())
     text = script([call(tool, **args) for tool, args in CALLS.items()])
-    res = await client.wait(await client.send("tester", "s1", text), timeout=60)
+    res = await client.wait(await client.send(agent, "s1", text), timeout=60)
     seen = body(res.text)["seen"]
     assert [s["status"] for s in seen] == ["ok", "ok", "ok"], seen
     assert seen[2]["result"] == "moved 500 out of acct-1"
@@ -133,7 +135,7 @@ async def test_mcp_tools_are_durable_steps(
         assert {i["authorization"] for i in invocations(ledger.log)} == {"Bearer test"}
 
     # close_account asks for approval (set in tests/apps_mcp.py): not made until approved.
-    h = await client.send("tester", "s2", script([call("close_account", account="acct-9")]))
+    h = await client.send(agent, "s2", script([call("close_account", account="acct-9")]))
     snap = await until(lambda: _with_approval(client, "s2"))
     assert keys_of(ledger.log, "close_account") == []
     await client.approve("s2", snap.approvals[0].approval_id, by="test")
@@ -156,7 +158,7 @@ async def test_a_tool_the_server_no_longer_lists_is_not_made(
     ledger.start_http()
     workers.start(app=APP, env=ledger.env())
     h = await client.send(
-        "tester",
+        "tester_http",
         "s1",
         script([call("close_account", account="acct-9")], [call("balance", account="acct-9")]),
     )
@@ -185,8 +187,9 @@ async def test_the_mcp_server_killed_mid_call(
     if transport == "http":
         ledger.start_http(MCP_LEDGER_DELAY="2")
     workers.start(app=APP, env=ledger.env(MCP_LEDGER_DELAY="2"))
+    agent = AGENTS[transport]
     handles = {
-        tool: await client.send("tester", f"s-{tool}", script([call(tool, **args)]))
+        tool: await client.send(agent, f"s-{tool}", script([call(tool, **args)]))
         for tool, args in CALLS.items()
     }
 
@@ -212,7 +215,7 @@ async def test_the_mcp_server_killed_mid_call(
     assert rec is not None and rec.state == "outcome_unknown" and rec.attempts == 1
 
     res = await client.wait(
-        await client.send("tester", "s-next", script([call("balance", account="acct-1")])),
+        await client.send(agent, "s-next", script([call("balance", account="acct-1")])),
         timeout=60,
     )
     assert body(res.text)["seen"][0]["status"] == "ok"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -134,6 +135,8 @@ class MCPServer:
         # What a crash test wraps every listed tool in (jetloop.tooling.crashtest.ledger).
         self.wrap: Callable[[Tool], Tool] | None = None
         self._listed: dict[str, Tool] = {}
+        # Each listed tool as last made, with what it was made from (``_tool_of``).
+        self._made: dict[str, tuple[Any, Tool]] = {}
         self._conn: _Connection | None = None
         self._locks: dict[int, asyncio.Lock] = {}
 
@@ -232,6 +235,17 @@ class MCPServer:
         return list(tools.values())
 
     def _tool_of(self, t: Any) -> Tool:
+        """The jetloop tool of a listed MCP tool: the one made before when the server lists it
+        unchanged (an argument model is costly to build, and listings come at every step)."""
+        seen = (t.description, t.title, t.annotations, json.dumps(t.input_schema, sort_keys=True))
+        known = self._made.get(t.name)
+        if known is not None and known[0] == seen:
+            return known[1]
+        made = self._make(t)
+        self._made[t.name] = (seen, made)
+        return made
+
+    def _make(self, t: Any) -> Tool:
         if t.name in self.effects:
             effect, why = self.effects[t.name], "set in code"
         else:
@@ -383,7 +397,6 @@ class _Connection:
             raise
 
     async def _hold(self, ready: asyncio.Future[None]) -> None:
-        log.debug("mcp.hold", server=self.server.name)
         from mcp import Client
 
         try:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from jetloop.services.natsauth import make_users
 from jetloop.testing import Message, crash_test_async
 from jetloop.tooling.crashtest.judge import format_report
 from tests.conftest import call, script
@@ -101,13 +102,20 @@ async def test_a_wrong_declaration_fails_with_the_calls_made_twice(in_app_dir: P
     }
 
 
-async def test_the_readme_mcp_agent_passes(in_app_dir: Path) -> None:
+async def test_the_readme_mcp_agent_passes(
+    in_app_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The README's `bank.py`: its tools come from the example MCP server, run by each worker
     over stdio. Killed at each boundary: pass; the server's own log (one line per invocation,
     with the `_meta` key) shows the single-attempt `transfer` never made twice for one call,
     and the idempotent `set_limit` made again only with the same key."""
     files, _ = blocks()
     (in_app_dir / "bank.py").write_text(files["bank.py"])
+    # As in the README: the tour's `jetloop up` store is in the working directory, and the
+    # settings read it, as a person's do. Its credentials are not those of the run's own
+    # server, and must not be used there.
+    make_users(in_app_dir / ".jetloop")
+    monkeypatch.delenv("JETLOOP_STORE_DIR")
     (in_app_dir / "examples").symlink_to(EXAMPLES)
     report = await crash_test_async(
         "bank:app",

@@ -140,6 +140,9 @@ class Run:
             "JETLOOP_TOOL_CONCURRENCY": SLOTS,
             "JETLOOP_SESSION_CONCURRENCY": SLOTS,
             "JETLOOP_NATS_WATCH_PASSWORD": self.server.watch_password,
+            # The credentials of this run's own server: never those of a `jetloop up` store
+            # in the working directory (the README's tour leaves one there).
+            "JETLOOP_STORE_DIR": str(self.server.auth_store),
             "JETLOOP_CRASHTEST_APP": self.app_spec,
             "JETLOOP_CRASHTEST_LEDGER": str(self.ledger.path),
             "JETLOOP_FAULT_PLAN": str(self.plan),
@@ -346,7 +349,10 @@ async def crash_test(
                 await nc.close()
             await run.fresh_worker()
             sealer = Sealer([key_bytes(SEAL_KEY)])
-            async with await Client.connect(server.url, sealer=sealer) as c:
+            # As the default namespace's workers of this run's server, whatever a store in
+            # the working directory says.
+            urls = server.urls_as("default")
+            async with await Client.connect(urls, sealer=sealer) as c:
                 found, clean, took = await discover(c, run)
                 chosen = list(enumerate(_first_of_each(found) if quick else found))
                 for at in range(0, len(chosen), BATCH):

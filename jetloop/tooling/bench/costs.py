@@ -104,11 +104,9 @@ class Meter:
         self.workers = workers
 
     async def read(self) -> Reading:
-        url = f"http://127.0.0.1:{self.monitor_port}/connz?limit=4096"
-        data = await asyncio.to_thread(_get_json, url)
         conns = [
             c
-            for c in data.get("connections", [])
+            for c in await connections(self.monitor_port)
             if not str(c.get("name", "")).startswith(PROBE_NAME)
         ]
         return Reading(
@@ -118,6 +116,13 @@ class Meter:
             worker_cpu=_cpu_of(self.workers()),
             client_cpu=time.process_time(),
         )
+
+
+async def connections(monitor_port: int) -> list[dict[str, Any]]:
+    """Every client connection the server has, with its counters (``/connz``)."""
+    url = f"http://127.0.0.1:{monitor_port}/connz?limit=4096"
+    data = await asyncio.to_thread(_get_json, url)
+    return list(data.get("connections", []))
 
 
 def _get_json(url: str) -> dict[str, Any]:

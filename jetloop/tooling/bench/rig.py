@@ -15,7 +15,6 @@ server's counters, for the engine and the floor alike.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import signal
 import statistics
@@ -23,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -41,7 +39,7 @@ from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.streams import topology
 from jetloop.streams.bus import H_TURN
 from jetloop.tooling.bench import floor as bench_floor
-from jetloop.tooling.bench.costs import PROBE_NAME, Meter
+from jetloop.tooling.bench.costs import PROBE_NAME, Meter, connections
 from jetloop.tooling.trials.harness import WorkerProcess
 from jetloop.tooling.trials.run import percentile
 from jetloop.tooling.trials.servers import write_namespaced_config
@@ -395,11 +393,9 @@ class Rig:
     async def sent_by(self, name_prefix: str) -> int:
         """Messages the server received from connections named ``name_prefix…``: publishes,
         requests (KV reads and writes, pulls), acks, in-progress acks."""
-        url = f"http://127.0.0.1:{self.monitor_port}/connz?limit=4096"
-        data = await asyncio.to_thread(_get_json, url)
         return sum(
             int(c.get("in_msgs", 0))
-            for c in data.get("connections", [])
+            for c in await connections(self.monitor_port)
             if str(c.get("name", "")).startswith(name_prefix)
         )
 
@@ -409,12 +405,6 @@ class Rig:
         for s in (*ENGINE_STREAMS, KV_STREAM, BLOB_STREAM):
             total += (await self.probe.stream_info(s)).state.bytes
         return total
-
-
-def _get_json(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        data: dict[str, Any] = json.loads(resp.read())
-        return data
 
 
 def _spawn_floor(url: str, ops: OpCounts) -> subprocess.Popen[bytes]:

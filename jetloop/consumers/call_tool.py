@@ -113,7 +113,8 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
     if agent is None and call.invalid is None:
         raise RetryLater(5.0, f"agent {turn.agent!r} is not served by this worker")
     try:
-        tool = await agent.find_tool(call.tool) if agent else None
+        # (An invalid call is settled without its tool: no MCP server is listed for it.)
+        tool = await agent.find_tool(call.tool) if agent and call.invalid is None else None
     except MCPUnreachable as exc:
         # An MCP server this worker never listed cannot be reached: nothing was sent.
         raise RetryLater(5.0, str(exc)) from exc

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Generic, NamedTuple, TypeVar
 
@@ -36,6 +36,7 @@ from jetloop.schemas.codec import DecodeError, decode_map
 from jetloop.streams import kvkeys
 from jetloop.streams.connection import TRANSIENT, retrying
 from jetloop.streams.direct import DirectGets, direct_gets
+from jetloop.streams.loops import running_loop
 from jetloop.streams.replies import connection_of, replies_of
 from jetloop.streams.seal import SEAL_FIELD, SealBroken, Sealer, with_seal
 from jetloop.streams.topology import STATE_BUCKET
@@ -163,6 +164,26 @@ def _copy_of(record: R) -> R:
     return new
 
 
+@dataclass
+class _SharedRead:
+    """One batched read being gathered (``StateStore._shared_last``)."""
+
+    answer: asyncio.Future[dict[str, Stored]]
+    patterns: dict[str, None] = field(default_factory=dict)  # in order, once each
+    most: int = 0
+
+    def settle(self, task: asyncio.Task[dict[str, Stored]]) -> None:
+        if self.answer.done():
+            return
+        if task.cancelled():
+            self.answer.cancel()
+        elif (exc := task.exception()) is not None:
+            self.answer.set_exception(exc)
+            self.answer.exception()  # raised to each reader; not "never retrieved" if none is left
+        else:
+            self.answer.set_result(task.result())
+
+
 class StateStore:
     """The state bucket, with one typed accessor per record kind.
 
@@ -206,6 +227,9 @@ class StateStore:
         # else: the key, the stored bytes, the time the server stored them and the revision
         # their write replaced (``_decode``).
         self._verified: OrderedDict[tuple[str, bytes, float, int | None], BaseModel] = OrderedDict()
+        # The reads of one turn's keys asked for in the same pass of the event loop, not yet
+        # sent (``_shared_last``), by turn key.
+        self._sharing: dict[str, _SharedRead] = {}
 
     @classmethod
     async def open(cls, nc: Client, sealer: Sealer | None = None) -> StateStore:
@@ -285,11 +309,15 @@ class StateStore:
             stored = stored._replace(stored_at=msg.time.timestamp())
         return stored, _marker(msg.headers) or msg.data is None
 
-    async def _raw_many(self, keys: Sequence[str]) -> dict[str, Stored]:
-        """The current value and revision of every key that has one, in one request."""
+    async def _raw_many(self, keys: Sequence[str], share: str | None = None) -> dict[str, Stored]:
+        """The current value and revision of every key that has one, in one request (shared
+        with the other reads of turn key ``share`` asked for now: ``_shared_last``; the
+        answer may hold more keys than were asked for)."""
         if self._gets is None or len(keys) < 2:
             got = await asyncio.gather(*(self._raw(k) for k in keys))
             return {k: r for k, r in zip(keys, got, strict=True) if r is not None}
+        if share is not None:
+            return await self._shared_last(self._gets, share, keys, len(keys))
         return await self._direct_last(self._gets, keys, len(keys))
 
     async def _direct_last(
@@ -303,6 +331,37 @@ class StateStore:
             if not _marker(m.headers):
                 out[m.subject.removeprefix(self._prefix)] = _stored(m.data, m.seq, m.headers)
         return out
+
+    async def _shared_last(
+        self, gets: DirectGets, group: str, patterns: Sequence[str], most: int
+    ) -> dict[str, Stored]:
+        """``_direct_last``, sent together with the other reads of ``group`` (a turn's key)
+        asked for in the same pass of the event loop: one request, one answer per key.
+
+        The steps of a turn a worker fetched together (a model step's parallel calls) read
+        the turn, its session and their calls at once, and their joins read the turn and
+        every call of the step at once: five requests, each answered with the same records,
+        were five times the messages of one. A read that shares is sent after every read
+        sharing it was asked for, so each gets what it would have got alone, or newer.
+        Only the reads of one turn share: their keys were written close together, which
+        keeps the server's lookup of them cheap."""
+        shared = self._sharing.get(group)
+        if shared is None:
+            shared = self._sharing[group] = _SharedRead(running_loop().create_future())
+            # Sent two passes later: the steps woken by the same answer (or fetched by the
+            # same pull) run their reads in the next pass, after this one's.
+            loop = running_loop()
+            loop.call_soon(loop.call_soon, self._send_shared, gets, group)
+        shared.patterns.update(dict.fromkeys(patterns))
+        shared.most += most
+        return await asyncio.shield(shared.answer)
+
+    def _send_shared(self, gets: DirectGets, group: str) -> None:
+        shared = self._sharing.pop(group)
+        task = running_loop().create_task(
+            self._direct_last(gets, list(shared.patterns), shared.most)
+        )
+        task.add_done_callback(shared.settle)
 
     def _typed(
         self, model: type[R], key: str, raw: Stored | None, verify: bool = True
@@ -319,7 +378,7 @@ class StateStore:
         """What a call step reads before it decides: its turn, its call and its session."""
         tk, ck = turn_key(session_id, turn_id), call_state_key(call_key)
         sk = session_key(session_id)
-        raw = await self._raw_many([tk, ck, sk])
+        raw = await self._raw_many([tk, ck, sk], share=tk)
         return (
             self._typed(TurnRecord, tk, raw.get(tk)),
             self._typed(CallRecord, ck, raw.get(ck)),
@@ -331,7 +390,7 @@ class StateStore:
     ) -> tuple[Versioned[TurnRecord] | None, Versioned[SessionRecord] | None]:
         """A turn and its session (a model step's conversation needs both), in one request."""
         tk, sk = turn_key(session_id, turn_id), session_key(session_id)
-        raw = await self._raw_many([tk, sk])
+        raw = await self._raw_many([tk, sk], share=tk)
         return self._typed(TurnRecord, tk, raw.get(tk)), self._typed(SessionRecord, sk, raw.get(sk))
 
     async def join_view(
@@ -349,7 +408,7 @@ class StateStore:
             ]
             return turn, await self.calls(keys)
         step = call_state_key(f"{session_id}.{turn_id}.{model_step}")
-        raw = await self._direct_last(self._gets, [tk, f"{step}.*"], most_calls + 1)
+        raw = await self._shared_last(self._gets, tk, [tk, f"{step}.*"], most_calls + 1)
         turn = self._typed(TurnRecord, tk, raw.get(tk))
         if turn is None:
             return None, []

@@ -287,3 +287,37 @@ def test_a_client_closed_in_an_outage_with_publishes_queued_closes_quietly(tmp_p
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(outage_then_close())
+
+
+async def test_waiting_makes_no_consumer_and_shares_one_subscription(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """``Client.wait`` hears a turn end on a core subscription to its session's turn events,
+    shared by every wait of the client on that session, and reads the turn's record: it
+    makes no consumer (a gateway holding many waiting requests made one per request), a turn
+    that ended before the wait is found at once, and nothing is left subscribed after."""
+    workers.start()
+    info = await client.js.stream_info("JL_EVENTS")
+    consumers = [info.state.consumer_count]
+    slow = script([call("slow", name="s", seconds=0.4)])
+    handles = [await client.send("tester", "waits", slow, f"r-{i}") for i in range(3)]
+    handles.append(await client.send("tester", "waits-too", slow, "r-0"))
+
+    async def count() -> None:
+        while True:
+            consumers.append((await client.js.stream_info("JL_EVENTS")).state.consumer_count)
+            await asyncio.sleep(0.05)
+
+    counting = asyncio.create_task(count())
+    waits = [asyncio.create_task(client.wait(h, timeout=60)) for h in handles]
+    await asyncio.sleep(0.2)
+    ends = client._turn_ends()
+    assert sorted(ends._sessions) == ["waits", "waits-too"]  # one subscription per session
+    results = await asyncio.gather(*waits)
+    counting.cancel()
+    assert [r.status for r in results] == ["completed"] * 4
+    assert set(consumers) == {consumers[0]}, consumers  # no wait made a consumer
+    assert ends._sessions == {} and ends._waits == {}
+    # Ended before the wait began: found in the record, at once.
+    again = await asyncio.wait_for(client.wait(handles[0], timeout=60), 5)
+    assert again.turn_id == handles[0].turn_id and again.status == "completed"

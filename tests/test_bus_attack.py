@@ -209,7 +209,10 @@ async def test_roles_below_worker_cannot_stop_starve_or_blind_up(up: Up) -> None
 
             return cb
 
-        allowed = {client: ("_INBOX_client.>", "jl.live.>"), operator: ("_INBOX_operator.>",)}
+        allowed = {
+            client: ("_INBOX_client.>", "jl.live.>", "jl.event.*.turn.*"),
+            operator: ("_INBOX_operator.>",),
+        }
         for r, subjects in allowed.items():
             for subject in subjects:
                 await r.nc.subscribe(subject, cb=injector(r))

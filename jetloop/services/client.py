@@ -17,6 +17,7 @@ outage lasts longer than ``retry_for``. The client logs (never prints) through t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -66,6 +67,7 @@ from jetloop.schemas.ids import parse_traceparent
 from jetloop.services import namespaces
 from jetloop.services.control import PREFIX as CONTROL_PREFIX
 from jetloop.services.control import subject as control_subject
+from jetloop.services.turnends import RECHECK_SECONDS, TurnEnds
 from jetloop.sessions.decisions import Control
 from jetloop.sessions.requests import (
     AnswerRequest,
@@ -191,6 +193,7 @@ class Client:
         self._unverified_store: StateStore | None = None
         self._blob_store: BlobStore | None = None
         self._registry: Registry | None = None
+        self._ends: TurnEnds | None = None
         # Texts above this go through the blob store (the default blob threshold).
         self.inline_text_limit = 64 * 1024
 
@@ -627,22 +630,31 @@ class Client:
 
     async def wait(self, handle: TurnHandle, timeout: float = 60.0) -> TurnResult:
         """Wait until the turn ends and return how; raise ``TurnFailed`` if it failed or was
-        cancelled, ``TimeoutError`` after ``timeout`` seconds."""
+        cancelled, ``TimeoutError`` after ``timeout`` seconds.
+
+        Costs no consumer: the turn's end is heard on a core subscription to its session's
+        turn events, which every wait of this client on that session shares, and its record
+        read (``jetloop.services.turnends``)."""
 
         async def ended() -> TurnRecord:
-            ends = [t.value for t in TURN_ENDS]
-            async for _ in self.events(
-                handle.session_id, types=ends, until_turn_ends=handle.turn_id
-            ):
-                pass
-            t = await self.turn(handle.session_id, handle.turn_id)
-            assert t is not None
-            return t
+            async with self._turn_ends().heard(handle.session_id, handle.turn_id) as heard:
+                while True:
+                    turn = await self.turn(handle.session_id, handle.turn_id)
+                    if turn is not None and turn.status.terminal:
+                        return turn
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(heard.wait(), RECHECK_SECONDS)
+                    heard.clear()
 
         turn = await asyncio.wait_for(ended(), timeout)
         if turn.status in (TurnStatus.FAILED, TurnStatus.CANCELLED):
             raise TurnFailed(turn)
         return TurnResult(turn.turn_id, turn.status, await self.answer_text(turn), turn.error)
+
+    def _turn_ends(self) -> TurnEnds:
+        if self._ends is None:
+            self._ends = TurnEnds(self.nc)
+        return self._ends
 
     async def events(
         self,

@@ -125,6 +125,10 @@ WATCH_PERMISSIONS = {
 }
 
 
+# The turn events of every session (``jl.event.<session>.turn.<how>``).
+TURN_EVENTS = "jl.event.*.turn.*"
+
+
 def _inbox(role: str) -> str:
     return f"{INBOX_PREFIXES[role]}.>"
 
@@ -146,9 +150,10 @@ def client_permissions(who: str) -> dict[str, dict[str, list[str]]]:
             "allow": ["jl.turn.>", control_subject("*", who), *_READS],
             "deny": [*_WRITES, *_NOT_THEIRS],
         },
-        # Its own inboxes (answers, its consumers' deliveries) and the live text of turns
-        # (``jetloop send`` prints it as it comes).
-        "subscribe": {"allow": [_inbox("client"), "jl.live.>"]},
+        # Its own inboxes (answers, its consumers' deliveries), the live text of turns
+        # (``jetloop send`` prints it as it comes) and the turn events it could read from the
+        # log anyway, heard as they are stored (a wait's wake-up: ``services.turnends``).
+        "subscribe": {"allow": [_inbox("client"), "jl.live.>", TURN_EVENTS]},
     }
 
 

@@ -54,6 +54,7 @@ from jetloop.schemas import (
 )
 from jetloop.schemas.errors import (
     ControlError,
+    RecordNotTrusted,
     SealKeyMissing,
     UnknownSession,
     UnknownTurn,
@@ -638,12 +639,21 @@ class Client:
 
         async def ended() -> TurnRecord:
             async with self._turn_ends().heard(handle.session_id, handle.turn_id) as heard:
+                woken = False
                 while True:
-                    turn = await self.turn(handle.session_id, handle.turn_id)
+                    try:
+                        turn = await self.turn(handle.session_id, handle.turn_id)
+                    except RecordNotTrusted:
+                        if woken:
+                            raise
+                        # Not trusted now: the turn fails for it (a worker found it too and
+                        # writes the failure, sealed): read again once its end is heard.
+                        turn = None
                     if turn is not None and turn.status.terminal:
                         return turn
+                    woken = False
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(heard.wait(), RECHECK_SECONDS)
+                        woken = await asyncio.wait_for(heard.wait(), RECHECK_SECONDS)
                     heard.clear()
 
         turn = await asyncio.wait_for(ended(), timeout)

@@ -276,7 +276,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     log.debug("model.answered", calls=len(committed.calls), status=committed.status.value)
     await rt.faults.point("run_model.after_commit")
     if committed.status == TurnStatus.COMPLETED:
-        await end_turn(rt, committed)
+        await end_turn(rt, committed, session)
     else:
         await answer(committed).publish(rt.bus)
 

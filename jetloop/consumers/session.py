@@ -37,7 +37,7 @@ from jetloop.schemas.ids import parse_traceparent
 from jetloop.streams.bus import event_out
 from jetloop.streams.replies import first_seq
 from jetloop.streams.seal import SealBroken
-from jetloop.streams.state import Conflict, session_key, turn_key
+from jetloop.streams.state import Conflict, Versioned, session_key, turn_key
 from jetloop.streams.topology import TURNS_STREAM, session_turns_filter
 
 log = structlog.get_logger("jetloop.session")
@@ -290,15 +290,18 @@ async def on_turn_done(d: Delivery, step: StepMessage) -> None:
     await session_moves_on(d.rt, step.session_id, step.turn_id, spent)
 
 
-async def end_turn(rt: Runtime, turn: TurnRecord) -> None:
+async def end_turn(
+    rt: Runtime, turn: TurnRecord, session: Versioned[SessionRecord] | None = None
+) -> None:
     """A turn ended (its terminal record is committed): publish its last words and event,
     then move its session on — in the step that ended it, not in a message of its own. A
     redelivery of that step finds the turn ended and calls this again: both parts are
-    idempotent (message ids; the session moves only while the turn is still in it)."""
+    idempotent (message ids; the session moves only while the turn is still in it).
+    ``session``: the session's record as the step read it (``session_moves_on``)."""
     await finished(turn).publish(rt.bus)
     if rt.tracing is not None:
         rt.tracing.turn_ended(turn)
-    await session_moves_on(rt, turn.session_id, turn.turn_id, turn.spent)
+    await session_moves_on(rt, turn.session_id, turn.turn_id, turn.spent, session)
 
 
 # A session record written by two steps at once (a turn request queued while a turn
@@ -306,12 +309,26 @@ async def end_turn(rt: Runtime, turn: TurnRecord) -> None:
 SESSION_WRITE_TRIES = 5
 
 
-async def session_moves_on(rt: Runtime, sid: str, turn_id: str, spent: Spent) -> None:
+async def session_moves_on(
+    rt: Runtime,
+    sid: str,
+    turn_id: str,
+    spent: Spent,
+    known: Versioned[SessionRecord] | None = None,
+) -> None:
     """Turn ``turn_id`` ended: make the next queued turn active and start it, and add what
     its model calls used (``spent``) to the session's count, once (only while the turn is
-    still in the session)."""
+    still in the session).
+
+    ``known``: the session's record as the ending step read it, written over without a
+    read of its own when it still holds the turn (a revision moved on since fails the
+    write, and the record is read again); one that no longer does is read again first."""
     for _ in range(SESSION_WRITE_TRIES):
-        cur = await rt.state.session(sid)
+        if known is not None and (known.value.active == turn_id or turn_id in known.value.queue):
+            cur: Versioned[SessionRecord] | None = known
+        else:
+            cur = await rt.state.session(sid)
+        known = None
         if cur is None:
             raise DeadLetter(f"turn_done for session {sid}, which has no record")
         session = cur.value

@@ -309,10 +309,10 @@ async def _hand_back(d: Delivery, msg: Msg, delay: float | None) -> None:
 
 
 async def _let_go(rt: Runtime, msg: Msg) -> None:
-    """This process is about to settle ``msg``: take it off the list a rescuer would read
-    first, so a settled step is never handed on as if it were held (``jetloop.streams.holds``)."""
+    """This process is about to settle ``msg``: take it off the list a rescuer would read (the
+    next list sent leaves it out; ``jetloop.streams.holds``)."""
     if rt.holds is not None:
-        await rt.holds.let_go(msg)
+        rt.holds.drop(msg)
 
 
 async def _dead_letter(rt: Runtime, msg: Msg, reason: str) -> bool:

@@ -3,14 +3,17 @@
 A worker that fetches step or turn messages lists them — stream and sequence, nothing else —
 under ``held.<incarnation>`` in ``jl_workers``. The list is published without waiting for an
 answer (a core publish into the bucket's stream: no round trip on the step's path) each time
-the worker fetches, each time it lets a message go — *before* the ack, nak or term, so the
-list never names a message this process already settled (``JL_STEPS`` keeps acked messages:
-a rescuer could not tell them apart) — and again with each presence refresh, so the bucket's
-TTL keeps it only while the process lives. Changes made in the same pass of the event loop
-(under load, several steps settling at once) go out as one list (``Holds.sent``). A process
-that dies between the update and the settle leaves that one message to its lease. Whoever
-reads the list still checks that each message is in its stream (``JL_TURNS`` is a work queue
-and deletes what was acked).
+the worker fetches, and again with each presence refresh, so the bucket's TTL keeps it only
+while the process lives. Changes made in the same pass of the event loop (under load, several
+fetches at once) go out as one list (``Holds.sent``). A message the worker settles (ack, nak,
+term) leaves the list at once but is not published on its own: the next list leaves it out.
+So a list names what the process held when it was sent, and maybe steps it settled since:
+a rescuer that copies one of those finds in state that it is done (``JL_STEPS`` keeps acked
+messages; a copy of a settled step does what its redelivery would, nothing twice), and one
+that is a work-queue message (``JL_TURNS`` deletes what was acked) finds it gone. Publishing
+the list before every settle, as this did before, cost a message per step to spare that
+copy after a crash. A process that dies between a fetch and its list leaves those messages
+to their leases.
 
 A worker whose drain ran out (``jetloop.services.worker``: SIGTERM, then ``drain_seconds``)
 says so in the same entry (``"drained": true``) before it cancels what it still runs, and
@@ -58,18 +61,14 @@ class Holds:
     def drop(self, msg: Msg) -> None:
         self._held.pop((msg.metadata.stream, msg.metadata.sequence.stream), None)
 
-    async def let_go(self, msg: Msg) -> None:
-        """The message is about to be settled: say so first (never raises)."""
-        self.drop(msg)
-        await self.sent()
 
     async def sent(self) -> None:
         """Return once a list made after this call has gone out (never raises).
 
         Changes made in the same pass of the event loop share one list: the first schedules
-        its publish for the next pass, the others wait for that one. Under load many steps
-        settle at once, and each list is a stream write naming every held message; alone,
-        a step waits one pass more. A lost list only means a rescuer copies a settled step
+        its publish for the next pass, the others wait for that one. Under load many fetches
+        come at once, and each list is a stream write naming every held message; alone, a
+        fetch waits one pass more. A lost list only means a rescuer copies a settled step
         (state decides) or a dead process's step waits for its lease."""
         sending = self._sending
         if sending is None:

@@ -279,7 +279,8 @@ async def peer_side_by_side(
     try:
 
         async def jetloop_batch(turns: int, width: int) -> tuple[list[float], float]:
-            b = await run_batch(r.engine_turn, FAN, turns, width, tag("peer"))
+            # Through the public API, as the peers are driven through theirs.
+            b = await run_batch(r.api_turn, FAN, turns, width, tag("peer"))
             return b.latencies, b.wall
 
         runners: dict[str, BatchRunner] = {JETLOOP: jetloop_batch}

@@ -35,7 +35,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from jetloop.schemas import TurnRequest, encode, scoped_msg_id, turn_id_for
+from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer, free_port
+from jetloop.services.settings import load_settings
 from jetloop.streams import topology
 from jetloop.streams.bus import H_TURN
 from jetloop.tooling.bench import floor as bench_floor
@@ -198,6 +200,7 @@ class Rig:
         self._probe: Nats | None = None
         self.engine_ends: Ends | None = None
         self.floor_ends: Ends | None = None
+        self._client: Client | None = None
         self._ids = 0
 
     @property
@@ -234,6 +237,7 @@ class Rig:
         self._probe = await nats.connect(self.server.url, name=PROBE_NAME)
         await topology.apply(self.js, topology.TopologyConfig())
         await bench_floor.apply_topology(self.js)
+        self._client = Client(self.nc, sealer=load_settings(seal_key=SEAL_KEY).sealer())
         self.engine_ends = Ends(self.nc, "jl.event.*.turn.*")
         self.floor_ends = Ends(self.nc, bench_floor.COMPLETED)
         await self.engine_ends.start()
@@ -324,6 +328,19 @@ class Rig:
     async def engine_turn(self, sid: str, rid: str, fan: int) -> asyncio.Future[float]:
         """A turn of the ``bench`` agent: ``fan`` no-op calls (0: one model step)."""
         return await self.send("bench", sid, rid, f"fan {fan}" if fan else "hello")
+
+    async def api_turn(self, sid: str, rid: str, fan: int) -> asyncio.Future[float]:
+        """``engine_turn`` through jetloop's public API, as a program would: ``Client.send``,
+        then ``Client.wait`` (its reads and its subscription are the turn's cost too)."""
+        assert self._client is not None, "the rig is not running"
+        client = self._client
+        handle = await client.send("bench", sid, f"fan {fan}" if fan else "hello", rid)
+
+        async def ended() -> float:
+            await client.wait(handle, timeout=60)  # raises TurnFailed unless it completed
+            return time.perf_counter()
+
+        return asyncio.ensure_future(ended())
 
     async def send(self, agent: str, sid: str, rid: str, text: str) -> asyncio.Future[float]:
         """Publish a turn request as ``Client.send`` does; the future resolves at its end."""

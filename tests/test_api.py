@@ -321,3 +321,23 @@ async def test_waiting_makes_no_consumer_and_shares_one_subscription(
     # Ended before the wait began: found in the record, at once.
     again = await asyncio.wait_for(client.wait(handles[0], timeout=60), 5)
     assert again.turn_id == handles[0].turn_id and again.status == "completed"
+
+
+async def test_a_wait_that_hears_nothing_still_ends(
+    client: Client, workers: WorkerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A core message is not durable and a credential may not be allowed the subscription (a
+    server configured by an older ``jetloop up``): a wait that hears no end still returns,
+    by reading the turn's record again every ``RECHECK_SECONDS``."""
+    from jetloop.services import client as client_module
+    from jetloop.services.turnends import TurnEnds
+
+    async def deaf(self: TurnEnds, msg: object) -> None:
+        return None
+
+    monkeypatch.setattr(TurnEnds, "_on", deaf)
+    monkeypatch.setattr(client_module, "RECHECK_SECONDS", 0.3)
+    workers.start()
+    h = await client.send("tester", "deaf", script([call("slow", name="s", seconds=0.5)]))
+    res = await client.wait(h, timeout=30)
+    assert res.status == "completed"

@@ -415,8 +415,8 @@ def format_peer(result: PeerResult) -> str:
     notes = [
         f"Latencies in ms; {result.steps_per_turn} steps per turn; each system's batches"
         f" alternate in {result.chunks} chunks per load, jetloop's quiet (every trailing step"
-        " acked) before each batch of any system. A jetloop turn runs from a client's publish"
-        " to its turn.completed event, through"
+        " acked) before each batch of any system. A jetloop turn runs from Client.send until"
+        " Client.wait returns (jetloop's public API), through"
         + (" one worker." if result.workers == 1 else f" {result.workers} worker processes.")
     ]
     if RESTATE in systems:
@@ -467,9 +467,10 @@ def _cost_lines(result: PeerResult) -> list[str]:
         "Messages are the server's per-connection counters over each batch (every connection"
         " but the bench's probe, the client's included), until the batch's trailing steps were"
         " acked; CPU is each process's user + system time (/proc) over the same span (the"
-        " workers: jetloop's worker processes, or the floor's one). The"
-        " client is the bench's driver: it publishes each turn request and hears its end on a"
-        " core subscription, as the floor's driver does.",
+        " workers: jetloop's worker processes, or the floor's one). The client is the"
+        " bench's driver: for jetloop, Client.send and Client.wait (a read before the send, a"
+        " subscription to the session's turn events and a read of the turn record at its"
+        " end); for the floor, a publish and a core subscription.",
     ]
     return lines
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jetloop.tooling.bench.limits import LimitsResult, format_limits
-from jetloop.tooling.bench.peer import RESTATE, PeerResult, format_peer
+from jetloop.tooling.bench.peer import JETLOOP, RESTATE, PeerResult, format_peer
 from jetloop.tooling.bench.profile import ProfileResult
 
 # --- engine overhead -----------------------------------------------------------------------
@@ -125,6 +125,18 @@ def judge(rep: BenchReport) -> list[Target]:
                 steps >= 0.6 and p50 <= 1.5 and p99 <= 2.0,
             )
         )
+        spent = rep.peer.costs.get(wide.load, {}).get(JETLOOP)
+        if spent is not None and spent.get("in_msgs") is not None:
+            msgs_in, msgs_out = spent["in_msgs"] or 0.0, spent["out_msgs"] or 0.0
+            out.append(
+                Target(
+                    "half the messages, past Restate (issue 37)",
+                    "≥ 0.8× its steps/s, ≤ 1.2× its p50; ≤ 40 msgs in and ≤ 60 out per turn",
+                    f"{steps:.2f}× steps/s, {p50:.2f}× p50; {msgs_in:.1f} in,"
+                    f" {msgs_out:.1f} out ({wide.load})",
+                    steps >= 0.8 and p50 <= 1.2 and msgs_in <= 40 and msgs_out <= 60,
+                )
+            )
     return out
 
 

@@ -7,6 +7,10 @@ order is exact, and ``join_calls`` runs as a call step runs it (its own index, f
 
 from __future__ import annotations
 
+import asyncio
+
+import nats
+from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from jetloop.consumers.join import join_calls
@@ -138,3 +142,42 @@ async def test_a_reconcile_after_the_last_commit_still_moves_the_turn(
     # What on_join does with it on its first delivery: join, unelected.
     await join_calls(d, SID, tid, 0, first=True)
     assert await _step_of_turn(d, tid) == 1
+
+
+async def test_joins_asked_together_read_once_and_one_moves_the_turn(
+    delivery: Delivery,
+    nats_ready: EmbeddedServer,
+) -> None:
+    """Five calls' joins in the same pass of the event loop (a model step's parallel calls,
+    fetched and finished together) share one read of the turn and its calls; each sees every
+    outcome, and only the one committed last moves the turn. A step view asked in the same
+    pass shares it too, and a read asked after a write sees the write."""
+    d = delivery
+    tid = "t-shared"
+    await d.rt.state.write(turn_key(SID, tid), _turn(tid, 5), None)
+    for i in (4, 0, 3, 1, 2):  # committed in this order: call 2 last
+        await _done(d, tid, i)
+    reads: list[str] = []
+
+    async def seen(msg: Msg) -> None:
+        reads.append(msg.subject)
+
+    watcher = await nats.connect(nats_ready.url)
+    try:
+        await watcher.subscribe("$JS.API.DIRECT.GET.KV_jl_state", cb=seen)
+        await watcher.flush()
+        view, *_ = await asyncio.gather(
+            d.rt.state.step_view(SID, tid, call_key(SID, tid, 0, 2)),
+            *(join_calls(d, SID, tid, 0, first=True, own=i) for i in range(5)),
+        )
+        await watcher.flush()
+        await asyncio.sleep(0.2)
+    finally:
+        await watcher.close()
+    assert len(reads) == 1, reads  # six reads asked together: one request
+    turn, rec, _ = view
+    assert turn is not None and rec is not None and rec.value.done
+    assert await _step_of_turn(d, tid) == 1
+    assert await _next_model_step_published(d, tid)
+    moved = await d.rt.state.step_view(SID, tid, call_key(SID, tid, 0, 2))
+    assert moved[0] is not None and moved[0].value.model_step == 1  # read after the write

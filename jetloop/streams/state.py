@@ -230,6 +230,7 @@ class StateStore:
         # The reads of one turn's keys asked for in the same pass of the event loop, not yet
         # sent (``_shared_last``), by turn key.
         self._sharing: dict[str, _SharedRead] = {}
+        self._reading: set[asyncio.Task[dict[str, Stored]]] = set()
 
     @classmethod
     async def open(cls, nc: Client, sealer: Sealer | None = None) -> StateStore:
@@ -361,6 +362,8 @@ class StateStore:
         task = running_loop().create_task(
             self._direct_last(gets, list(shared.patterns), shared.most)
         )
+        self._reading.add(task)  # a task only the loop refers to may be collected mid-read
+        task.add_done_callback(self._reading.discard)
         task.add_done_callback(shared.settle)
 
     def _typed(

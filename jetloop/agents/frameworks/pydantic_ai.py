@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -196,12 +197,16 @@ def durable(
 
 
 def _mcp_toolsets(agent: PydanticAgent[Any, Any]) -> list[AbstractToolset[Any]]:
-    """The agent's ``MCPToolset``s (none when pydantic-ai's MCP support is not installed)."""
-    try:
-        from pydantic_ai.mcp import MCPToolset
-    except ImportError:
+    """The agent's ``MCPToolset``s (none when pydantic-ai's MCP support is not installed).
+
+    Looked up among the modules already imported, not imported here: an ``MCPToolset`` can
+    exist only once its module ``pydantic_ai.mcp`` is, and importing it (with fastmcp and the
+    MCP SDK) costs a worker whose agents have none about 1.7 s at every start."""
+    module = sys.modules.get("pydantic_ai.mcp")
+    toolset_class = getattr(module, "MCPToolset", None)
+    if toolset_class is None:
         return []
-    return [ts for ts in agent.toolsets if isinstance(ts, MCPToolset)]
+    return [ts for ts in agent.toolsets if isinstance(ts, toolset_class)]
 
 
 def _mcp_server(

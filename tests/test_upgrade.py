@@ -40,6 +40,7 @@ from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.services.namespaces import migrate_default
 from jetloop.services.natsauth import make_users, url_as, write_config
 from jetloop.services.settings import WATCH_USER, make_seal_key
+from jetloop.sessions.snapshot import SessionSnapshot
 from jetloop.streams.registry import this_release
 from jetloop.streams.seal import Sealer, key_bytes
 from jetloop.streams.topology import DEAD_STREAM
@@ -92,6 +93,12 @@ async def has_timer(c: Client, session: str) -> bool:
     return snap is not None and bool(snap.timers)
 
 
+async def done_in(c: Client, session: str) -> SessionSnapshot | None:
+    """The session's snapshot once it counts a turn done."""
+    snap = await c.snapshot(session)
+    return snap if snap is not None and snap.turns_done >= 1 else None
+
+
 async def leave_work(c: Client, release: Path, holds: Callable[[], int]) -> Work:
     """With the fault point open (``release`` exists), the waits; then, with it shut, a
     turn whose tool call stops at the point. ``holds`` counts the holds logged."""
@@ -125,8 +132,10 @@ async def finish_work(c: Client, work: Work, vendor_db: Path) -> None:
     assert res.text is not None and "T-" in res.text, res
     res = await c.wait(work.timed, timeout=TIMER_SECONDS + 30)
     assert res.status.value == "completed", res
-    snap = await c.snapshot("m2")
-    assert snap is not None and snap.turns_done == 1 and not snap.timers, snap
+    # The session counts a turn done in a step of its own after the turn ended
+    # (jetloop.consumers.session.session_moves_on): its snapshot may lag the turn's end.
+    snap = await until(lambda: done_in(c, "m2"), timeout=30)
+    assert snap.turns_done == 1 and not snap.timers, snap
     info = await c.js.stream_info(DEAD_STREAM)
     assert info.state.messages == 0, info.state
     vendor = Vendor(vendor_db)
@@ -278,7 +287,12 @@ def test_up_refuses_a_store_with_two_homes_in_one_line(tmp_path: Path) -> None:
     for account in ("$G", "default"):
         (jetstream / account / "streams" / "JL_TURNS").mkdir(parents=True)
     proc = subprocess.run(
-        [sys.executable, "-m", "jetloop.services.cli", "up", "--port", str(free_port())],
+        # (Free ports: `up` checks its ports before the store, and nothing else of this test's
+        # may be refused for a port another program holds.)
+        [
+            *(sys.executable, "-m", "jetloop.services.cli", "up"),
+            *("--port", str(free_port()), "--gateway-port", "0"),
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,

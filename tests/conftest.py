@@ -220,13 +220,37 @@ async def until(check: Any, timeout: float = 30.0, every: float = 0.05) -> Any:
         await asyncio.sleep(every)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Where this run's soak of ``up`` would run, named once by the process that runs the
+    tests (or, with pytest-xdist, hands them out) for every process of the run; made only if
+    the soak starts."""
+    if not hasattr(config, "workerinput"):  # not a process pytest-xdist started
+        from tests import test_up_soak
+
+        test_up_soak.name_the_soak_dir()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The soak of ``up`` (tests/test_up_soak.py) starts now, when it is to run, and runs
-    beside the other tests until its own test asks it to end."""
+    beside the other tests until its own test asks it to end. Under pytest-xdist every test
+    process collects every test, and not one of them knows which runs the soak's: the
+    process that hands out the tests starts it instead (below)."""
     from tests import test_up_soak
 
+    if hasattr(session.config, "workerinput"):
+        return
     if any(item.nodeid == test_up_soak.NODE_ID for item in session.items):
-        test_up_soak.running.append(test_up_soak.Soak())
+        test_up_soak.running.append(test_up_soak.Soak(test_up_soak.soak_dir()))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """pytest-xdist: a test process has collected; the soak starts if it is among the tests,
+    once for the run (every process collects the same tests)."""
+    from tests import test_up_soak
+
+    if test_up_soak.NODE_ID in ids and not test_up_soak.running:
+        test_up_soak.running.append(test_up_soak.Soak(test_up_soak.soak_dir()))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

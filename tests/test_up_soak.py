@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from secrets import token_hex
 
 import pytest
 
@@ -58,11 +59,29 @@ PER_TURN_MB = 0.4  # ... plus this per turn after it
 NODE_ID = "tests/test_up_soak.py::test_up_stays_up_with_bursts_and_idle_gaps"
 
 
-class Soak:
-    """The soak's process (``python -m tests.soak``) and its directory."""
+# The directory of this run's soak, named by the process that runs the tests or, with
+# pytest-xdist, hands them out (tests/conftest.py), for its test processes to find it.
+DIR_ENV = "JETLOOP_TESTS_UP_SOAK_DIR"
 
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="jetloop-up-soak-"))
+
+def name_the_soak_dir() -> None:
+    os.environ[DIR_ENV] = str(Path(tempfile.gettempdir()) / f"jetloop-up-soak-{token_hex(6)}")
+
+
+def soak_dir() -> Path:
+    return Path(os.environ[DIR_ENV])
+
+
+class Soak:
+    """The soak's process (``python -m tests.soak``) and its directory (``directory``, made
+    here; a new temporary one without it)."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        if directory is None:
+            directory = Path(tempfile.mkdtemp(prefix="jetloop-up-soak-"))
+        else:
+            directory.mkdir(mode=0o700)
+        self.dir = directory
         self.log = open(self.dir / "soak.log", "wb")  # open while it runs
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.soak", str(self.dir), str(SECONDS)],
@@ -91,6 +110,20 @@ class Soak:
         self.log.close()
 
 
+def finish_elsewhere(directory: Path, timeout: float) -> dict[str, object]:
+    """``Soak.finish`` for a soak another process of the run started and owns (pytest-xdist's
+    process that hands out the tests; it stops the process at the end of the run): asked to
+    stop through its file, what it saw read once it has written it."""
+    (directory / "stop").touch()
+    result = directory / "result.json"  # written whole (renamed into place) as it ends
+    deadline = time.monotonic() + timeout
+    while not result.exists():
+        assert time.monotonic() < deadline, (directory / "soak.log").read_text()[-3000:]
+        time.sleep(0.5)
+    out: dict[str, object] = json.loads(result.read_text())
+    return out
+
+
 # Started by tests/conftest.py when this test is collected.
 running: list[Soak] = []
 
@@ -100,11 +133,19 @@ running: list[Soak] = []
 def test_up_stays_up_with_bursts_and_idle_gaps() -> None:
     """Up answers every turn of bursts separated by idle gaps, for the whole run; nothing
     fails, nothing leaks, and Ctrl-C still stops it cleanly."""
-    soak = running.pop() if running else Soak()
     started = time.monotonic()
-    r = soak.finish(timeout=SECONDS + 180)
+    if running:  # started by this process
+        directory = running[-1].dir
+        r = running.pop().finish(timeout=SECONDS + 180)
+    elif soak_dir().exists():  # started by the process that hands out the tests
+        directory = soak_dir()
+        r = finish_elsewhere(directory, timeout=SECONDS + 180)
+    else:
+        soak = Soak()
+        directory = soak.dir
+        r = soak.finish(timeout=SECONDS + 180)
     print(f"waited {time.monotonic() - started:.0f} s for the soak; it ran {r['seconds']:.0f} s")
-    up_log = (soak.dir / "up.log").read_text()[-3000:]
+    up_log = (directory / "up.log").read_text()[-3000:]
     assert r["failure"] == "", (r["failure"], up_log)
     assert r["alive_at_end"], up_log
     # Per gap: turns so far, (tree, python heap, server) MB before it and after it.
@@ -124,4 +165,4 @@ def test_up_stays_up_with_bursts_and_idle_gaps() -> None:
     assert growth <= allowed, (growth, allowed, samples)
     assert r["exit_code"] == 0, up_log  # Ctrl-C stopped it cleanly ...
     assert not alive(int(r["server_pid"])), "nats-server outlived up"  # type: ignore[call-overload]
-    shutil.rmtree(soak.dir, ignore_errors=True)
+    shutil.rmtree(directory, ignore_errors=True)

@@ -40,6 +40,18 @@ class EventType(StrEnum):
     CALL_RECONCILED = "call.reconciled"
 
 
+# The event types that end a turn: exactly one of them is written for every turn.
+TURN_ENDS = (EventType.TURN_COMPLETED, EventType.TURN_FAILED, EventType.TURN_CANCELLED)
+
+
+def turn_end_of(subject: str) -> EventType | None:
+    """The turn end an event subject (``jl.event.<session>.<type>``) names, else None."""
+    for end in TURN_ENDS:
+        if subject.endswith(f".{end.value}"):
+            return end
+    return None
+
+
 class Event(BaseModel):
     """One fact in a session's log (``jl.event.<session>.<type>``): ``key`` is unique per
     fact, ``data`` depends on ``type``."""

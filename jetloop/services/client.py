@@ -64,6 +64,7 @@ from jetloop.schemas.errors import (
 # Raised by the client, defined with the rest of the public tree: importable from here too.
 from jetloop.schemas.errors import TurnFailed as TurnFailed
 from jetloop.schemas.errors import UnknownAgent as UnknownAgent
+from jetloop.schemas.events import TURN_ENDS
 from jetloop.schemas.ids import parse_traceparent
 from jetloop.services import namespaces
 from jetloop.services.control import PREFIX as CONTROL_PREFIX
@@ -154,9 +155,6 @@ class TurnResult:
     text: str | None
     error: str | None
 
-
-# The event types that end a turn: exactly one of them is written for every turn.
-TURN_ENDS = (EventType.TURN_COMPLETED, EventType.TURN_FAILED, EventType.TURN_CANCELLED)
 
 # Bounds of one listing of turns or calls (``Client.turns``, ``Client.turn_calls``).
 MAX_LIMIT = 1000

@@ -27,13 +27,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from jetloop.schemas.events import turn_end_of
 from jetloop.streams import topology
 from jetloop.streams.bus import H_TURN
 from jetloop.streams.connection import when_link_lost
 
 # How often a wait reads the turn's record again without hearing its end.
 RECHECK_SECONDS = 5.0
-ENDINGS = frozenset({"completed", "failed", "cancelled"})
 
 
 @dataclass
@@ -95,7 +95,7 @@ class TurnEnds:
                         await sub.unsubscribe()
 
     async def _on(self, msg: Msg) -> None:
-        if msg.subject.rsplit(".", 1)[-1] not in ENDINGS:
+        if turn_end_of(msg.subject) is None:
             return  # accepted, started
         turn_id = (msg.headers or {}).get(H_TURN)
         for wake in self._waits.get(turn_id or "", ()):

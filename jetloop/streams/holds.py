@@ -61,7 +61,6 @@ class Holds:
     def drop(self, msg: Msg) -> None:
         self._held.pop((msg.metadata.stream, msg.metadata.sequence.stream), None)
 
-
     async def sent(self) -> None:
         """Return once a list made after this call has gone out (never raises).
 

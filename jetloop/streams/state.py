@@ -348,10 +348,10 @@ class StateStore:
         keeps the server's lookup of them cheap."""
         shared = self._sharing.get(group)
         if shared is None:
-            shared = self._sharing[group] = _SharedRead(running_loop().create_future())
+            loop = running_loop()
+            shared = self._sharing[group] = _SharedRead(loop.create_future())
             # Sent two passes later: the steps woken by the same answer (or fetched by the
             # same pull) run their reads in the next pass, after this one's.
-            loop = running_loop()
             loop.call_soon(loop.call_soon, self._send_shared, gets, group)
         shared.patterns.update(dict.fromkeys(patterns))
         shared.most += most

@@ -35,6 +35,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from jetloop.schemas import TurnRequest, encode, scoped_msg_id, turn_id_for
+from jetloop.schemas.events import EventType, turn_end_of
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.services.settings import load_settings
@@ -108,8 +109,6 @@ class OpCounts:
     sent: float = math.nan  # messages the worker process sent the server
 
 
-ENDINGS = frozenset({"completed", "failed", "cancelled"})
-
 
 class Ends:
     """Turn ends seen on a core subscription (a JetStream publish also reaches core
@@ -134,14 +133,14 @@ class Ends:
         return fut
 
     async def _on(self, msg: Msg) -> None:
-        how = msg.subject.rsplit(".", 1)[-1]
-        if how not in ENDINGS:
+        how = turn_end_of(msg.subject)
+        if how is None:
             return  # accepted, started: not an end
         tid = (msg.headers or {}).get(H_TURN)
         fut = self.waiting.pop(tid, None) if tid else None
         if fut is None or fut.done():
             return  # a re-emission, or a turn nobody waits for
-        if how == "completed":
+        if how == EventType.TURN_COMPLETED:
             fut.set_result(time.perf_counter())
         else:
             fut.set_exception(RuntimeError(f"turn {tid} ended {how}"))

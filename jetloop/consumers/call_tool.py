@@ -20,6 +20,7 @@ anywhere is a takeover: nothing more is written, published or acked.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import structlog
@@ -60,11 +61,12 @@ from jetloop.schemas import (
     call_key,
 )
 from jetloop.schemas.errors import RetryableToolError, ToolError
+from jetloop.schemas.kinds import CALLS_PER_MESSAGE
 from jetloop.streams.state import StateStore, call_state_key
 
 log = structlog.get_logger("jetloop.call_tool")
 
-__all__ = ["TOOL_CALL_NOT_RUN_ERROR_PREFIX", "on_call"]
+__all__ = ["TOOL_CALL_NOT_RUN_ERROR_PREFIX", "on_call", "on_calls"]
 
 # The states an attempt holds a call in while it runs the tool: found by another delivery,
 # the attempt is lost once its holder is (jetloop.consumers.liveness).
@@ -190,6 +192,41 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
             await delegation.start(env)
         case ToolKind.CALL | ToolKind.TASK:
             await run(env)
+
+
+async def on_calls(d: Delivery, step: StepMessage) -> None:
+    """Every call a model step asked for, from one message: each handled as ``on_call``
+    handles a call's own message, side by side, each fenced on its own (``Delivery.part``)
+    and joining as it would alone (the call committed last moves the turn).
+
+    The message is settled once for all: acked when every call ended its part (an outcome
+    committed, or a wait begun); not acked when a call was taken over (the message is another
+    attempt's now); handed back when one must wait (the calls that ended find their outcomes
+    committed when it comes back, tell them again and join, as a redelivered call does)."""
+    count = step.calls
+    if count is None or not 0 < count <= CALLS_PER_MESSAGE:
+        raise DeadLetter(
+            f"{step.kind.value} step with {count} calls (1 to {CALLS_PER_MESSAGE} are sent)"
+        )
+    parts = [d.part() for _ in range(count)]
+    got = await asyncio.gather(
+        *(
+            on_call(part, step.model_copy(update={"call_index": i, "calls": None}))
+            for i, part in enumerate(parts)
+        ),
+        return_exceptions=True,
+    )
+    errors = [e for e in got if isinstance(e, BaseException)]
+    lost = next((p for p in parts if p.lost), None)
+    taken = next((e for e in errors if isinstance(e, TakenOver)), None)
+    if lost is not None or taken is not None:
+        d.lost = True  # nothing more is sent for the message: not even a nak
+        raise taken or TakenOver((lost.fence_key if lost is not None else None) or "?")
+    for e in errors:
+        if not isinstance(e, Exception) or not isinstance(e, RetryLater):
+            raise e
+    if errors:
+        raise min((e for e in errors if isinstance(e, RetryLater)), key=lambda e: e.delay)
 
 
 def _delivered_before(d: Delivery) -> bool:

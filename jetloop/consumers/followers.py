@@ -31,6 +31,7 @@ from jetloop.schemas.events import (
     TurnFailedData,
     TurnStartedData,
 )
+from jetloop.schemas.kinds import CALLS_PER_MESSAGE
 from jetloop.streams.bus import Bus, Outgoing, event_out, history_out, step_out
 
 
@@ -118,21 +119,36 @@ def answer(turn: TurnRecord) -> Followers:
         session_id=turn.session_id,
         turn_id=turn.turn_id,
     )
-    steps = [
-        step_out(
-            StepMessage(
-                kind=StepKind.CALL_SINGLE_ATTEMPT_TOOL
-                if c.effect == "non_idempotent_write"
-                else StepKind.CALL_TOOL,
-                agent=turn.agent,
-                session_id=turn.session_id,
-                turn_id=turn.turn_id,
-                model_step=n,
-                call_index=c.index,
+    if len(turn.calls) <= CALLS_PER_MESSAGE:
+        # One message for every call (``call_tools``): one publish, one delivery, one ack.
+        steps = [
+            step_out(
+                StepMessage(
+                    kind=StepKind.CALL_TOOLS,
+                    agent=turn.agent,
+                    session_id=turn.session_id,
+                    turn_id=turn.turn_id,
+                    model_step=n,
+                    calls=len(turn.calls),
+                )
             )
-        )
-        for c in turn.calls
-    ]
+        ]
+    else:
+        steps = [
+            step_out(
+                StepMessage(
+                    kind=StepKind.CALL_SINGLE_ATTEMPT_TOOL
+                    if c.effect == "non_idempotent_write"
+                    else StepKind.CALL_TOOL,
+                    agent=turn.agent,
+                    session_id=turn.session_id,
+                    turn_id=turn.turn_id,
+                    model_step=n,
+                    call_index=c.index,
+                )
+            )
+            for c in turn.calls
+        ]
     return Followers(
         [history_out(turn.session_id, _assistant_entry(turn)), event_out(answered)], steps
     )

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType
 from typing import Final, assert_never
 
-from jetloop.consumers.call_tool import on_call
+from jetloop.consumers.call_tool import on_call, on_calls
 from jetloop.consumers.closing import on_close_turn, reject_untrusted
 from jetloop.consumers.compact import on_compact
 from jetloop.consumers.errors import DeadLetter
@@ -47,6 +47,8 @@ def _handler(kind: StepKind) -> StepHandler:
             # Each wakes one call of a model step; the call handler reads the call's state
             # and does what the state says.
             return on_call
+        case StepKind.CALL_TOOLS:
+            return on_calls
         case StepKind.JOIN:
             return on_join
         case StepKind.TURN_DONE:

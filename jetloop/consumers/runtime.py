@@ -117,6 +117,16 @@ class Delivery:
         # The task in a ``cancelled_when_lost`` block, and whether a loss cancelled it.
         self._paid: asyncio.Task[object] | None = None
         self._cancelled_for_loss = False
+        # A message that carries several calls (``call_tools``) handles each as a part: a
+        # delivery of the same message with a fence of its own (``part``).
+        self.parts: list[Delivery] = []
+
+    def part(self) -> Delivery:
+        """One call of a message that carries several: fenced on its own (its claim, its
+        commits, its loss), settled with the message (the parts' handler decides how)."""
+        part = Delivery(self.rt, self.msg)
+        self.parts.append(part)
+        return part
 
     @property
     def num_delivered(self) -> int:
@@ -190,6 +200,8 @@ class Delivery:
         """The delivery ended: this process no longer works on the key it claimed."""
         if self.fence_key is not None:
             self.rt.holding.discard(self.fence_key)
+        for part in self.parts:
+            part.release()
 
     def _lose(self) -> None:
         """The fence is lost: stop the paid work in flight, if another task found it."""
@@ -226,15 +238,22 @@ class Delivery:
 
     async def heartbeat(self) -> None:
         """Write the claimed record again and extend the lease, unless another attempt has
-        taken the step over (then the write's CAS fails and nothing is sent)."""
-        if self.fence_value is not None and not self.lost:
-            await self._rewrite()
-        if not self.lost:
+        taken the step over (then the write's CAS fails and nothing is sent). A message of
+        several calls beats for each: the message's lease lasts while one of them is ours."""
+        parts = self.parts or [self]
+        beating = [p._rewrite() for p in parts if p.fence_value is not None and not p.lost]
+        if beating:
+            await asyncio.gather(*beating)
+        if not all(p.lost for p in parts):
             await self.msg.in_progress()
-        if self.watch_turn is not None and not self.cancelled:
-            turn = await self.rt.state.turn(*self.watch_turn)
+        watching = [p for p in parts if p.watch_turn is not None and not p.cancelled]
+        if watching:
+            watched = watching[0].watch_turn
+            assert watched is not None
+            turn = await self.rt.state.turn(*watched)
             if turn is not None and turn.value.status == "cancelled":
-                self.cancelled = True
+                for p in watching:
+                    p.cancelled = True
 
     async def _rewrite(self) -> None:
         """Write what this attempt wrote last once more, as it is *when the lock is ours*: a

@@ -19,6 +19,7 @@ class StepKind(StrEnum):
     RUN_MODEL = "run_model"
     CALL_TOOL = "call_tool"
     CALL_SINGLE_ATTEMPT_TOOL = "call_single_attempt_tool"
+    CALL_TOOLS = "call_tools"  # every call a model step asked for, in one message
     AWAIT_TOOL_APPROVAL = "await_tool_approval"
     AWAIT_QUESTION_ANSWER = "await_question_answer"
     AWAIT_TIMER = "await_timer"
@@ -28,6 +29,11 @@ class StepKind(StrEnum):
     JOIN = "join"
     TURN_DONE = "turn_done"
     CLOSE_TURN = "close_turn"  # a cancelled or failed turn: settle its open calls
+
+
+# The most calls one ``call_tools`` message carries: a model step that asks for more sends a
+# message per call (as every model step did before there was ``call_tools``).
+CALLS_PER_MESSAGE = 64
 
 
 class Pool(StrEnum):
@@ -67,6 +73,8 @@ def _wire(kind: StepKind) -> KindWire:
         case StepKind.CALL_TOOL | StepKind.CALL_SINGLE_ATTEMPT_TOOL:
             # One key for both: a call is made one way or the other, never both.
             return KindWire(Pool.TOOL, Scope.CALL)
+        case StepKind.CALL_TOOLS:
+            return KindWire(Pool.TOOL, Scope.MODEL_STEP, "calls")
         case StepKind.AWAIT_TOOL_APPROVAL:
             return KindWire(Pool.TOOL, Scope.CALL, "approval")
         case StepKind.AWAIT_QUESTION_ANSWER:

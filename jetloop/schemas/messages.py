@@ -59,6 +59,8 @@ class StepMessage(BaseModel):
     turn_id: str
     model_step: int = 0
     call_index: int | None = None
+    # ``call_tools``: how many calls the model step asked for (calls 0 … calls-1).
+    calls: int | None = None
     # Tells apart two messages of one step that are both needed (e.g. RunModel after a
     # compaction); part of the step key, so it comes from identity too.
     wake: str | None = None

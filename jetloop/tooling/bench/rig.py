@@ -109,7 +109,6 @@ class OpCounts:
     sent: float = math.nan  # messages the worker process sent the server
 
 
-
 class Ends:
     """Turn ends seen on a core subscription (a JetStream publish also reaches core
     subscribers of its subject): one future per turn, resolved with the arrival time."""

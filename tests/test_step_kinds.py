@@ -24,6 +24,8 @@ WIRE = {
         "jl.step.tool.a.call_single_attempt_tool.s1",
         "s1.t1.m2.c3",
     ),
+    # Added since (a model step's calls in one message): a kind of its own, a key of its own.
+    StepKind.CALL_TOOLS: ("jl.step.tool.a.call_tools.s1", "s1.t1.m2.calls"),
     StepKind.AWAIT_TOOL_APPROVAL: ("jl.step.tool.a.await_tool_approval.s1", "s1.t1.m2.c3.approval"),
     StepKind.AWAIT_QUESTION_ANSWER: (
         "jl.step.tool.a.await_question_answer.s1",

@@ -208,13 +208,19 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
         raise DeadLetter(
             f"{step.kind.value} step with {count} calls (1 to {CALLS_PER_MESSAGE} are sent)"
         )
+    slots = d.rt.call_slots
+
+    async def one(part: Delivery, i: int) -> None:
+        own = step.model_copy(update={"call_index": i, "calls": None})
+        if slots is None:
+            await on_call(part, own)
+            return
+        async with slots:  # the tool pool's concurrency counts calls, not messages
+            await on_call(part, own)
+
     parts = [d.part() for _ in range(count)]
     got = await asyncio.gather(
-        *(
-            on_call(part, step.model_copy(update={"call_index": i, "calls": None}))
-            for i, part in enumerate(parts)
-        ),
-        return_exceptions=True,
+        *(one(part, i) for i, part in enumerate(parts)), return_exceptions=True
     )
     errors = [e for e in got if isinstance(e, BaseException)]
     lost = next((p for p in parts if p.lost), None)

@@ -102,8 +102,10 @@ def _assistant_entry(turn: TurnRecord) -> HistoryEntry:
     )
 
 
-def answer(turn: TurnRecord) -> Followers:
-    """A model step answered with calls: record the answer, then run every call."""
+def answer(turn: TurnRecord, in_one_message: bool) -> Followers:
+    """A model step answered with calls: record the answer, then run every call, in one
+    ``call_tools`` message when ``in_one_message`` (every live worker runs that kind) and the
+    step asked for at most ``CALLS_PER_MESSAGE``, else a message per call."""
     n = turn.model_step
     answered = Event.of(
         ModelAnsweredData(
@@ -119,7 +121,7 @@ def answer(turn: TurnRecord) -> Followers:
         session_id=turn.session_id,
         turn_id=turn.turn_id,
     )
-    if len(turn.calls) <= CALLS_PER_MESSAGE:
+    if in_one_message and len(turn.calls) <= CALLS_PER_MESSAGE:
         # One message for every call (``call_tools``): one publish, one delivery, one ack.
         steps = [
             step_out(

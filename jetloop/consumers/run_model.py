@@ -71,7 +71,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     if turn.model_step > n:
         return
     if turn.model_step == n and turn.phase == TurnPhase.CALLS:
-        await answer(turn).publish(rt.bus)
+        await answer(turn, rt.calls_in_one_message).publish(rt.bus)
         return
     if turn.model_step < n:
         raise DeadLetter(f"run_model for step {n} but turn {tid} is at step {turn.model_step}")
@@ -278,7 +278,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
     if committed.status == TurnStatus.COMPLETED:
         await end_turn(rt, committed, session)
     else:
-        await answer(committed).publish(rt.bus)
+        await answer(committed, rt.calls_in_one_message).publish(rt.bus)
 
 
 ATTEMPT = "attempt"

@@ -79,6 +79,13 @@ class Runtime:
     windows: Windows = field(default_factory=Windows)
     # Traces of turns (jetloop.consumers.tracing), None when off.
     tracing: Tracing | None = None
+    # Whether a model step's calls go in one ``call_tools`` message: only while every live
+    # worker runs that kind (its presence says so; set by jetloop.services.worker), else a
+    # message per call, which every release runs.
+    calls_in_one_message: bool = False
+    # How many calls of ``call_tools`` messages run at once (the tool pool's concurrency: a
+    # message of n calls counts n); None: no bound.
+    call_slots: asyncio.Semaphore | None = None
 
     def limits_of(self, adapter: object) -> EndpointLimits | None:
         """The limits of the endpoint ``adapter`` calls: by ``provider:model``, else by the

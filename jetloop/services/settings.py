@@ -90,7 +90,14 @@ class Settings(BaseSettings):
         64 * 1024, ge=1024, le=900 * 1024, description="payloads above this go to jl_blobs"
     )
     model_concurrency: int = Field(8, ge=1, description="model steps one worker runs at once")
-    tool_concurrency: int = Field(16, ge=1, description="tool steps one worker runs at once")
+    tool_concurrency: int = Field(
+        16,
+        ge=1,
+        description=(
+            "tool steps one worker runs at once (a model step's calls sent in one message "
+            "count one each)"
+        ),
+    )
     session_concurrency: int = Field(32, ge=1, description="session steps run at once")
     drain_seconds: float = Field(10.0, ge=0, description="graceful stop: time to finish steps")
     uvloop: bool = Field(

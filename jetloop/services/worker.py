@@ -36,6 +36,7 @@ from jetloop.consumers.metrics import watch_lag
 from jetloop.consumers.runtime import new_incarnation
 from jetloop.consumers.tracing import Tracing
 from jetloop.schemas.errors import NotAuthorized
+from jetloop.schemas.kinds import StepKind
 from jetloop.services.client import publish_trigger
 from jetloop.services.control import ControlService
 from jetloop.services.lifecycle import Service
@@ -177,8 +178,10 @@ class Worker(Service):
                 provider_limits=dict(s.provider_limits),
                 windows=Windows(await js.key_value(topology.LIMITS_BUCKET)),
                 tracing=Tracing.from_env("jetloop-worker"),
+                call_slots=asyncio.Semaphore(s.tool_concurrency),
             )
             self._rt = rt
+            await self._kinds_written(registry)
             for agent in self.app.agents.values():
                 for trigger in agent.triggers:
                     await publish_trigger(js, agent.name, trigger)
@@ -368,8 +371,20 @@ class Worker(Service):
                 await registry.advertise(self.worker_id, self.app.agents, self.pools, self._since)
                 if len(holds):
                     await holds.publish()
+                await self._kinds_written(registry)
             except Exception as exc:  # an outage: the next beat tries again
                 log.warning("worker.advertise_failed", error=str(exc))
+
+    async def _kinds_written(self, registry: Registry) -> None:
+        """Write a model step's calls as one message only while every live worker runs that
+        kind: during a rolling upgrade from a release without it, a message per call."""
+        rt = self._rt
+        if rt is None:
+            return
+        one = await registry.every_worker_runs(StepKind.CALL_TOOLS)
+        if one != rt.calls_in_one_message:
+            rt.calls_in_one_message = one
+            log.info("worker.calls_in_one_message", now=one)
 
     async def _watch(self, rescuer: Rescuer, urls: list[str]) -> None:
         """Hear other workers' connections close (``jetloop.services.rescue``); a watch connection

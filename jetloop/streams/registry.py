@@ -11,8 +11,8 @@ The registry lets a client tell the three cases apart at once:
 - ``live``: a worker that serves it refreshed its presence within ``PRESENCE_TTL``.
 
 A worker writes ``agent.<name>`` once (create-if-absent) and refreshes ``worker.<id>``
-(its agents and pools, its jetloop release and the highest schema version it reads) every
-third of the TTL; the bucket's TTL removes a dead worker's
+(its agents and pools, its jetloop release, the highest schema version it reads and the step
+kinds it runs) every third of the TTL; the bucket's TTL removes a dead worker's
 presence by itself, and a worker that stops cleanly deletes its own. Presence is only a
 hint for people and clients: the engine never decides who runs a step from it (the lease
 and the state's CAS still do).
@@ -39,6 +39,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from jetloop.schemas.codec import SCHEMA_VERSION
+from jetloop.schemas.kinds import StepKind
 from jetloop.streams import kvkeys
 from jetloop.streams.topology import AGENTS_BUCKET, WORKERS_BUCKET
 
@@ -66,6 +67,16 @@ class WorkerPresence:
     since: float
     release: str | None = None  # None: a release before 0.2.0, which did not say
     reads: int = FIRST_SCHEMA_VERSION  # the highest schema version it reads
+    # The step kinds it runs; None: a release that did not say, which runs the kinds
+    # there were before ``call_tools`` (``KINDS_BEFORE_SAYING``).
+    kinds: tuple[str, ...] | None = None
+
+    def runs(self, kind: StepKind) -> bool:
+        return kind.value in self.kinds if self.kinds is not None else kind in KINDS_BEFORE_SAYING
+
+
+# The kinds of step every release runs, also those whose presence does not list its kinds.
+KINDS_BEFORE_SAYING = frozenset(StepKind) - {StepKind.CALL_TOOLS}
 
 
 class Registry:
@@ -104,6 +115,7 @@ class Registry:
             "since": since,
             "release": _RELEASE,
             "reads": SCHEMA_VERSION,
+            "kinds": sorted(StepKind),
         }
         await self._workers.put(f"worker.{worker_id}", json.dumps(body).encode())
 
@@ -136,9 +148,15 @@ class Registry:
                     since=float(body.get("since", 0.0)),
                     release=body.get("release"),
                     reads=int(body.get("reads", FIRST_SCHEMA_VERSION)),
+                    kinds=tuple(body["kinds"]) if isinstance(body.get("kinds"), list) else None,
                 )
             )
         return out
+
+    async def every_worker_runs(self, kind: StepKind) -> bool:
+        """Whether every live worker runs steps of ``kind``: a release writes a kind that
+        older ones do not run only then (docs/upgrading.md, "Rolling upgrades: the policy")."""
+        return all(w.runs(kind) for w in await self.workers())
 
     async def declared(self) -> list[str]:
         """Every agent ever served, sorted."""

@@ -1,0 +1,138 @@
+"""A model step's calls travel in one message (``call_tools``): one publish, one delivery,
+one ack for them all, each call still fenced and settled on its own; and a message per call
+while a worker that does not run that kind is alive (a rolling upgrade from a release without
+it). Real nats-server, real worker processes."""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+
+import msgpack
+from nats.aio.msg import Msg
+
+from jetloop.demo.vendor import Vendor
+from jetloop.schemas import CallState
+from jetloop.services.client import Client
+from jetloop.streams.topology import WORKERS_BUCKET
+from tests.conftest import WorkerFactory, call, script, until
+
+
+async def _tool_steps(client: Client) -> collections.Counter[str]:
+    """Counts, by kind, the tool steps published from now on (a core subscription)."""
+    seen: collections.Counter[str] = collections.Counter()
+
+    async def on(msg: Msg) -> None:
+        if not (msg.reply or "").startswith("$JS.ACK"):  # the publish, not a delivery
+            seen[msg.subject.split(".")[4]] += 1
+
+    await client.nc.subscribe("jl.step.tool.tester.>", cb=on)
+    await client.nc.flush()
+    return seen
+
+
+async def test_a_model_steps_calls_travel_in_one_message(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Three calls of three effects: one ``call_tools`` message, no message per call, each
+    tool made once, each outcome its own record, the turn joined once."""
+    w = workers.start()
+    await w.wait_for("worker.started", timeout=30)
+    seen = await _tool_steps(client)
+    h = await client.send(
+        "tester",
+        "ct1",
+        script([call("write", name="a"), call("once", name="b"), call("read", name="c")]),
+    )
+    await client.wait(h, timeout=30)
+    assert dict(seen) == {"call_tools": 1}
+    for i in range(3):
+        rec = await client.call("ct1", h.turn_id, 0, i)
+        assert rec is not None and rec.state == CallState.SUCCEEDED, (i, rec)
+    assert list((await vendor.request_counts("write")).values()) == [1]
+    assert list((await vendor.request_counts("once")).values()) == [1]
+    assert len(w.find("step.acked", kind="call_tools")) == 1
+
+
+async def test_a_call_handed_back_leaves_the_others_made_once(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """One call of the message fails twice with a transient error: the message is handed
+    back twice; the calls beside it, committed on the first delivery, are not made again
+    (found done, told again, joined), and the turn completes once the third attempt succeeds."""
+    w = workers.start()
+    h = await client.send(
+        "tester",
+        "ct2",
+        script([call("flaky", name="f"), call("write", name="a"), call("once", name="b")]),
+    )
+    await client.wait(h, timeout=60)
+    states = [(await client.call("ct2", h.turn_id, 0, i)) for i in range(3)]
+    assert [r.state if r else None for r in states] == [CallState.SUCCEEDED] * 3
+    assert states[0] is not None and states[0].attempts == 3
+    assert list((await vendor.request_counts("write")).values()) == [1]
+    assert list((await vendor.request_counts("once")).values()) == [1]
+    assert list((await vendor.request_counts("flaky")).values()) == [1]
+    assert len(w.find("step.retry_later", kind="call_tools")) == 2
+
+
+async def test_a_worker_that_does_not_run_it_means_a_message_per_call(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """While a presence names no step kinds (a release before ``call_tools``), calls go one
+    message per call, which every release runs; once it is gone, in one message again."""
+    kv = await client.js.key_value(WORKERS_BUCKET)
+    older = {"agents": ["tester"], "pools": ["tool"], "since": time.time()}
+    await kv.put("worker.older-release", json.dumps(older).encode())
+    try:
+        w = workers.start()
+        await w.wait_for("worker.started", timeout=30)
+        seen = await _tool_steps(client)
+        h = await client.send(
+            "tester", "ct3", script([call("write", name="a"), call("read", name="b")])
+        )
+        await client.wait(h, timeout=30)
+        assert dict(seen) == {"call_tool": 2}
+    finally:
+        await kv.delete("worker.older-release")
+    # The worker looks again with its next presence (every 5 s).
+    await w.wait_for("worker.calls_in_one_message", now=True, timeout=30)
+    seen.clear()
+    again = script([call("write", name="c"), call("read", name="d")])
+    h = await client.send("tester", "ct3", again)
+    await client.wait(h, timeout=30)
+    assert dict(seen) == {"call_tools": 1}
+
+
+async def test_a_call_tools_message_of_no_or_too_many_calls_is_dead_lettered(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """A hand-made ``call_tools`` message claiming 0 or a million calls is dead-lettered with
+    the reason, nothing run; the worker serves on."""
+    w = workers.start()
+    for sid, n in (("ct4a", 0), ("ct4b", 1_000_000)):
+        body = {
+            "kind": "call_tools",
+            "agent": "tester",
+            "session_id": sid,
+            "turn_id": "t1",
+            "calls": n,
+        }
+        await client.js.publish(
+            f"jl.step.tool.tester.call_tools.{sid}",
+            msgpack.packb(body),
+            headers={"Nats-Msg-Id": f"{sid}.t1.m0.calls", "Jl-Kind": "call_tools"},
+        )
+
+    async def both() -> dict[str, str] | None:
+        dead = {subject: reason for subject, reason, _ in await client.dead_letters()}
+        mine = {s: r for s, r in dead.items() if ".call_tools.ct4" in s}
+        return mine if len(mine) == 2 else None
+
+    dead = await until(both, timeout=15)
+    assert "with 0 calls (1 to 64 are sent)" in dead["jl.step.tool.tester.call_tools.ct4a"]
+    assert "with 1000000 calls" in dead["jl.step.tool.tester.call_tools.ct4b"]
+    h = await client.send("tester", "ct4-next", script([call("write", name="after")]))
+    await client.wait(h, timeout=30)
+    assert w.alive()

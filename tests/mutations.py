@@ -209,7 +209,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no-re-emit-on-redelivery",
         "jetloop/consumers/run_model.py",
         "    if turn.model_step == n and turn.phase == TurnPhase.CALLS:\n"
-        "        await answer(turn).publish(rt.bus)\n"
+        "        await answer(turn, rt.calls_in_one_message).publish(rt.bus)\n"
         "        return\n",
         "    if turn.model_step == n and turn.phase == TurnPhase.CALLS:\n        return\n",
         "a redelivered model step whose answer is committed does not re-emit its calls",

@@ -245,19 +245,29 @@ class Delivery:
 
     async def heartbeat(self) -> None:
         """Write the claimed record again and extend the lease, unless another attempt has
-        taken the step over (then the write's CAS fails and nothing is sent). A message of
-        several calls beats for each: the message's lease lasts while one of them is ours."""
-        parts = self.parts or [self]
-        beating = [p._rewrite() for p in parts if p.fence_value is not None and not p.lost]
-        if beating:
-            await asyncio.gather(*beating)
+        taken the step over (then the write's CAS fails and nothing is sent)."""
+        if self.parts:
+            await self._beat_parts()
+            return
+        if self.fence_value is not None and not self.lost:
+            await self._rewrite()
+        if not self.lost:
+            await self.msg.in_progress()
+        if self.watch_turn is not None and not self.cancelled:
+            turn = await self.rt.state.turn(*self.watch_turn)
+            if turn is not None and turn.value.status == "cancelled":
+                self.cancelled = True
+
+    async def _beat_parts(self) -> None:
+        """The heartbeat of a message of several calls: each call's record written again, the
+        message's lease extended while one of them is still ours, the turn read once."""
+        parts = self.parts
+        await asyncio.gather(*(p._rewrite() for p in parts if p.fence_value is not None))
         if not all(p.lost for p in parts):
             await self.msg.in_progress()
         watching = [p for p in parts if p.watch_turn is not None and not p.cancelled]
-        if watching:
-            watched = watching[0].watch_turn
-            assert watched is not None
-            turn = await self.rt.state.turn(*watched)
+        if watching and watching[0].watch_turn is not None:
+            turn = await self.rt.state.turn(*watching[0].watch_turn)
             if turn is not None and turn.value.status == "cancelled":
                 for p in watching:
                     p.cancelled = True

@@ -7,16 +7,19 @@ the same order: commit, publish records, publish the next steps, ack. What it le
 what the engine adds: the reads (records, history), decoding and encoding with pydantic,
 sealing, the scripted model and the tools, logs, heartbeats. The per-step counts:
 
-    step          CAS writes          publishes (records, then steps)         ack
-    turn request  turn, session       accepted, user, started; run_model 0     1
-    run_model 0   claim, commit       assistant, answered; n call steps        1
-    call i        claim, commit       call.outcome; join i                     1
-    join (last)   turn                n tool results; run_model 1              1
-    join (other)  –                   –                                        1
-    run_model 1   claim, commit       assistant, turn.completed; turn_done     1
-    turn_done     session             –                                        1
+    step          CAS writes                publishes (records, then steps)              ack
+    turn request  turn, session             accepted, user, started; run_model 0          1
+    run_model 0   claim, commit             usage (between them); assistant, answered;    1
+                                            one call_tools step
+    call_tools    per call: its outcome     per call: call.outcome; the last done: n tool 1
+                  (a create); the last      results and run_model 1
+                  done: turn
+    run_model 1   claim, commit, session    usage (between the first two); assistant,     1
+                                            turn.completed
 
-(a one-model-step turn is the turn request, run_model 0 answering at once, and turn_done).
+(a one-model-step turn is the turn request and run_model 0 answering at once, as run_model 1
+does: 19 publishes of records, 13 CAS writes, 3 step publishes and 4 acks per 7-step turn, as
+the engine's since a model step's calls travel in one message).
 ``jetloop.tooling.bench.run`` checks these counts against the engine's, measured from stream
 sequences.
 
@@ -173,6 +176,8 @@ class FloorWorker:
     async def model(self, sid: str, tid: str, fan: int, n: int) -> None:
         key, base = f"turn.{sid}.{tid}", f"{sid}.{tid}"
         await self.cas(key)  # claim
+        # The call's usage, in the ledger before the commit.
+        await self.publish([f"floor.event.{sid}.model.usage"], [f"{base}.m{n}.a1.usage"], tid)
         await self.cas(key)  # commit
         if n == 0 and fan > 0:
             await self.publish(
@@ -180,42 +185,37 @@ class FloorWorker:
                 [f"{base}.m0.assistant", f"{base}.m0.answered"],
                 tid,
             )
-            await self.publish(
-                [self._step("call", sid, tid, fan, i) for i in range(fan)],
-                [f"{base}.m0.c{i}" for i in range(fan)],
-                tid,
-            )
+            await self.publish([self._step("calls", sid, tid, fan, 0)], [f"{base}.m0.calls"], tid)
             return
         await self.publish(
             [f"floor.event.{sid}.history.assistant", f"floor.event.{sid}.turn.completed"],
             [f"{base}.m{n}.assistant", f"{base}.completed"],
             tid,
         )
-        await self.publish([self._step("done", sid, tid, fan)], [f"{base}.done"], tid)
+        await self.cas(f"session.{sid}")  # the session moves on, in the same step
 
-    async def call(self, sid: str, tid: str, fan: int, i: int) -> None:
-        key, base = f"call.{sid}.{tid}.0.{i}", f"{sid}.{tid}"
-        await self.cas(key)  # claim (the in-doubt mark of a write)
-        await self.cas(key)  # commit the outcome
-        await self.publish([f"floor.event.{sid}.call.outcome"], [f"call.{base}.0.{i}.outcome"], tid)
-        await self.publish([self._step("join", sid, tid, fan, i)], [f"{base}.m0.c{i}.join"], tid)
-
-    async def join(self, sid: str, tid: str, fan: int, i: int) -> None:
+    async def calls(self, sid: str, tid: str, fan: int, arg: int) -> None:
+        """Every call of model step 0, side by side; the last one done moves the turn."""
         base = f"{sid}.{tid}"
-        self.joined[base] += 1
-        if self.joined[base] < fan:
-            return
-        del self.joined[base]
-        await self.cas(f"turn.{sid}.{tid}")
-        await self.publish(
-            [f"floor.event.{sid}.history.tool" for _ in range(fan)],
-            [f"{base}.m0.c{j}.result" for j in range(fan)],
-            tid,
-        )
-        await self.publish([self._step("model", sid, tid, fan, 1)], [f"{base}.m1"], tid)
 
-    async def done(self, sid: str, tid: str, fan: int, arg: int) -> None:
-        await self.cas(f"session.{sid}")
+        async def call(i: int) -> None:
+            await self.cas(f"call.{sid}.{tid}.0.{i}")  # the outcome (a read: its one write)
+            await self.publish(
+                [f"floor.event.{sid}.call.outcome"], [f"call.{base}.0.{i}.outcome"], tid
+            )
+            self.joined[base] += 1
+            if self.joined[base] < fan:
+                return
+            del self.joined[base]
+            await self.cas(f"turn.{sid}.{tid}")
+            await self.publish(
+                [f"floor.event.{sid}.history.tool" for _ in range(fan)],
+                [f"{base}.m0.c{j}.result" for j in range(fan)],
+                tid,
+            )
+            await self.publish([self._step("model", sid, tid, fan, 1)], [f"{base}.m1"], tid)
+
+        await asyncio.gather(*(call(i) for i in range(fan)))
 
 
 async def _pull(

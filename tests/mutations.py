@@ -464,6 +464,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "an endpoint's concurrency cap is not kept: every worker calls it at once",
         ("tests/test_usage.py::test_calls_in_flight_are_capped_across_two_workers",),
     ),
+    Mutation(
+        "calls-of-one-message-unbounded",
+        "jetloop/consumers/call_tool.py",
+        "        if slots is None:\n",
+        "        if True:\n",
+        "the calls of one message run all at once, past the tool pool's concurrency",
+        (
+            "tests/test_call_tools.py::test_the_tool_pools_concurrency_counts_the_calls_of_one_message",
+        ),
+    ),
+    Mutation(
+        "calls-message-acked-though-one-must-wait",
+        "jetloop/consumers/call_tool.py",
+        "    if waits:\n",
+        "    if False:\n",
+        "a message of calls is acked while one of its calls waits to be tried again: that call "
+        "is never made and its turn never moves",
+        ("tests/test_call_tools.py::test_a_call_handed_back_leaves_the_others_made_once",),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import json
 import time
+from datetime import datetime
 
 import msgpack
 from nats.aio.msg import Msg
@@ -136,3 +137,17 @@ async def test_a_call_tools_message_of_no_or_too_many_calls_is_dead_lettered(
     h = await client.send("tester", "ct4-next", script([call("write", name="after")]))
     await client.wait(h, timeout=30)
     assert w.alive()
+
+
+async def test_the_tool_pools_concurrency_counts_the_calls_of_one_message(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """With ``JETLOOP_TOOL_CONCURRENCY=1`` the three calls of one message run one after
+    another (each sleeps 0.4 s, then writes): their outcomes are at least 0.8 s apart."""
+    w = workers.start(env={"JETLOOP_TOOL_CONCURRENCY": "1"})
+    slow = [call("slow", name=n, seconds=0.4) for n in "abc"]
+    h = await client.send("tester", "ct5", script(slow))
+    await client.wait(h, timeout=60)
+    stamps = sorted(datetime.fromisoformat(ln["timestamp"]) for ln in w.find("call.recorded"))
+    assert len(stamps) == 3
+    assert (stamps[-1] - stamps[0]).total_seconds() >= 0.8

@@ -1,10 +1,10 @@
 """The join: when every call of a model step has its outcome, the turn moves to the next step.
 
 The step that commits a call's outcome joins right after, in the same delivery (no join
-message of its own: one delivery per call). Of the calls that find every outcome in, the one
-committed last moves the turn on (``_elected``); the others find calls still open, the turn
-moved, or another call elected, and stop. The move is one CAS on the turn record from the
-revision read: two joins racing cannot both win. The winner
+message of its own; the calls of one ``call_tools`` message each join so). Of the calls that
+find every outcome in, the one committed last moves the turn on (``_elected``); the others
+find calls still open, the turn moved, or another call elected, and stop. The move is one CAS
+on the turn record from the revision read: two joins racing cannot both win. The winner
 publishes what follows before its step is acked; if it dies before that, its call step is
 redelivered, finds its outcome committed and the turn moved, and publishes it (same message
 ids: it lands once). So a first delivery that finds the turn already moved has nothing to

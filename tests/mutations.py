@@ -426,9 +426,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "throttle-uses-an-attempt",
         "jetloop/consumers/run_model.py",
-        '        await d.commit(claimed.model_copy(update={"attempt": None, '
+        "            await admission.throttled(exc, wait)\n"
+        '            await d.commit(claimed.model_copy(update={"attempt": None, '
         '"attempts": turn.attempts}))\n',
-        '        await d.commit(claimed.model_copy(update={"attempt": None}))\n',
+        "            await admission.throttled(exc, wait)\n"
+        '            await d.commit(claimed.model_copy(update={"attempt": None}))\n',
         "a 429 with Retry-After uses up one of the model step's attempts",
         ("tests/test_usage.py::test_a_429_pauses_every_worker_and_uses_no_attempt",),
     ),

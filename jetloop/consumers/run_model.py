@@ -11,7 +11,7 @@ publish, ack.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import structlog
@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from jetloop.agents import Agent, Message, ModelRequest, ModelResponse, Tool, ToolSpec
 from jetloop.agents.adapters import MalformedToolCall
 from jetloop.agents.mcp import MCPUnreachable
-from jetloop.consumers import metrics
+from jetloop.consumers import flow, metrics
 from jetloop.consumers.budgets import over_budget
 from jetloop.consumers.compact import compact_first, compaction_needed, estimate
 from jetloop.consumers.conversation import conversation
@@ -47,10 +47,8 @@ from jetloop.schemas import (
 from jetloop.schemas.errors import ProviderError, ProviderRejected, ProviderRetryable
 from jetloop.streams.bus import event_out
 from jetloop.streams.holds import drained
-from jetloop.streams.pauses import pause_key
 from jetloop.streams.state import turn_key
 from jetloop.streams.topology import live_subject
-from jetloop.streams.windows import Admitted, Slot
 
 log = structlog.get_logger("jetloop.run_model")
 
@@ -165,22 +163,8 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         await end_turn(rt, failed)
         return
     assert messages is not None
-    endpoint = pause_key(agent.model)
-    paused = rt.pauses.remaining(endpoint)
-    if paused > 0:
-        # The provider asked every worker to wait (a 429's Retry-After): no attempt is used.
-        raise RetryLater(paused, f"the model provider asked to wait {paused:.1f}s more")
-
-    admitted = Admitted("", 0)
-    limited = rt.limits_of(agent.model)
-    if limited is not None and endpoint is not None:
-        # The endpoint's requests and tokens per window, shared by every worker.
-        got = await rt.windows.admit(endpoint, limited)
-        if not isinstance(got, Admitted):
-            raise RetryLater(got, "the model endpoint's limit for this window is reached")
-        admitted = got
-    used: int | None = None  # the call's tokens, once it answered
-    slot: Slot | None = None
+    # A provider's pause and the endpoint's window, before the claim: no attempt is used.
+    admission = await flow.admit(rt, agent.model)
     try:
         attempt = rt.new_attempt(turn.attempts + 1)
         claimed = turn.model_copy(
@@ -195,16 +179,12 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         )
         await d.claim(turn_key(sid, tid), claimed, cur.revision)
         bind_step(attempt=attempt.no)
-        if limited is not None and limited.concurrent is not None and endpoint is not None:
-            holder = {"session": sid, "turn": tid, "incarnation": rt.incarnation, "no": attempt.no}
-            slot = await rt.windows.take_slot(endpoint, limited, holder, _still_held(rt))
-            if slot is None:
-                # Every call the endpoint may have in flight is: hand the step back, its
-                # attempt not used.
-                await d.commit(
-                    claimed.model_copy(update={"attempt": None, "attempts": turn.attempts})
-                )
-                raise RetryLater(0.25, "every slot of the model endpoint is in use")
+        holder = {"session": sid, "turn": tid, "incarnation": rt.incarnation, "no": attempt.no}
+        if not await admission.take_slot(holder):
+            # Every call the endpoint may have in flight is: hand the step back, its attempt
+            # not used.
+            await d.commit(claimed.model_copy(update={"attempt": None, "attempts": turn.attempts}))
+            raise RetryLater(0.25, "every slot of the model endpoint is in use")
         if resumed is not None:
             await tell_resumed(rt, turn, step.step_key(), resumed, Resume(len(lost), stopped), {})
 
@@ -250,12 +230,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
                 await _attempt_failed(d, claimed, attempt.no, exc)
             # Too many requests, and the provider said for how long: not this step's fault, so
             # not one of its attempts; every worker calling that endpoint waits as long.
-            log.warning("model.throttled", retry_after=wait, error=str(exc))
-            await rt.pauses.pause(
-                endpoint,
-                wait,
-                {"provider": exc.provider, "model": model_of(agent.model), "by": rt.worker_id},
-            )
+            await admission.throttled(exc, wait)
             await d.commit(claimed.model_copy(update={"attempt": None, "attempts": turn.attempts}))
             raise RetryLater(wait, f"model call throttled: {exc}") from exc
         except Exception as exc:
@@ -265,11 +240,9 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
         # makes this step run again still counts this call (jetloop.consumers.usage).
         paid = await record_usage(rt.bus, usage_event(rt.prices, agent.model, request, response))
         spent = spent.plus(paid.input_tokens, paid.output_tokens, paid.cost_usd)
-        used = paid.input_tokens + paid.output_tokens
+        admission.used = paid.input_tokens + paid.output_tokens
     finally:
-        await rt.windows.settle(admitted, used)
-        if slot is not None:
-            await rt.windows.free_slot(slot)
+        await admission.close()
     committed = await _plan(rt, tools, claimed, response, spent)
     await rt.faults.point("run_model.before_commit")
     await d.commit(committed)
@@ -282,22 +255,6 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
 
 
 ATTEMPT = "attempt"
-
-
-def _still_held(rt: Runtime) -> Callable[[dict[str, Any]], Awaitable[bool]]:
-    """Whether the attempt a slot names still holds its model step (its turn record says
-    so): otherwise the slot is stale, and another call may take it."""
-
-    async def held(holder: dict[str, Any]) -> bool:
-        found = await rt.state.turn(str(holder.get("session")), str(holder.get("turn")))
-        attempt = found.value.attempt if found is not None else None
-        return (
-            attempt is not None
-            and attempt.incarnation == holder.get("incarnation")
-            and attempt.no == holder.get("no")
-        )
-
-    return held
 
 
 async def _attempt_failed(d: Delivery, claimed: TurnRecord, no: int, exc: Exception) -> NoReturn:

@@ -121,33 +121,30 @@ def answer(turn: TurnRecord, in_one_message: bool) -> Followers:
         session_id=turn.session_id,
         turn_id=turn.turn_id,
     )
+
+    def step(kind: StepKind, calls: int | None = None, call_index: int | None = None) -> Outgoing:
+        return step_out(
+            StepMessage(
+                kind=kind,
+                agent=turn.agent,
+                session_id=turn.session_id,
+                turn_id=turn.turn_id,
+                model_step=n,
+                calls=calls,
+                call_index=call_index,
+            )
+        )
+
     if in_one_message and len(turn.calls) <= CALLS_PER_MESSAGE:
         # One message for every call (``call_tools``): one publish, one delivery, one ack.
-        steps = [
-            step_out(
-                StepMessage(
-                    kind=StepKind.CALL_TOOLS,
-                    agent=turn.agent,
-                    session_id=turn.session_id,
-                    turn_id=turn.turn_id,
-                    model_step=n,
-                    calls=len(turn.calls),
-                )
-            )
-        ]
+        steps = [step(StepKind.CALL_TOOLS, calls=len(turn.calls))]
     else:
         steps = [
-            step_out(
-                StepMessage(
-                    kind=StepKind.CALL_SINGLE_ATTEMPT_TOOL
-                    if c.effect == "non_idempotent_write"
-                    else StepKind.CALL_TOOL,
-                    agent=turn.agent,
-                    session_id=turn.session_id,
-                    turn_id=turn.turn_id,
-                    model_step=n,
-                    call_index=c.index,
-                )
+            step(
+                StepKind.CALL_SINGLE_ATTEMPT_TOOL
+                if c.effect == "non_idempotent_write"
+                else StepKind.CALL_TOOL,
+                call_index=c.index,
             )
             for c in turn.calls
         ]

@@ -60,6 +60,10 @@ from jetloop.streams.windows import Windows
 
 log = structlog.get_logger("jetloop.worker")
 
+# Once every live worker runs the newest step kinds, the presences are read again only with
+# every this-many-th refresh of this worker's own (every 30 s), not every 5 s.
+KINDS_CHECK_EVERY = 6
+
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -91,6 +95,7 @@ class Worker(Service):
         self._nc: Client | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._since = time.time()
+        self._kinds_checks = 0  # presence refreshes since the start (``_kinds_written``)
         # The pull loops' intakes: at each reconnect their open requests may have gone with
         # the server, so they ask again at once.
         self._intakes: list[Intake] = []
@@ -377,9 +382,15 @@ class Worker(Service):
 
     async def _kinds_written(self, registry: Registry) -> None:
         """Write a model step's calls as one message only while every live worker runs that
-        kind: during a rolling upgrade from a release without it, a message per call."""
+        kind: during a rolling upgrade from a release without it, a message per call. Looked
+        at with every presence refresh while an older worker lives, and with every
+        ``KINDS_CHECK_EVERY``-th once none does (an older one started later, a roll back, meets
+        the new kind only in that while, and hands it back for a worker that runs it)."""
         rt = self._rt
         if rt is None:
+            return
+        self._kinds_checks += 1
+        if rt.calls_in_one_message and self._kinds_checks % KINDS_CHECK_EVERY:
             return
         one = await registry.every_worker_runs(StepKind.CALL_TOOLS)
         if one != rt.calls_in_one_message:

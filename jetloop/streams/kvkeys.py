@@ -26,15 +26,25 @@ INACTIVE_SECONDS = 2.0
 async def keys(kv: KeyValue, pattern: str = ">") -> list[str]:
     """The keys of ``kv`` matching ``pattern`` (a subject-style pattern), deletes left out;
     empty when there are none."""
+    return [e.key for e in await _listed(kv, pattern, values=False)]
+
+
+async def entries(kv: KeyValue, pattern: str = ">") -> list[KeyValue.Entry]:
+    """The current entries (key and value) of ``kv`` matching ``pattern``, deletes left out:
+    one listing, not a read per key."""
+    return await _listed(kv, pattern, values=True)
+
+
+async def _listed(kv: KeyValue, pattern: str, values: bool) -> list[KeyValue.Entry]:
     watcher = await kv.watch(
-        pattern, ignore_deletes=True, meta_only=True, inactive_threshold=INACTIVE_SECONDS
+        pattern, ignore_deletes=True, meta_only=not values, inactive_threshold=INACTIVE_SECONDS
     )
-    out: list[str] = []
+    out: list[KeyValue.Entry] = []
     try:
         async for entry in watcher:
             if entry is None:
                 break
-            out.append(entry.key)
+            out.append(entry)
     finally:
         await watcher.stop()  # type: ignore[no-untyped-call]
     return out

@@ -127,22 +127,21 @@ class Registry:
             pass  # the TTL removes it
 
     async def workers(self) -> list[WorkerPresence]:
-        keys = await kvkeys.keys(self._workers, "worker.>")
+        """Every live worker's presence, read in one listing of the bucket."""
         out = []
-        for key in keys:
-            if not key.startswith("worker."):
-                # The bucket also holds each process's held messages (jetloop.streams.holds).
-                continue
-            try:
-                entry = await self._workers.get(key)
-            except KeyNotFoundError:
-                continue  # gone between the listing and the read
+        for entry in await kvkeys.entries(self._workers, "worker.>"):
+            # (The bucket also holds each process's held messages: jetloop.streams.holds.)
             if not entry.value:
                 continue
-            body = json.loads(entry.value)
+            try:
+                body = json.loads(entry.value)
+            except ValueError:
+                continue  # not a presence this code reads
+            if not isinstance(body, dict):
+                continue
             out.append(
                 WorkerPresence(
-                    worker_id=key.removeprefix("worker."),
+                    worker_id=entry.key.removeprefix("worker."),
                     agents=tuple(body.get("agents", ())),
                     pools=tuple(body.get("pools", ())),
                     since=float(body.get("since", 0.0)),

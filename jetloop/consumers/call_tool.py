@@ -228,10 +228,11 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
     if lost is not None or taken is not None:
         d.lost = True  # nothing more is sent for the message: not even a nak
         raise taken or TakenOver((lost.fence_key if lost is not None else None) or "?")
+    waits: list[RetryLater] = []
     for e in errors:
         if not isinstance(e, RetryLater):
             raise e  # a failure no wait cures, or a shutdown: the message is settled for it
-    waits = [e for e in errors if isinstance(e, RetryLater)]
+        waits.append(e)
     if waits:
         raise min(waits, key=lambda e: e.delay)  # handed back once, for the call due first
 

@@ -259,11 +259,13 @@ class Delivery:
                 self.cancelled = True
 
     async def _beat_parts(self) -> None:
-        """The heartbeat of a message of several calls: each call's record written again, the
-        message's lease extended while one of them is still ours, the turn read once."""
+        """The heartbeat of a message of several calls: each call's record written again (the
+        sign of life of the calls still ours), the turn read once, and the message's lease
+        extended only while no call of it was taken over: a taken call means another attempt
+        holds the message now, and JetStream does not fence an older delivery's in-progress."""
         parts = self.parts
         await asyncio.gather(*(p._rewrite() for p in parts if p.fence_value is not None))
-        if not all(p.lost for p in parts):
+        if not any(p.lost for p in parts):
             await self.msg.in_progress()
         watching = [p for p in parts if p.watch_turn is not None and not p.cancelled]
         if watching and watching[0].watch_turn is not None:

@@ -129,8 +129,9 @@ class Registry:
     async def workers(self) -> list[WorkerPresence]:
         """Every live worker's presence, read in one listing of the bucket."""
         out = []
+        # (Only ``worker.`` keys: the bucket also holds each process's held messages,
+        # ``jetloop.streams.holds``.)
         for entry in await kvkeys.entries(self._workers, "worker.>"):
-            # (The bucket also holds each process's held messages: jetloop.streams.holds.)
             if not entry.value:
                 continue
             try:

@@ -418,6 +418,9 @@ async def test_stalled_worker_makes_no_summary_call_after_a_takeover(
     res = await client.wait(h2, timeout=30)
     assert body(res.text)["summaries"] == ["SUMMARY of 2 messages"]
     assert sum((await vendor.payload_counts("summary_call")).values()) == 1
+    # The session counts the turn done in the step's last write, after the turn's end is
+    # heard: wait for it, or it lands among the writes this test says nothing makes.
+    await until(lambda: _turns_done(client, "pc", 2), timeout=30)
     before = await last_seqs(client, "pc")
 
     stalled.resume()
@@ -431,3 +434,8 @@ async def test_stalled_worker_makes_no_summary_call_after_a_takeover(
     assert sum((await vendor.payload_counts("summary_call")).values()) == 1
     assert tap.settled(seq, delivery) == [], "the stale delivery must not be settled"
     assert await last_seqs(client, "pc") == before, "nothing new in the streams"
+
+
+async def _turns_done(client: Client, session: str, n: int) -> bool:
+    snap = await client.snapshot(session)
+    return snap is not None and snap.turns_done >= n

@@ -392,7 +392,7 @@ class Worker(Service):
         self._kinds_checks += 1
         if rt.calls_in_one_message and self._kinds_checks % KINDS_CHECK_EVERY:
             return
-        one = await registry.every_worker_runs(StepKind.CALL_TOOLS)
+        one = await registry.every_worker_runs(StepKind.CALL_TOOLS, self.worker_id)
         if one != rt.calls_in_one_message:
             rt.calls_in_one_message = one
             log.info("worker.calls_in_one_message", now=one)

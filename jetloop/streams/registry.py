@@ -153,10 +153,13 @@ class Registry:
             )
         return out
 
-    async def every_worker_runs(self, kind: StepKind) -> bool:
+    async def every_worker_runs(self, kind: StepKind, me: str) -> bool:
         """Whether every live worker runs steps of ``kind``: a release writes a kind that
-        older ones do not run only then (docs/upgrading.md, "Rolling upgrades: the policy")."""
-        return all(w.runs(kind) for w in await self.workers())
+        older ones do not run only then (docs/upgrading.md, "Rolling upgrades: the policy").
+        ``me``, the asking worker, has its presence written: a listing without it is not
+        complete (nats-py's KV watch can end before the entries it was sent), and says no."""
+        workers = await self.workers()
+        return any(w.worker_id == me for w in workers) and all(w.runs(kind) for w in workers)
 
     async def declared(self) -> list[str]:
         """Every agent ever served, sorted."""

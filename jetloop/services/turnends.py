@@ -2,8 +2,10 @@
 
 A turn ends with an event stored on ``jl.event.<session>.turn.<how>`` (``completed``,
 ``failed``, ``cancelled``); a JetStream publish reaches core subscribers of its subject too.
-So a client waiting for turns subscribes once to ``jl.event.<session>.turn.*`` for each
-session it waits on (every wait on that session shares it) and, after subscribing, reads the
+So a client waiting for turns subscribes once to the three ends of each session it waits on
+(``jl.event.<session>.turn.completed``, ``….failed``, ``….cancelled``: every wait on that
+session shares them; ``turn.*`` would also bring each turn's ``accepted`` and ``started``,
+two messages a turn the wait does nothing with) and, after subscribing, reads the
 turn's record: a turn that ended before the subscription is found ended there; one that ends
 after it is heard. Hearing is only a wake-up: the record decides, read again after each end
 heard of the turn. A core message is not durable (a link lost and made again can miss one),
@@ -27,7 +29,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from jetloop.schemas.events import turn_end_of
+from jetloop.schemas.events import TURN_ENDS
 from jetloop.streams import topology
 from jetloop.streams.bus import H_TURN
 from jetloop.streams.connection import when_link_lost
@@ -38,9 +40,10 @@ RECHECK_SECONDS = 5.0
 
 @dataclass
 class _Session:
-    """The subscription of one session, and how many waits share it."""
+    """The subscriptions of one session (one per way a turn ends), and how many waits share
+    them."""
 
-    ready: asyncio.Future[Subscription]
+    ready: asyncio.Future[list[Subscription]]
     users: int = 0
 
 
@@ -69,10 +72,14 @@ class TurnEnds:
             entry = self._sessions[session_id] = _Session(
                 asyncio.get_running_loop().create_future()
             )
-            subject = topology.event_subject(session_id, "turn.*")
+            subs: list[Subscription] = []
             try:
-                entry.ready.set_result(await self.nc.subscribe(subject, cb=self._on))
+                for end in TURN_ENDS:
+                    subject = topology.event_subject(session_id, end.value)
+                    subs.append(await self.nc.subscribe(subject, cb=self._on))
+                entry.ready.set_result(subs)
             except BaseException as exc:
+                await _unsubscribe(self.nc, subs)
                 entry.ready.set_exception(exc)
                 entry.ready.exception()  # raised below, to each waiter
                 del self._sessions[session_id]
@@ -90,13 +97,9 @@ class TurnEnds:
             if entry.users == 0 and self._sessions.get(session_id) is entry:
                 del self._sessions[session_id]
                 if entry.ready.done() and not entry.ready.exception():
-                    sub = entry.ready.result()
-                    if not self.nc.is_closed:
-                        await sub.unsubscribe()
+                    await _unsubscribe(self.nc, entry.ready.result())
 
     async def _on(self, msg: Msg) -> None:
-        if turn_end_of(msg.subject) is None:
-            return  # accepted, started
         turn_id = (msg.headers or {}).get(H_TURN)
         for wake in self._waits.get(turn_id or "", ()):
             wake.set()
@@ -105,3 +108,10 @@ class TurnEnds:
         for waits in self._waits.values():
             for wake in waits:
                 wake.set()
+
+
+async def _unsubscribe(nc: Client, subs: list[Subscription]) -> None:
+    if nc.is_closed:
+        return
+    for sub in subs:
+        await sub.unsubscribe()

@@ -485,6 +485,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "is never made and its turn never moves",
         ("tests/test_call_tools.py::test_a_call_handed_back_leaves_the_others_made_once",),
     ),
+    Mutation(
+        "carried-turn-written-since-taken-over",
+        "jetloop/consumers/runtime.py",
+        "                if carried and self.fence_key is None:\n",
+        "                if False:\n",
+        "a model step whose carried turn was written since takes the failed claim for a "
+        "takeover: it sends nothing, and the turn waits a lease for the message to come back",
+        ("tests/test_step_reads.py::test_a_carried_turn_written_since_is_read_again",),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

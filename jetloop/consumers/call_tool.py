@@ -45,7 +45,7 @@ from jetloop.consumers.calls import (
 )
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.followers import call_done
-from jetloop.consumers.join import outcome_told_and_joined
+from jetloop.consumers.join import StepCalls, outcome_told_and_joined
 from jetloop.consumers.liveness import H_HOLDER_LOST, holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import record_loss, tell_resumed
@@ -86,6 +86,8 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
     if turn_v is None:
         raise DeadLetter(f"{step.kind.value} for turn {tid} of session {sid}, which has no record")
     turn = turn_v.value
+    if d.together is not None:
+        d.together.saw(turn_v, session_v)
     current = turn.model_step == n and turn.phase == TurnPhase.CALLS and not turn.status.terminal
     if rec_v is not None and rec_v.value.done:
         # The outcome is committed; its worker may have died before what follows went out.
@@ -197,7 +199,9 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
 async def on_calls(d: Delivery, step: StepMessage) -> None:
     """Every call a model step asked for, from one message: each handled as ``on_call``
     handles a call's own message, side by side, each fenced on its own (``Delivery.part``)
-    and joining as it would alone (the call committed last moves the turn).
+    and joining as it would alone (the call committed last moves the turn), except that a
+    message carrying every call of its step joins once, from what its parts know, without
+    reading the outcomes back (``consumers.join.StepCalls``).
 
     The message is settled once for all: acked when every call ended its part (an outcome
     committed, or a wait begun); not acked when a call was taken over (the message is another
@@ -219,6 +223,9 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
             await on_call(part, own)
 
     parts = [d.part() for _ in range(count)]
+    known = StepCalls(count)
+    for part in parts:
+        part.together = known
     got = await asyncio.gather(
         *(one(part, i) for i, part in enumerate(parts)), return_exceptions=True
     )

@@ -33,3 +33,13 @@ class DeadLetter(StepOutcome):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class StaleCarry(Exception):
+    """A step's first write from the revision its message carried (``schemas.Carried``) found
+    the record written since: nothing was written, and the step starts again from what it
+    reads. Raised and caught inside the handler; never a message's fate."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"state key {key} changed since the step's message was published")
+        self.key = key

@@ -13,6 +13,7 @@ from jetloop.consumers.budgets import is_budget
 from jetloop.schemas import (
     CallRecord,
     CallState,
+    Carried,
     Event,
     HistoryEntry,
     HistoryRole,
@@ -59,11 +60,26 @@ class Followers:
         await bus.publish(self.steps)
 
 
+# A ``run_model`` message carries its turn's and session's records only while it stays this
+# small: a step message is stored and delivered whole, and a large turn (long arguments, a
+# long answer kept inline) is read once rather than copied into every message.
+CARRY_MOST_BYTES = 8 * 1024
+
+
+def model_step_out(step: StepMessage, carried: Carried | None) -> Outgoing:
+    """A ``run_model`` step, carrying ``carried`` when it keeps the message small."""
+    if carried is not None:
+        out = step_out(step.model_copy(update={"carried": carried}))
+        if len(out.body) <= CARRY_MOST_BYTES:
+            return out
+    return step_out(step)
+
+
 def _base(turn: TurnRecord) -> str:
     return f"{turn.session_id}.{turn.turn_id}"
 
 
-def turn_start(turn: TurnRecord) -> Followers:
+def turn_start(turn: TurnRecord, carried: Carried | None = None) -> Followers:
     base = _base(turn)
     user = HistoryEntry(
         key=f"{base}.user",
@@ -87,7 +103,9 @@ def turn_start(turn: TurnRecord) -> Followers:
     )
     # RunModel 0 restores the user's entry from the turn record if it is not in yet.
     return Followers(
-        [history_out(turn.session_id, user), event_out(started)], [step_out(first)], True
+        [history_out(turn.session_id, user), event_out(started)],
+        [model_step_out(first, carried)],
+        True,
     )
 
 
@@ -265,7 +283,9 @@ def note(session_id: str, turn_id: str, key: str, text: str) -> Outgoing:
     )
 
 
-def joined(turn: TurnRecord, results: list[CallRecord]) -> Followers:
+def joined(
+    turn: TurnRecord, results: list[CallRecord], carried: Carried | None = None
+) -> Followers:
     """Every call of step n has its outcome and the turn is at step n+1: results, then model."""
     n = turn.model_step - 1
     records = []
@@ -291,7 +311,7 @@ def joined(turn: TurnRecord, results: list[CallRecord]) -> Followers:
         model_step=turn.model_step,
     )
     # RunModel n+1 restores the results from the call records if they are not in yet.
-    return Followers(records, [step_out(step)], True)
+    return Followers(records, [model_step_out(step, carried)], True)
 
 
 def expected_history(turn: TurnRecord) -> list[str]:

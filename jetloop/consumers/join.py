@@ -11,16 +11,60 @@ ids: it lands once). So a first delivery that finds the turn already moved has n
 do. The turn and its step's call records are read in one request
 (``StateStore.join_view``). ``on_join`` still handles join messages a worker of an earlier
 version published.
+
+A ``call_tools`` message that carries every call of its step needs no read and no election:
+its parts know every outcome, each committed (or found committed) by one of them, and the
+turn as they read it. The part that ends the last outcome moves the turn from that
+(``StepCalls``, ``_join_known``); a part whose sibling is still running, or has begun a wait,
+does not join at all: the sibling ends the set, or joins on its own when its wait ends, or the
+message is handed back and joins again when it comes back.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from jetloop.consumers.errors import DeadLetter, RetryLater
 from jetloop.consumers.followers import call_done, joined
 from jetloop.consumers.runtime import Delivery
 from jetloop.consumers.side_by_side import side_by_side
-from jetloop.schemas import CallRecord, StepMessage, TurnPhase, TurnRecord
+from jetloop.schemas import (
+    CallRecord,
+    Carried,
+    SessionRecord,
+    StepMessage,
+    TurnPhase,
+    TurnRecord,
+)
 from jetloop.streams.state import Conflict, Versioned, turn_key
+
+
+@dataclass
+class StepCalls:
+    """What the parts of one ``call_tools`` message know of their step: the turn as they
+    read it (the newest revision any of them read) and the outcomes they committed or found
+    committed, by call index. ``count``: the calls the message carries."""
+
+    count: int
+    turn: Versioned[TurnRecord] | None = None
+    session: Versioned[SessionRecord] | None = None
+    done: dict[int, CallRecord] = field(default_factory=dict)
+
+    def saw(self, turn: Versioned[TurnRecord], session: Versioned[SessionRecord] | None) -> None:
+        if self.turn is None or turn.revision > self.turn.revision:
+            self.turn = turn
+        if session is not None and (
+            self.session is None or session.revision > self.session.revision
+        ):
+            self.session = session
+
+    def carries_every_call(self, turn: TurnRecord) -> bool:
+        return self.count == len(turn.calls)
+
+    def ended(self, index: int, rec: CallRecord) -> bool:
+        """Record call ``index``'s outcome; whether it was the last of the step's."""
+        self.done[index] = rec
+        return len(self.done) == self.count
 
 
 def _results(got: list[Versioned[CallRecord] | None]) -> list[CallRecord] | None:
@@ -84,7 +128,53 @@ async def join_calls(
         return  # a later call's join will move the turn
     if first and own is not None and not _elected(calls, own):
         return  # the call committed last moves the turn
-    moved = turn.model_copy(
+    moved = _moved(turn, n, results)
+    try:
+        await rt.state.write(turn_key(sid, tid), moved, cur.revision)
+    except Conflict:
+        again = await rt.state.turn(sid, tid)
+        if again is not None and (again.value.status.terminal or _moved_on(again.value, n)):
+            return  # another join won the race (or the turn ended): it publishes what follows
+        raise RetryLater(0.02, "turn changed while joining") from None
+    await rt.faults.point("join.before_publish")
+    await joined(moved, results).publish(rt.bus)
+
+
+async def _join_known(d: Delivery, known: StepCalls, n: int) -> None:
+    """Move the turn past step ``n`` from what the parts of a ``call_tools`` message know:
+    every outcome, and the turn as read before the calls ran. A CAS from that revision, as
+    any join's move; a turn written since (cancelled, say) fails it, and the join is then
+    done from state as a redelivered call's is."""
+    cur = known.turn
+    assert cur is not None, "a part records the turn it read before it ends its call"
+    turn = cur.value
+    sid, tid = turn.session_id, turn.turn_id
+    if turn.status.terminal or turn.model_step != n or turn.phase != TurnPhase.CALLS:
+        await join_calls(d, sid, tid, n, first=False)
+        return
+    results = [known.done[i] for i in range(known.count)]
+    moved = _moved(turn, n, results)
+    try:
+        rev = await d.rt.state.write(turn_key(sid, tid), moved, cur.revision)
+    except Conflict:
+        await join_calls(d, sid, tid, n, first=False)
+        return
+    await d.rt.faults.point("join.before_publish")
+    session = known.session
+    carried = None
+    if session is not None:
+        carried = Carried(
+            turn=moved,
+            turn_revision=rev,
+            session=session.value,
+            session_revision=session.revision,
+        )
+    await joined(moved, results, carried).publish(d.rt.bus)
+
+
+def _moved(turn: TurnRecord, n: int, results: list[CallRecord]) -> TurnRecord:
+    """The turn moved past model step ``n`` whose calls ended with ``results``."""
+    return turn.model_copy(
         update={
             "model_step": n + 1,
             "phase": TurnPhase.MODEL,
@@ -97,15 +187,6 @@ async def join_calls(
             "tool_calls_made": turn.tool_calls_made + len(results),
         }
     )
-    try:
-        await rt.state.write(turn_key(sid, tid), moved, cur.revision)
-    except Conflict:
-        again = await rt.state.turn(sid, tid)
-        if again is not None and (again.value.status.terminal or _moved_on(again.value, n)):
-            return  # another join won the race (or the turn ended): it publishes what follows
-        raise RetryLater(0.02, "turn changed while joining") from None
-    await rt.faults.point("join.before_publish")
-    await joined(moved, results).publish(rt.bus)
 
 
 async def outcome_told_and_joined(
@@ -118,7 +199,20 @@ async def outcome_told_and_joined(
     before the join reads: nothing the join does depends on it, and both are confirmed
     before this returns, so before the step is acked. Either failing fails the
     step; its redelivery finds the outcome committed and does both again (message ids make
-    the repeats land once). A takeover found by the join is what the step reports."""
+    the repeats land once). A takeover found by the join is what the step reports.
+
+    A part of a ``call_tools`` message that carries every call of the step, its turn still
+    at the step, joins only if its outcome is the step's last, and then without a read
+    (``StepCalls``)."""
+    known = d.together
+    current = turn.model_step == n and turn.phase == TurnPhase.CALLS and not turn.status.terminal
+    if known is not None and current and known.carries_every_call(turn):
+        told = call_done(turn, rec).publish(d.rt.bus)
+        if known.ended(index, rec):
+            await side_by_side(told, _join_known(d, known, n))
+        else:
+            await told
+        return
     await side_by_side(
         call_done(turn, rec).publish(d.rt.bus),
         join_calls(d, turn.session_id, turn.turn_id, n, first=first, own=index),

@@ -24,9 +24,9 @@ from jetloop.consumers import flow, metrics
 from jetloop.consumers.budgets import over_budget
 from jetloop.consumers.compact import compact_first, compaction_needed, estimate
 from jetloop.consumers.conversation import conversation
-from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
+from jetloop.consumers.errors import DeadLetter, RetryLater, StaleCarry, TakenOver
 from jetloop.consumers.followers import answer, expected_history, joined, turn_start
-from jetloop.consumers.liveness import holder_lost
+from jetloop.consumers.liveness import H_HOLDER_LOST, holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import Resume, loss_id, lost_event, lost_reason, tell_resumed
 from jetloop.consumers.runtime import Delivery, Runtime
@@ -35,8 +35,10 @@ from jetloop.consumers.side_by_side import side_by_side
 from jetloop.consumers.tracing import answered, model_span
 from jetloop.consumers.usage import lost_call, model_of, record_usage, usage_event
 from jetloop.schemas import (
+    Carried,
     HistoryEntry,
     PlannedCall,
+    SessionRecord,
     Spent,
     StepMessage,
     TurnPhase,
@@ -47,19 +49,48 @@ from jetloop.schemas import (
 from jetloop.schemas.errors import ProviderError, ProviderRejected, ProviderRetryable
 from jetloop.streams.bus import event_out
 from jetloop.streams.holds import drained
-from jetloop.streams.state import turn_key
+from jetloop.streams.state import Versioned, turn_key
 from jetloop.streams.topology import live_subject
 
 log = structlog.get_logger("jetloop.run_model")
 
 
 async def on_run_model(d: Delivery, step: StepMessage) -> None:
+    carried = step.carried
+    if carried is not None and _first_sight(d) and carried.turn.attempt is None:
+        try:
+            await _run_model(d, step, carried)
+            return
+        except StaleCarry as exc:
+            log.info("run_model.carried_stale", key=exc.key)
+    await _run_model(d, step, None)
+
+
+def _first_sight(d: Delivery) -> bool:
+    """The message's first delivery, not a rescuer's copy: what it carries was current when
+    it was published, and is likely current still."""
+    return d.num_delivered == 1 and H_HOLDER_LOST not in (d.msg.headers or {})
+
+
+async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) -> None:
+    """The step, from the records its message carried (checked by the claim's CAS: a record
+    written since is ``StaleCarry``, before anything is written) or from what it reads."""
     rt = d.rt
     sid, tid, n = step.session_id, step.turn_id, step.model_step
-    # The session's history is read with the turn, not after it: one round trip less on
-    # every model step (a step that turns out to have nothing to do wasted one read). The
-    # entries it needs are checked below (``_with_its_inputs``).
-    history, (cur, session) = await side_by_side(rt.history.read(sid), rt.state.turn_view(sid, tid))
+    cur: Versioned[TurnRecord] | None
+    session: Versioned[SessionRecord] | None
+    if carried is not None:
+        history = await rt.history.read(sid)
+        cur = Versioned(carried.turn, carried.turn_revision)
+        session = Versioned(carried.session, carried.session_revision)
+    else:
+        # The session's history is read with the turn, not after it: one round trip less
+        # on every model step (a step that turns out to have nothing to do wasted one
+        # read). The entries it needs are checked below (``_with_its_inputs``).
+        history, (cur, session) = await side_by_side(
+            rt.history.read(sid), rt.state.turn_view(sid, tid)
+        )
+    hinted = carried is not None
     if cur is None:
         raise DeadLetter(f"run_model for turn {tid} of session {sid}, which has no record")
     turn = cur.value
@@ -108,7 +139,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
                     "error": lost_reason(turn, len(lost), step.step_key()),
                 }
             )
-            await d.claim(turn_key(sid, tid), gone, cur.revision)
+            await d.claim(turn_key(sid, tid), gone, cur.revision, hinted)
             await rt.bus.publish([event_out(lost_event(turn, len(lost), step.step_key()))])
             await end_turn(rt, gone)
             return
@@ -159,7 +190,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
                 "spent": spent,
             }
         )
-        await d.claim(turn_key(sid, tid), failed, cur.revision)
+        await d.claim(turn_key(sid, tid), failed, cur.revision, hinted)
         await end_turn(rt, failed)
         return
     assert messages is not None
@@ -177,7 +208,7 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
                 "spent": spent,
             }
         )
-        await d.claim(turn_key(sid, tid), claimed, cur.revision)
+        await d.claim(turn_key(sid, tid), claimed, cur.revision, hinted)
         bind_step(attempt=attempt.no)
         holder = {"session": sid, "turn": tid, "incarnation": rt.incarnation, "no": attempt.no}
         if not await admission.take_slot(holder):

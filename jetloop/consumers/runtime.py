@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 from nats.aio.client import Client
@@ -26,7 +27,7 @@ from pydantic import BaseModel
 from jetloop.agents import App
 from jetloop.agents.prices import Prices
 from jetloop.consumers.conversation import MessageCache
-from jetloop.consumers.errors import TakenOver
+from jetloop.consumers.errors import StaleCarry, TakenOver
 from jetloop.consumers.faults import Faults
 from jetloop.consumers.tracing import Tracing
 from jetloop.schemas import Attempt, CallRecord
@@ -38,6 +39,9 @@ from jetloop.streams.loops import running_loop
 from jetloop.streams.pauses import Pauses
 from jetloop.streams.state import Conflict, StateStore
 from jetloop.streams.windows import EndpointLimits, Windows
+
+if TYPE_CHECKING:
+    from jetloop.consumers.join import StepCalls
 
 log = structlog.get_logger("jetloop.fence")
 
@@ -127,6 +131,8 @@ class Delivery:
         # A message that carries several calls (``call_tools``) handles each as a part: a
         # delivery of the same message with a fence of its own (``part``).
         self.parts: list[Delivery] = []
+        # A part's: what the parts of its message know of their step (``consumers.join``).
+        self.together: StepCalls | None = None
 
     def part(self) -> Delivery:
         """One call of a message that carries several: fenced on its own (its claim, its
@@ -140,8 +146,12 @@ class Delivery:
         n: int = self.msg.metadata.num_delivered
         return n
 
-    async def claim(self, key: str, value: BaseModel, revision: int | None) -> int:
-        """Record this attempt with a CAS from the revision read; lost → TakenOver."""
+    async def claim(
+        self, key: str, value: BaseModel, revision: int | None, carried: bool = False
+    ) -> int:
+        """Record this attempt with a CAS from the revision read; lost → TakenOver.
+        ``carried``: the revision came with the message, not from a read, and a record
+        written since is ``StaleCarry`` (nothing was lost: the step reads and starts again)."""
         async with self._lock:
             # Held from before the write is sent: a write whose answer a restarting server
             # loses is tried again, and meanwhile that server may deliver this same message
@@ -154,6 +164,8 @@ class Delivery:
             except Conflict as exc:
                 if fresh:
                     self.rt.holding.discard(key)
+                if carried and self.fence_key is None:
+                    raise StaleCarry(key) from exc
                 self._lose()
                 raise TakenOver(key) from exc
             except BaseException:

@@ -19,6 +19,7 @@ from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import (
+    Carried,
     Event,
     SessionRecord,
     Spent,
@@ -105,12 +106,12 @@ async def on_turn_request(d: Delivery) -> None:
             traceparent=_traceparent(d.msg.headers, req),
         )
         try:
-            await rt.state.write(turn_key(sid, tid), record, None)
+            turn_rev = await rt.state.write(turn_key(sid, tid), record, None)
         except Conflict:
             raise RetryLater(0.05, "turn created concurrently") from None
         turn_rec = record
     else:
-        turn_rec = turn.value
+        turn_rec, turn_rev = turn.value, turn.revision
         if turn_rec.status.terminal:
             log.info("turn.duplicate_request", request_id=request_id)
             return
@@ -118,15 +119,15 @@ async def on_turn_request(d: Delivery) -> None:
     try:
         if cur is None:
             session = SessionRecord(session_id=sid, agent=agent_name, active=tid)
-            await rt.state.write(session_key(sid), session, None)
+            session_rev = await rt.state.write(session_key(sid), session, None)
         else:
-            session = cur.value
+            session, session_rev = cur.value, cur.revision
             if session.active != tid and tid not in session.queue:
                 if session.active is None:
                     session = session.model_copy(update={"active": tid})
                 else:
                     session = session.model_copy(update={"queue": [*session.queue, tid]})
-                await rt.state.write(session_key(sid), session, cur.revision)
+                session_rev = await rt.state.write(session_key(sid), session, cur.revision)
     except Conflict:
         raise RetryLater(0.05, "session changed concurrently") from None
 
@@ -139,7 +140,12 @@ async def on_turn_request(d: Delivery) -> None:
     )
     out = Followers([event_out(accepted)], restorable=True)
     if session.active == tid and turn_rec.status == TurnStatus.QUEUED:
-        out = out + turn_start(turn_rec)
+        out = out + turn_start(
+            turn_rec,
+            Carried(
+                turn=turn_rec, turn_revision=turn_rev, session=session, session_revision=session_rev
+            ),
+        )
     await out.publish(rt.bus)
 
 

@@ -17,7 +17,7 @@ from jetloop.schemas.ids import (
     validate_name,
 )
 from jetloop.schemas.kinds import WIRE_OF_KIND, KindWire, Pool, Scope, StepKind
-from jetloop.schemas.messages import StepMessage, TurnRequest
+from jetloop.schemas.messages import Carried, StepMessage, TurnRequest
 from jetloop.schemas.records import (
     DONE_STATES,
     ApprovalRecord,
@@ -50,6 +50,7 @@ __all__ = [
     "CallOutcome",
     "CallRecord",
     "CallState",
+    "Carried",
     "CompactionRecord",
     "Decision",
     "DecodeError",

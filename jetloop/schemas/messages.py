@@ -9,7 +9,7 @@ from pydantic_core import PydanticCustomError
 
 from jetloop.schemas.codec import SCHEMA_VERSION, UNKNOWN_KIND
 from jetloop.schemas.kinds import WIRE_OF_KIND, Scope, StepKind
-from jetloop.schemas.records import BlobRef, ParentCall
+from jetloop.schemas.records import BlobRef, ParentCall, SessionRecord, TurnRecord
 
 
 class TurnRequest(BaseModel):
@@ -47,6 +47,19 @@ class TurnRequest(BaseModel):
         return ParentCall.model_validate(parent) if parent else None
 
 
+class Carried(BaseModel):
+    """A turn's and its session's records as the step that publishes a ``run_model`` step
+    wrote or read them, with their revisions: what that step would read first.
+
+    Only a hint: the step's first write is a CAS from ``turn_revision``, so a turn written
+    since fails it, and the step then starts again from what it reads (``StaleCarry``)."""
+
+    turn: TurnRecord
+    turn_revision: int
+    session: SessionRecord
+    session_revision: int
+
+
 class StepMessage(BaseModel):
     """One unit of durable work; the step key (``Nats-Msg-Id``) is derived from these fields."""
 
@@ -64,6 +77,9 @@ class StepMessage(BaseModel):
     # Tells apart two messages of one step that are both needed (e.g. RunModel after a
     # compaction); part of the step key, so it comes from identity too.
     wake: str | None = None
+    # ``run_model``: the records the step would read first, when they are small
+    # (``Carried``; not part of the step key).
+    carried: Carried | None = None
 
     @field_validator("kind", mode="before")
     @classmethod

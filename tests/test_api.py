@@ -21,7 +21,7 @@ from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.services.gateway.app import make_app
 from jetloop.services.settings import load_settings
-from tests.conftest import WorkerFactory, body, call, script
+from tests.conftest import WorkerFactory, body, call, script, until
 from tests.test_cli import acli
 from tests.test_gateway import READ, make_config, ok, problem
 
@@ -341,3 +341,63 @@ async def test_a_wait_that_hears_nothing_still_ends(
     h = await client.send("tester", "deaf", script([call("slow", name="s", seconds=0.5)]))
     res = await client.wait(h, timeout=30)
     assert res.status == "completed"
+
+
+async def test_a_wait_on_a_turn_just_sent_reads_its_record_once(
+    client: Client, workers: WorkerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``send`` listens for the turn's end before it publishes, so the wait that follows
+    hears every end of the turn and reads its record once, when the end is heard; a wait on
+    a duplicate (sent before, maybe ended before anyone listened) reads it first."""
+    workers.start()
+    reads: list[str] = []
+    read = client.turn
+
+    async def counted(session_id: str, turn_id: str) -> object:
+        reads.append(turn_id)
+        return await read(session_id, turn_id)
+
+    monkeypatch.setattr(client, "turn", counted)
+    h = await client.send("tester", "once", script([call("read", name="r")]), "r-1")
+    assert (await client.wait(h, timeout=30)).status == "completed"
+    assert reads == [h.turn_id]
+    again = await client.send("tester", "once", script([call("read", name="r")]), "r-1")
+    assert again.duplicate
+    assert (await asyncio.wait_for(client.wait(again, timeout=30), 5)).status == "completed"
+    assert reads == [h.turn_id, h.turn_id]
+    ends = client._turn_ends()
+    assert ends._sessions == {} and ends._waits == {} and ends._early == {}
+
+
+async def test_a_refused_subscription_makes_a_wait_read(
+    client: Client, workers: WorkerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server refusing the subscription to turn ends (it says so only in an error to
+    the connection) wakes a wait that listens first: it reads the record and returns, not
+    after ``RECHECK_SECONDS``; a turn sent later is not listened for first."""
+    from jetloop.services import client as client_module
+    from jetloop.services.turnends import TurnEnds
+
+    async def deaf(self: TurnEnds, msg: object) -> None:
+        return None
+
+    monkeypatch.setattr(TurnEnds, "_on", deaf)
+    monkeypatch.setattr(client_module, "RECHECK_SECONDS", 60.0)
+    w = workers.start()
+    await w.wait_for("worker.started", timeout=30)
+    h = await client.send("tester", "refused", script(answer="fine"))
+    waiting = asyncio.create_task(client.wait(h, timeout=30))
+
+    async def ended() -> bool:
+        turn = await client.turn("refused", h.turn_id)
+        return turn is not None and turn.status.terminal
+
+    await until(ended)
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # it heard nothing, and reads only when woken
+    client.nc.refused(
+        'nats: Permissions Violation for Subscription to "jl.event.refused.turn.completed"'
+    )
+    assert (await asyncio.wait_for(waiting, 5)).status == "completed"
+    await client.send("tester", "refused", script(answer="again"))
+    assert client._turn_ends()._early == {}  # no longer listened for first: read first

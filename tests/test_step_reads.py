@@ -43,7 +43,9 @@ async def test_a_turn_reads_its_turn_and_session_once(
     await w.wait_for("worker.started", timeout=30)
     reads = await _multi_reads(client)
     h = await client.send(
-        "tester", "sr1", script([call("read", name="a"), call("read", name="b"), call("write", name="c")])
+        "tester",
+        "sr1",
+        script([call("read", name="a"), call("read", name="b"), call("write", name="c")]),
     )
     res = await client.wait(h, timeout=30)
     assert res.status == TurnStatus.COMPLETED

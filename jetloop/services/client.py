@@ -356,13 +356,20 @@ class Client:
         }
         if traceparent is not None:
             headers["traceparent"] = traceparent
-        ack = await retrying(
-            lambda: self.js.publish(
-                topology.turn_subject(agent, session_id), encode(body), headers=dict(headers)
-            ),
-            self.retry_for,
-            "send",
-        )
+        # Listened for before it is sent: the wait that follows hears every end of the turn.
+        ends = self._turn_ends()
+        await ends.before_send(session_id, tid)
+        try:
+            ack = await retrying(
+                lambda: self.js.publish(
+                    topology.turn_subject(agent, session_id), encode(body), headers=dict(headers)
+                ),
+                self.retry_for,
+                "send",
+            )
+        except BaseException:
+            ends.not_sent(session_id, tid)
+            raise
         return TurnHandle(agent, session_id, rid, tid, bool(ack.duplicate))
 
     async def add_trigger(self, agent: str, trigger: Trigger) -> None:
@@ -632,13 +639,23 @@ class Client:
         cancelled, ``TimeoutError`` after ``timeout`` seconds.
 
         Costs no consumer: the turn's end is heard on a core subscription to its session's
-        turn events, which every wait of this client on that session shares, and its record
-        read (``jetloop.services.turnends``)."""
+        turn ends, which every wait of this client on that session shares, and its record
+        read (``jetloop.services.turnends``): once, when the end is heard, for a turn this
+        client sent (``send`` listened before it published), else also before listening."""
 
         async def ended() -> TurnRecord:
-            async with self._turn_ends().heard(handle.session_id, handle.turn_id) as heard:
+            ends = self._turn_ends()
+            async with ends.heard(handle.session_id, handle.turn_id) as (heard, whole):
+                # Every end of a turn sent just now by this client is heard (``send``
+                # listened before it published): its record is read once it is.
+                listen_first = whole and not handle.duplicate
                 woken = False
                 while True:
+                    if listen_first:
+                        listen_first = False
+                        with contextlib.suppress(TimeoutError):
+                            woken = await asyncio.wait_for(heard.wait(), RECHECK_SECONDS)
+                        heard.clear()
                     try:
                         turn = await self.turn(handle.session_id, handle.turn_id)
                     except RecordNotTrusted:

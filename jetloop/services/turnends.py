@@ -10,8 +10,11 @@ turn's record: a turn that ended before the subscription is found ended there; o
 after it is heard. Hearing is only a wake-up: the record decides, read again after each end
 heard of the turn. A core message is not durable (a link lost and made again can miss one),
 so each wait also reads the record again every ``RECHECK_SECONDS`` and when the link comes
-back (``SizedClient.when_link_lost``). A credential not allowed the subscription (a server
-configured by an older ``jetloop up``) then still waits, by those reads alone.
+back (``SizedClient.when_link_lost``). ``Client.send`` subscribes before it publishes a new
+request (``before_send``), so the wait that follows it hears every end of that turn and reads
+the record once, at the end, instead of also before it listens. A credential not allowed the
+subscription (a server configured by an older ``jetloop up``) then still waits, by those
+reads alone: the refusal (``SizedClient.when_refused``) wakes every wait to read.
 
 Before, each wait made an ephemeral consumer filtered to the session's turn ends, read every
 end the session had stored from its start, and deleted the consumer: a gateway holding a
@@ -32,10 +35,12 @@ from nats.aio.subscription import Subscription
 from jetloop.schemas.events import TURN_ENDS
 from jetloop.streams import topology
 from jetloop.streams.bus import H_TURN
-from jetloop.streams.connection import when_link_lost
+from jetloop.streams.connection import when_link_lost, when_refused
 
 # How often a wait reads the turn's record again without hearing its end.
 RECHECK_SECONDS = 5.0
+# How long the subscriptions made before a request is sent wait for the wait on its turn.
+EARLY_SECONDS = 30.0
 
 
 @dataclass
@@ -48,6 +53,15 @@ class _Session:
 
 
 @dataclass
+class _Early:
+    """A turn listened for since before its request was sent (``TurnEnds.before_send``)."""
+
+    wake: asyncio.Event
+    links_lost: int  # ``TurnEnds._links_lost`` when it began
+    expiry: asyncio.TimerHandle | None = None
+
+
+@dataclass
 class TurnEnds:
     """The turn ends one connection hears, for the waits on it (``Client.wait``)."""
 
@@ -55,18 +69,85 @@ class TurnEnds:
     _sessions: dict[str, _Session] = field(default_factory=dict)
     # turn id → the wake-ups of the waits on it
     _waits: dict[str, set[asyncio.Event]] = field(default_factory=dict)
+    # turn id → listened for since before its request was sent, no wait on it yet
+    _early: dict[str, _Early] = field(default_factory=dict)
+    _links_lost: int = 0
     _hooked: bool = False
+    _deaf: bool = False  # a subscription to turn ends was refused
+    _letting_go: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def before_send(self, session_id: str, turn_id: str) -> None:
+        """Listen for turn ``turn_id``'s end before its request is published: a wait on it
+        that begins within ``EARLY_SECONDS`` and finds the link to the server unbroken since
+        need not read the turn's record before it listens (its end cannot come before its
+        request, and is heard from now on). Unclaimed by a wait, it is let go after that."""
+        self._hook()
+        if turn_id in self._early or self._deaf:
+            return
+        wake = asyncio.Event()
+        early = self._early[turn_id] = _Early(wake, self._links_lost)
+        self._waits.setdefault(turn_id, set()).add(wake)
+        try:
+            await self._enter(session_id)
+        except BaseException:
+            self._forget(turn_id, wake)
+            del self._early[turn_id]
+            raise
+        early.expiry = asyncio.get_running_loop().call_later(
+            EARLY_SECONDS, self._expire, session_id, turn_id
+        )
+
+    def not_sent(self, session_id: str, turn_id: str) -> None:
+        """The request ``before_send`` listened for was not published after all."""
+        early = self._early.get(turn_id)
+        if early is not None and early.expiry is not None:
+            early.expiry.cancel()
+            self._expire(session_id, turn_id)
 
     @asynccontextmanager
-    async def heard(self, session_id: str, turn_id: str) -> AsyncIterator[asyncio.Event]:
+    async def heard(
+        self, session_id: str, turn_id: str
+    ) -> AsyncIterator[tuple[asyncio.Event, bool]]:
         """An event set each time an end of turn ``turn_id`` is heard (and when the link to
-        the server was lost): subscribed before this yields, so an end stored after it is
-        heard. The caller clears it and reads the turn's record."""
+        the server was lost), subscribed before this yields, so an end stored after it is
+        heard; and whether every end of the turn was heard so far (``before_send`` listened
+        since before its request, the link unbroken since: the record need not be read
+        before the event is set). The caller clears the event and reads the turn's
+        record."""
+        self._hook()
+        early = self._early.pop(turn_id, None)
+        if early is not None and early.expiry is not None:
+            early.expiry.cancel()  # its use of the session's subscriptions is this wait's now
+            wake, whole = early.wake, early.links_lost == self._links_lost and not self._deaf
+        else:
+            wake, whole = asyncio.Event(), False
+            self._waits.setdefault(turn_id, set()).add(wake)
+            try:
+                await self._enter(session_id)
+            except BaseException:
+                self._forget(turn_id, wake)
+                raise
+        try:
+            yield wake, whole
+        finally:
+            self._forget(turn_id, wake)
+            await self._leave(session_id)
+
+    def _hook(self) -> None:
         if not self._hooked:
             when_link_lost(self.nc, self._wake_all)
+            when_refused(self.nc, self._refused)
             self._hooked = True
-        wake = asyncio.Event()
-        self._waits.setdefault(turn_id, set()).add(wake)
+
+    def _refused(self, error: str) -> None:
+        """The server refused a subscription to turn ends (a credential of a server set up
+        by an older ``jetloop up``): nothing is heard, so every wait reads instead."""
+        if "jl.event." in error and ".turn." in error:
+            self._deaf = True
+            self._wake_all()
+
+    async def _enter(self, session_id: str) -> None:
+        """One more user of the session's subscriptions, made if it has none."""
         entry = self._sessions.get(session_id)
         if entry is None:
             entry = self._sessions[session_id] = _Session(
@@ -86,18 +167,35 @@ class TurnEnds:
         entry.users += 1
         try:
             await asyncio.shield(entry.ready)
-            yield wake
-        finally:
-            waits = self._waits.get(turn_id)
-            if waits is not None:
-                waits.discard(wake)
-                if not waits:
-                    del self._waits[turn_id]
-            entry.users -= 1
-            if entry.users == 0 and self._sessions.get(session_id) is entry:
-                del self._sessions[session_id]
-                if entry.ready.done() and not entry.ready.exception():
-                    await _unsubscribe(self.nc, entry.ready.result())
+        except BaseException:
+            await self._leave(session_id, entry)
+            raise
+
+    async def _leave(self, session_id: str, entry: _Session | None = None) -> None:
+        entry = entry or self._sessions.get(session_id)
+        if entry is None:
+            return
+        entry.users -= 1
+        if entry.users == 0 and self._sessions.get(session_id) is entry:
+            del self._sessions[session_id]
+            if entry.ready.done() and not entry.ready.exception():
+                await _unsubscribe(self.nc, entry.ready.result())
+
+    def _forget(self, turn_id: str, wake: asyncio.Event) -> None:
+        waits = self._waits.get(turn_id)
+        if waits is not None:
+            waits.discard(wake)
+            if not waits:
+                del self._waits[turn_id]
+
+    def _expire(self, session_id: str, turn_id: str) -> None:
+        early = self._early.pop(turn_id, None)
+        if early is None:
+            return
+        self._forget(turn_id, early.wake)
+        task = asyncio.ensure_future(self._leave(session_id))
+        self._letting_go.add(task)
+        task.add_done_callback(self._letting_go.discard)
 
     async def _on(self, msg: Msg) -> None:
         turn_id = (msg.headers or {}).get(H_TURN)
@@ -105,6 +203,7 @@ class TurnEnds:
             wake.set()
 
     def _wake_all(self) -> None:
+        self._links_lost += 1
         for waits in self._waits.values():
             for wake in waits:
                 wake.set()

@@ -88,6 +88,8 @@ async def connect(
                 # it. (Once connected, a refusal on a reconnect is waited out: a server
                 # restarting with its users reloaded.)
                 raise NotAuthorized()
+        if "permissions violation" in str(exc).lower():
+            nc.refused(str(exc))
         note("nats.error", error=str(exc))
 
     closing: list[Client] = []
@@ -234,6 +236,7 @@ class SizedClient(Client):
         self._ps = FastParser(self)
         self._inline: dict[int, Inline] = {}
         self._on_link_lost: list[Callable[[], None]] = []
+        self._on_refused: list[Callable[[str], None]] = []
         self._kick: asyncio.Future[None] | None = None
         self._kick_due = False
         self._ended = False  # closed for good (see _close)
@@ -271,6 +274,18 @@ class SizedClient(Client):
         """Call ``callback`` each time the connection to the server is lost (``connect``'s
         disconnect callback), before it is made again."""
         self._on_link_lost.append(callback)
+
+    def when_refused(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback`` with the server's words each time it refuses a publish or a
+        subscription of this connection (a permissions violation: nothing else says so)."""
+        self._on_refused.append(callback)
+
+    def refused(self, error: str) -> None:
+        for callback in self._on_refused:
+            try:
+                callback(error)
+            except Exception as exc:
+                log.error("nats.refused_callback_failed", error=repr(exc))
 
     def link_opened(self) -> None:
         """The link to a server is (again) up: ``connect`` calls this after the first connect
@@ -472,6 +487,12 @@ def when_link_lost(nc: Client, callback: Callable[[], None]) -> None:
     """``SizedClient.when_link_lost`` where ``nc`` is one (else: such waits time out)."""
     if isinstance(nc, SizedClient):
         nc.when_link_lost(callback)
+
+
+def when_refused(nc: Client, callback: Callable[[str], None]) -> None:
+    """``SizedClient.when_refused`` where ``nc`` is one."""
+    if isinstance(nc, SizedClient):
+        nc.when_refused(callback)
 
 
 async def unsubscribe_inline(nc: Client, sub: Subscription) -> None:

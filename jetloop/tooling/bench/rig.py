@@ -120,11 +120,13 @@ class Ends:
         self._sub: Any = None
 
     async def start(self) -> None:
-        self._sub = await self.nc.subscribe(self.subject, cb=self._on)
+        if self._sub is None:
+            self._sub = await self.nc.subscribe(self.subject, cb=self._on)
 
     async def stop(self) -> None:
         if self._sub is not None:
             await self._sub.unsubscribe()
+            self._sub = None
 
     def expect(self, turn_id: str) -> asyncio.Future[float]:
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
@@ -236,9 +238,10 @@ class Rig:
         await topology.apply(self.js, topology.TopologyConfig())
         await bench_floor.apply_topology(self.js)
         self._client = Client(self.nc, sealer=load_settings(seal_key=SEAL_KEY).sealer())
+        # Subscribed while the raw driver runs turns only (``send``): through the public API
+        # (``api_turn``) it would hear every turn's events, messages no user of it pays.
         self.engine_ends = Ends(self.nc, "jl.event.*.turn.*")
         self.floor_ends = Ends(self.nc, bench_floor.COMPLETED)
-        await self.engine_ends.start()
         await self.floor_ends.start()
 
     async def close(self) -> None:
@@ -330,7 +333,8 @@ class Rig:
     async def api_turn(self, sid: str, rid: str, fan: int) -> asyncio.Future[float]:
         """``engine_turn`` through jetloop's public API, as a program would: ``Client.send``,
         then ``Client.wait`` (its reads and its subscription are the turn's cost too)."""
-        assert self._client is not None, "the rig is not running"
+        assert self._client is not None and self.engine_ends is not None, "not running"
+        await self.engine_ends.stop()
         client = self._client
         handle = await client.send("bench", sid, f"fan {fan}" if fan else "hello", rid)
 
@@ -343,6 +347,7 @@ class Rig:
     async def send(self, agent: str, sid: str, rid: str, text: str) -> asyncio.Future[float]:
         """Publish a turn request as ``Client.send`` does; the future resolves at its end."""
         assert self.engine_ends is not None
+        await self.engine_ends.start()
         fut = self.engine_ends.expect(turn_id_for(sid, rid))
         await self.js.publish(
             topology.turn_subject(agent, sid),

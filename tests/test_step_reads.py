@@ -52,7 +52,6 @@ async def test_a_turn_reads_its_turn_and_session_once(
     turn, session = f"turn.sr1.{h.turn_id}", "session.sr1"
     assert [r for r in reads if sorted(r) == sorted([turn, session])] == [[turn, session]], reads
     assert not [r for r in reads if any(k.endswith(".0.*") for k in r)], reads
-    assert len(w.find("step.acked", kind="run_model")) == 2
 
 
 async def test_a_carried_turn_written_since_is_read_again(
@@ -74,6 +73,8 @@ async def test_a_carried_turn_written_since_is_read_again(
     res = await client.wait(h, timeout=30)
     assert res.status == TurnStatus.COMPLETED
     assert len(w.find("run_model.carried_stale")) == 1
+    # (acked after the turn's end is published, which the wait hears)
+    await w.wait_for("step.acked", kind="run_model", timeout=10)
     acked = w.find("step.acked", kind="run_model")
     assert [ln["delivery"] for ln in acked] == [1]
     turn = await client.turn("sr2", h.turn_id)

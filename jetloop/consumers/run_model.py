@@ -63,6 +63,12 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
             return
         except StaleCarry as exc:
             log.info("run_model.carried_stale", key=exc.key)
+            now = await d.rt.state.turn(step.session_id, step.turn_id)
+            if now is not None and now.value.attempt is not None:
+                # Claimed since the message was published (another delivery of it, or another
+                # message of the step): the claim this one lost was a race, as when a claim
+                # from a read loses: nothing more is sent on the message.
+                raise TakenOver(exc.key) from None
     await _run_model(d, step, None)
 
 

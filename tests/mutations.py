@@ -494,6 +494,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         "takeover: it sends nothing, and the turn waits a lease for the message to come back",
         ("tests/test_step_reads.py::test_a_carried_turn_written_since_is_read_again",),
     ),
+    Mutation(
+        "ended-call-of-a-message-still-beaten",
+        "jetloop/consumers/runtime.py",
+        "        parts = [p for p in self.parts if not p.ended]\n",
+        "        parts = list(self.parts)\n",
+        "the heartbeat of a message of calls rewrites the record of a call that began a wait: "
+        "the wait's own message commits it, the rewrite fails, and the whole message is taken "
+        "for lost (not acked, delivered again)",
+        (
+            "tests/test_call_tools.py::test_a_call_whose_wait_ends_while_its_siblings_run_still_joins",
+        ),
+    ),
+    Mutation(
+        "message-joins-without-a-sibling-that-waited",
+        "jetloop/consumers/join.py",
+        "        if self.over - self.done.keys():\n",
+        "        if False:\n",
+        "a call of a message of calls whose sibling began a wait does not join, though that "
+        "sibling may have ended by its own message, whose join found this call open: the turn "
+        "never moves",
+        (
+            "tests/test_call_tools.py::test_a_call_whose_wait_ends_while_its_siblings_run_still_joins",
+        ),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

@@ -9,6 +9,7 @@ import collections
 import json
 import time
 from datetime import datetime
+from typing import Any
 
 import msgpack
 from nats.aio.msg import Msg
@@ -151,3 +152,37 @@ async def test_the_tool_pools_concurrency_counts_the_calls_of_one_message(
     stamps = sorted(datetime.fromisoformat(ln["timestamp"]) for ln in w.find("call.recorded"))
     assert len(stamps) == 3
     assert (stamps[-1] - stamps[0]).total_seconds() >= 0.8
+
+
+async def test_a_call_whose_wait_ends_while_its_siblings_run_still_joins(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """One call of the message waits for an approval, granted at once: its own message
+    commits it and joins while a sibling still runs in the message of calls, so that join
+    finds the sibling open. The waiting call's record is not written again for the message
+    (its heartbeat would fail on the commit and take the whole message for lost), and the
+    sibling, ending later, joins from state (from what the message knows it would wait for
+    the approved call, which ended elsewhere): the turn completes, and the message is acked
+    on its first delivery."""
+    w = workers.start()
+    await w.wait_for("worker.started", timeout=30)
+    h = await client.send(
+        "tester", "ct6", script([call("guarded", name="g"), call("slow", name="s", seconds=3)])
+    )
+
+    async def held() -> Any:
+        snap = await client.snapshot("ct6")
+        return snap.approvals[0] if snap is not None and snap.approvals else None
+
+    approval = await until(held, timeout=30)
+    await client.approve("ct6", approval.approval_id, by="tester")
+    res = await client.wait(h, timeout=30)
+    assert res.status == "completed"
+    await w.wait_for("step.acked", kind="call_tools", timeout=10)
+    assert [ln["delivery"] for ln in w.find("step.acked", kind="call_tools")] == [1]
+    assert w.find("fence.lost_on_beat") == []
+    recorded = {ln["call"]: ln["kind"] for ln in w.find("call.recorded")}
+    assert recorded == {
+        f"ct6.{h.turn_id}.0.0": "await_tool_approval",  # the approved call, by its own message
+        f"ct6.{h.turn_id}.0.1": "call_tools",
+    }

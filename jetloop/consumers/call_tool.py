@@ -213,17 +213,21 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
             f"{step.kind.value} step with {count} calls (1 to {CALLS_PER_MESSAGE} are sent)"
         )
     slots = d.rt.call_slots
+    known = StepCalls(count)
 
     async def one(part: Delivery, i: int) -> None:
         own = step.model_copy(update={"call_index": i, "calls": None})
-        if slots is None:
-            await on_call(part, own)
-            return
-        async with slots:  # the tool pool's concurrency counts calls, not messages
-            await on_call(part, own)
+        try:
+            if slots is None:
+                await on_call(part, own)
+                return
+            async with slots:  # the tool pool's concurrency counts calls, not messages
+                await on_call(part, own)
+        finally:
+            part.end_part()
+            known.part_over(i)
 
     parts = [d.part() for _ in range(count)]
-    known = StepCalls(count)
     for part in parts:
         part.together = known
     got = await asyncio.gather(

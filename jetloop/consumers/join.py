@@ -15,14 +15,17 @@ version published.
 A ``call_tools`` message that carries every call of its step needs no read and no election:
 its parts know every outcome, each committed (or found committed) by one of them, and the
 turn as they read it. The part that ends the last outcome moves the turn from that
-(``StepCalls``, ``_join_known``); a part whose sibling is still running, or has begun a wait,
-does not join at all: the sibling ends the set, or joins on its own when its wait ends, or the
-message is handed back and joins again when it comes back.
+(``StepCalls``, ``_join_known``). A part whose sibling still runs does not join: the sibling
+ends the set, or joins from state, or the message is handed back and its calls, found done,
+join again. A part whose sibling ended its part without an outcome (it began a wait) joins
+from state, as a call of its own message does: the sibling's wait may have ended since, by its
+own message, whose join found this call still open.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from jetloop.consumers.errors import DeadLetter, RetryLater
 from jetloop.consumers.followers import call_done, joined
@@ -49,6 +52,8 @@ class StepCalls:
     turn: Versioned[TurnRecord] | None = None
     session: Versioned[SessionRecord] | None = None
     done: dict[int, CallRecord] = field(default_factory=dict)
+    # The calls whose part has ended (with an outcome or not).
+    over: set[int] = field(default_factory=set)
 
     def saw(self, turn: Versioned[TurnRecord], session: Versioned[SessionRecord] | None) -> None:
         if self.turn is None or turn.revision > self.turn.revision:
@@ -61,10 +66,27 @@ class StepCalls:
     def carries_every_call(self, turn: TurnRecord) -> bool:
         return self.count == len(turn.calls)
 
-    def ended(self, index: int, rec: CallRecord) -> bool:
-        """Record call ``index``'s outcome; whether it was the last of the step's."""
+    def ended(self, index: int, rec: CallRecord) -> Join:
+        """Record call ``index``'s outcome, and say how its part joins."""
         self.done[index] = rec
-        return len(self.done) == self.count
+        if len(self.done) == self.count:
+            return Join.KNOWN  # the step's last outcome: every one is known here
+        if self.over - self.done.keys():
+            # A sibling ended without an outcome (a wait): it may have ended since by its
+            # own message, whose join found this call open; so this one joins from state.
+            return Join.READ
+        return Join.NOT_YET  # a sibling still runs: it ends the set, or joins from state
+
+    def part_over(self, index: int) -> None:
+        self.over.add(index)
+
+
+class Join(Enum):
+    """How a part of a ``call_tools`` message joins once its outcome is committed."""
+
+    KNOWN = "known"
+    READ = "read"
+    NOT_YET = "not yet"
 
 
 def _results(got: list[Versioned[CallRecord] | None]) -> list[CallRecord] | None:
@@ -202,17 +224,18 @@ async def outcome_told_and_joined(
     the repeats land once). A takeover found by the join is what the step reports.
 
     A part of a ``call_tools`` message that carries every call of the step, its turn still
-    at the step, joins only if its outcome is the step's last, and then without a read
-    (``StepCalls``)."""
+    at the step, joins without a read if its outcome is the step's last, not at all while a
+    sibling still runs, and from state once a sibling began a wait (``StepCalls``)."""
     known = d.together
     current = turn.model_step == n and turn.phase == TurnPhase.CALLS and not turn.status.terminal
     if known is not None and current and known.carries_every_call(turn):
-        told = call_done(turn, rec).publish(d.rt.bus)
-        if known.ended(index, rec):
-            await side_by_side(told, _join_known(d, known, n))
-        else:
-            await told
-        return
+        how = known.ended(index, rec)
+        if how is Join.NOT_YET:
+            await call_done(turn, rec).publish(d.rt.bus)
+            return
+        if how is Join.KNOWN:
+            await side_by_side(call_done(turn, rec).publish(d.rt.bus), _join_known(d, known, n))
+            return
     await side_by_side(
         call_done(turn, rec).publish(d.rt.bus),
         join_calls(d, turn.session_id, turn.turn_id, n, first=first, own=index),

@@ -133,6 +133,7 @@ class Delivery:
         self.parts: list[Delivery] = []
         # A part's: what the parts of its message know of their step (``consumers.join``).
         self.together: StepCalls | None = None
+        self.ended = False  # a part's: its call ended its work (``end_part``)
 
     def part(self) -> Delivery:
         """One call of a message that carries several: fenced on its own (its claim, its
@@ -215,6 +216,15 @@ class Delivery:
                 self._lose()
             return not self.lost
 
+    def end_part(self) -> None:
+        """This part's call ended its work in the message (an outcome committed, a wait
+        begun, a failure): its record is not written again for the message — a wait's own
+        message may commit it meanwhile, and a heartbeat rewriting the wait over that
+        commit would fail and take the whole message for lost — and its key is no longer
+        held here."""
+        self.ended = True
+        self.release()
+
     def release(self) -> None:
         """The delivery ended: this process no longer works on the key it claimed."""
         if self.fence_key is not None:
@@ -271,13 +281,14 @@ class Delivery:
                 self.cancelled = True
 
     async def _beat_parts(self) -> None:
-        """The heartbeat of a message of several calls: each call's record written again (the
-        sign of life of the calls still ours), the turn read once, and the message's lease
+        """The heartbeat of a message of several calls: the record of each call still at work
+        written again (the sign of life of the calls still ours), the turn read once, and the
+        message's lease
         extended only while no call of it was taken over: a taken call means another attempt
         holds the message now, and JetStream does not fence an older delivery's in-progress."""
-        parts = self.parts
+        parts = [p for p in self.parts if not p.ended]
         await asyncio.gather(*(p._rewrite() for p in parts if p.fence_value is not None))
-        if not any(p.lost for p in parts):
+        if not any(p.lost for p in self.parts):
             await self.msg.in_progress()
         watching = [p for p in parts if p.watch_turn is not None and not p.cancelled]
         if watching and watching[0].watch_turn is not None:

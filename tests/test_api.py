@@ -401,3 +401,15 @@ async def test_a_refused_subscription_makes_a_wait_read(
     assert (await asyncio.wait_for(waiting, 5)).status == "completed"
     await client.send("tester", "refused", script(answer="again"))
     assert client._turn_ends()._early == {}  # no longer listened for first: read first
+
+
+async def test_a_send_that_will_not_wait_listens_for_nothing(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """``send(will_wait=False)`` (the gateway without ``wait``, a webhook, a follower of the
+    log) holds no subscription for a wait that never comes; a wait on it reads first."""
+    workers.start()
+    h = await client.send("tester", "nowait", script(answer="fine"), will_wait=False)
+    ends = client._turn_ends()
+    assert ends._early == {} and ends._sessions == {}
+    assert (await client.wait(h, timeout=30)).status == "completed"

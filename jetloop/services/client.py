@@ -300,8 +300,13 @@ class Client:
         request_id: str | None = None,
         *,
         traceparent: str | None = None,
+        will_wait: bool = True,
     ) -> TurnHandle:
         """Publish a user message; the request id makes a resend harmless.
+
+        ``will_wait``: the caller waits for the turn soon (``wait``), so its end is listened
+        for from before the publish and the wait reads the record once; pass False when it
+        will not (nothing is then held for a wait that never comes).
 
         ``traceparent`` (W3C Trace Context, ``00-<trace id>-<span id>-<flags>``) makes the
         turn's trace a child of the caller's span (README, "Traces"); a malformed one is a
@@ -358,7 +363,8 @@ class Client:
             headers["traceparent"] = traceparent
         # Listened for before it is sent: the wait that follows hears every end of the turn.
         ends = self._turn_ends()
-        await ends.before_send(session_id, tid)
+        if will_wait:
+            await ends.before_send(session_id, tid)
         try:
             ack = await retrying(
                 lambda: self.js.publish(

@@ -11,10 +11,11 @@ after it is heard. Hearing is only a wake-up: the record decides, read again aft
 heard of the turn. A core message is not durable (a link lost and made again can miss one),
 so each wait also reads the record again every ``RECHECK_SECONDS`` and when the link comes
 back (``SizedClient.when_link_lost``). ``Client.send`` subscribes before it publishes a new
-request (``before_send``), so the wait that follows it hears every end of that turn and reads
-the record once, at the end, instead of also before it listens. A credential not allowed the
-subscription (a server configured by an older ``jetloop up``) then still waits, by those
-reads alone: the refusal (``SizedClient.when_refused``) wakes every wait to read.
+request it will wait for (``before_send``), so the wait that follows it hears every end of
+that turn and reads the record once, at the end, instead of also before it listens. A
+credential not allowed the subscription (a server configured by an older ``jetloop up``)
+then still waits, by those reads alone: the refusal (``SizedClient.when_refused``) wakes
+every wait to read.
 
 Before, each wait made an ephemeral consumer filtered to the session's turn ends, read every
 end the session had stored from its start, and deleted the consumer: a gateway holding a
@@ -39,8 +40,10 @@ from jetloop.streams.connection import when_link_lost, when_refused
 
 # How often a wait reads the turn's record again without hearing its end.
 RECHECK_SECONDS = 5.0
-# How long the subscriptions made before a request is sent wait for the wait on its turn.
+# How long the subscriptions made before a request is sent wait for the wait on its turn,
+# and how many turns at most are listened for so (past that, a wait reads first).
 EARLY_SECONDS = 30.0
+EARLY_MOST = 10_000
 
 
 @dataclass
@@ -82,7 +85,7 @@ class TurnEnds:
         need not read the turn's record before it listens (its end cannot come before its
         request, and is heard from now on). Unclaimed by a wait, it is let go after that."""
         self._hook()
-        if turn_id in self._early or self._deaf:
+        if turn_id in self._early or self._deaf or len(self._early) >= EARLY_MOST:
             return
         wake = asyncio.Event()
         early = self._early[turn_id] = _Early(wake, self._links_lost)

@@ -57,7 +57,12 @@ def send(
             # Client.send tells a repeat from the turn record (state), not only from the
             # PubAck, whose id a work queue forgets: the note below holds after a restart.
             h = await jl.send(
-                agent, session_id, text, request_id=request_id, traceparent=traceparent
+                agent,
+                session_id,
+                text,
+                request_id=request_id,
+                traceparent=traceparent,
+                will_wait=wait,
             )
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
@@ -145,7 +150,7 @@ def chat(agent: str, session_id: str | None, nats_url: str | None) -> None:
             if not text.strip():
                 continue
             try:
-                h = await jl.send(agent, sid, text)
+                h = await jl.send(agent, sid, text, will_wait=False)  # it follows the log
             except ValueError as exc:
                 raise click.ClickException(str(exc)) from None
             live = await jl.nc.subscribe(topo.live_subject(sid, h.turn_id), cb=_print_delta)

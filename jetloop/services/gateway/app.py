@@ -183,7 +183,9 @@ async def send_message(request: web.Request) -> web.Response:
     trace = request.headers.get("traceparent")
     if trace is not None and parse_traceparent(trace) is None:
         trace = None
-    h = await client.send(agent, session, body.text, request_id=key, traceparent=trace)
+    h = await client.send(
+        agent, session, body.text, request_id=key, traceparent=trace, will_wait=query.wait
+    )
     out = TurnOut(
         agent=agent,
         session_id=session,
@@ -338,7 +340,11 @@ async def receive_webhook(request: web.Request) -> web.Response:
         raise Problem(exc.status, exc.title, exc.detail or None) from None
     client = await client_of(request, trigger.namespace)
     h = await client.send(
-        trigger.agent, session, text, request_id=hooks.request_id_for(name, delivery)
+        trigger.agent,
+        session,
+        text,
+        request_id=hooks.request_id_for(name, delivery),
+        will_wait=False,
     )
     app[METRICS].hooks.labels(name, "duplicate" if h.duplicate else "accepted").inc()
     log.info(

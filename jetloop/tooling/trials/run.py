@@ -570,7 +570,10 @@ class Trials:
                 return
             rid = f"{sid}-{k}"
             sent = time.monotonic() - start
-            handle = await client.send(AGENT, sid, script_text(steps), request_id=rid)
+            # Followed by reading its record (``_follow``), not ``Client.wait``.
+            handle = await client.send(
+                AGENT, sid, script_text(steps), request_id=rid, will_wait=False
+            )
             for n, group in enumerate(steps):
                 for i, c in enumerate(group):
                     key = idempotency_key(sid, handle.turn_id, n, i)

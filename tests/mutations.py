@@ -509,7 +509,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "message-joins-without-a-sibling-that-waited",
         "jetloop/consumers/join.py",
-        "        if self.over - self.done.keys():\n",
+        "        if any(p.ended and i not in self.done for i, p in enumerate(self.parts)):\n",
         "        if False:\n",
         "a call of a message of calls whose sibling began a wait does not join, though that "
         "sibling may have ended by its own message, whose join found this call open: the turn "

@@ -213,7 +213,6 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
             f"{step.kind.value} step with {count} calls (1 to {CALLS_PER_MESSAGE} are sent)"
         )
     slots = d.rt.call_slots
-    known = StepCalls(count)
 
     async def one(part: Delivery, i: int) -> None:
         own = step.model_copy(update={"call_index": i, "calls": None})
@@ -225,9 +224,9 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
                 await on_call(part, own)
         finally:
             part.end_part()
-            known.part_over(i)
 
     parts = [d.part() for _ in range(count)]
+    known = StepCalls(parts)
     for part in parts:
         part.together = known
     got = await asyncio.gather(

@@ -46,14 +46,12 @@ from jetloop.streams.state import Conflict, Versioned, turn_key
 class StepCalls:
     """What the parts of one ``call_tools`` message know of their step: the turn as they
     read it (the newest revision any of them read) and the outcomes they committed or found
-    committed, by call index. ``count``: the calls the message carries."""
+    committed, by call index. ``parts``: the message's parts, call ``i`` the ``i``-th."""
 
-    count: int
+    parts: list[Delivery]
     turn: Versioned[TurnRecord] | None = None
     session: Versioned[SessionRecord] | None = None
     done: dict[int, CallRecord] = field(default_factory=dict)
-    # The calls whose part has ended (with an outcome or not).
-    over: set[int] = field(default_factory=set)
 
     def saw(self, turn: Versioned[TurnRecord], session: Versioned[SessionRecord] | None) -> None:
         if self.turn is None or turn.revision > self.turn.revision:
@@ -64,21 +62,18 @@ class StepCalls:
             self.session = session
 
     def carries_every_call(self, turn: TurnRecord) -> bool:
-        return self.count == len(turn.calls)
+        return len(self.parts) == len(turn.calls)
 
     def ended(self, index: int, rec: CallRecord) -> Join:
         """Record call ``index``'s outcome, and say how its part joins."""
         self.done[index] = rec
-        if len(self.done) == self.count:
+        if len(self.done) == len(self.parts):
             return Join.KNOWN  # the step's last outcome: every one is known here
-        if self.over - self.done.keys():
+        if any(p.ended and i not in self.done for i, p in enumerate(self.parts)):
             # A sibling ended without an outcome (a wait): it may have ended since by its
             # own message, whose join found this call open; so this one joins from state.
             return Join.READ
         return Join.NOT_YET  # a sibling still runs: it ends the set, or joins from state
-
-    def part_over(self, index: int) -> None:
-        self.over.add(index)
 
 
 class Join(Enum):
@@ -174,7 +169,7 @@ async def _join_known(d: Delivery, known: StepCalls, n: int) -> None:
     if turn.status.terminal or turn.model_step != n or turn.phase != TurnPhase.CALLS:
         await join_calls(d, sid, tid, n, first=False)
         return
-    results = [known.done[i] for i in range(known.count)]
+    results = [known.done[i] for i in range(len(known.parts))]
     moved = _moved(turn, n, results)
     try:
         rev = await d.rt.state.write(turn_key(sid, tid), moved, cur.revision)

@@ -283,9 +283,9 @@ class Delivery:
     async def _beat_parts(self) -> None:
         """The heartbeat of a message of several calls: the record of each call still at work
         written again (the sign of life of the calls still ours), the turn read once, and the
-        message's lease
-        extended only while no call of it was taken over: a taken call means another attempt
-        holds the message now, and JetStream does not fence an older delivery's in-progress."""
+        message's lease extended only while no call of it was taken over: a taken call means
+        another attempt holds the message now, and JetStream does not fence an older
+        delivery's in-progress."""
         parts = [p for p in self.parts if not p.ended]
         await asyncio.gather(*(p._rewrite() for p in parts if p.fence_value is not None))
         if not any(p.lost for p in self.parts):

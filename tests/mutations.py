@@ -518,6 +518,26 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_call_tools.py::test_a_call_whose_wait_ends_while_its_siblings_run_still_joins",
         ),
     ),
+    Mutation(
+        "carry-used-unverified",
+        "jetloop/consumers/carry.py",
+        "    if why is not None:\n",
+        "    if False:\n",
+        "a step message's carried records are used without their seal: whoever may publish "
+        "step messages makes a call run with arguments the model never asked for",
+        ("tests/test_step_reads.py::test_a_forged_carry_is_not_used",),
+    ),
+    Mutation(
+        "write-starts-from-carried-turn",
+        "jetloop/consumers/call_tool.py",
+        "        and turn.calls[i].effect == Effect.READ\n",
+        "        and True\n",
+        "a write of a message of calls starts from the turn its message carried, not from the "
+        "turn as it is: a turn cancelled since its model step answered still makes the write",
+        (
+            "tests/test_step_reads.py::test_reads_of_a_call_tools_message_start_from_what_it_carries",
+        ),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

@@ -19,10 +19,11 @@ import pytest
 from nats.aio.client import Client as Nats
 
 from jetloop.consumers.errors import RetryLater
-from jetloop.consumers.liveness import H_HOLDER_LOST, RECONNECT_GRACE, holder_lost
+from jetloop.consumers.liveness import RECONNECT_GRACE, holder_lost
 from jetloop.consumers.runtime import Delivery
 from jetloop.schemas import Attempt
 from jetloop.services.embedded import EmbeddedServer
+from jetloop.streams.bus import H_HOLDER_LOST
 from jetloop.streams.connection import connect, linked_for
 from tests.conftest import until
 

@@ -12,10 +12,14 @@ from pathlib import Path
 
 from nats.aio.msg import Msg
 
-from jetloop.schemas import TurnStatus
+from jetloop.consumers.carry import carry
+from jetloop.demo.vendor import Vendor
+from jetloop.schemas import Carried, StepKind, StepMessage, TurnStatus
 from jetloop.services.client import Client
+from jetloop.streams.bus import step_out
+from jetloop.streams.seal import Sealer
 from jetloop.streams.state import StateStore, turn_key
-from tests.conftest import WorkerFactory, call, script
+from tests.conftest import WorkerFactory, call, script, until
 
 
 async def _multi_reads(client: Client) -> list[list[str]]:
@@ -79,3 +83,76 @@ async def test_a_carried_turn_written_since_is_read_again(
     assert [ln["delivery"] for ln in acked] == [1]
     turn = await client.turn("sr2", h.turn_id)
     assert turn is not None and turn.attempts == 1
+
+
+async def test_reads_of_a_call_tools_message_start_from_what_it_carries(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """A ``call_tools`` message carries the turn as its model step wrote it: its read-only
+    calls read no record before they run (their outcomes are creates), a write reads its
+    own, as always."""
+    w = workers.start()
+    await w.wait_for("worker.started", timeout=30)
+    reads = await _multi_reads(client)
+    h = await client.send(
+        "tester", "sr3", script([call("read", name="a"), call("read", name="b"), call("write")])
+    )
+    assert (await client.wait(h, timeout=30)).status == TurnStatus.COMPLETED
+    read_keys = {k for r in reads for k in r}
+    calls = [f"call.sr3.{h.turn_id}.0.{i}" for i in range(3)]
+    assert calls[0] not in read_keys and calls[1] not in read_keys, reads
+    assert calls[2] in read_keys, reads
+
+
+async def test_a_forged_carry_is_not_used(
+    client: Client, workers: WorkerFactory, vendor: Vendor, tmp_path: Path
+) -> None:
+    """Whoever may publish step messages (not the seal key) publishes the ``call_tools``
+    message of a turn's step before its worker does, carrying the turn with other arguments
+    for its call, at the turn's revision, unsealed and then sealed with another key: the
+    worker does not use either (it reads the turn): the call is made with the arguments the
+    model asked for, never with the forged ones."""
+    release = tmp_path / "release"
+    w = workers.start("held", hold="run_model.after_commit", release_file=release)
+    h = await client.send("tester", "sr4", script([call("read", name="asked")]))
+    await w.wait_for("fault.hold", point="run_model.after_commit")
+    state = await StateStore.open(client.nc, client.sealer)
+    cur, session = await state.turn_view("sr4", h.turn_id)
+    assert cur is not None and session is not None
+    forged_turn = cur.value.model_copy(
+        update={"calls": [cur.value.calls[0].model_copy(update={"args": {"name": "forged"}})]}
+    )
+    forged = Carried(
+        turn=forged_turn,
+        turn_revision=cur.revision,
+        session=session.value,
+        session_revision=session.revision,
+    )
+    other = carry(
+        Sealer([b"another key"]), forged_turn, cur.revision, session.value, session.revision
+    )
+    assert other is not None
+    for c in (forged, other):
+        step = StepMessage(
+            kind=StepKind.CALL_TOOLS,
+            agent="tester",
+            session_id="sr4",
+            turn_id=h.turn_id,
+            calls=1,
+            carried=c,
+        )
+        out = step_out(step)
+        # Another step key each (the wake), so the stream stores both.
+        if c is not forged:
+            out = step_out(step.model_copy(update={"wake": "again"}))
+        await client.js.publish(out.subject, out.body, headers=out.headers)
+    release.touch()
+    assert (await client.wait(h, timeout=30)).status == TurnStatus.COMPLETED
+
+    async def both_refused() -> bool:
+        return len(w.find("step.carry_refused")) >= 2
+
+    await until(both_refused, timeout=10)
+    made = await vendor.payload_counts("read")
+    # (A read may be made by each message that reads it: three here, never with "forged".)
+    assert {json.loads(p)["name"] for p in made} == {"asked"}, made

@@ -43,10 +43,11 @@ from jetloop.consumers.calls import (
     window_passed,
     write,
 )
+from jetloop.consumers.carry import trusted_carry
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.followers import call_done
 from jetloop.consumers.join import StepCalls, outcome_told_and_joined
-from jetloop.consumers.liveness import H_HOLDER_LOST, holder_lost
+from jetloop.consumers.liveness import holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import record_loss, tell_resumed
 from jetloop.consumers.runtime import Delivery
@@ -55,14 +56,17 @@ from jetloop.schemas import (
     CallOutcome,
     CallRecord,
     CallState,
+    Carried,
     Decision,
+    SessionRecord,
     StepMessage,
     TurnPhase,
+    TurnRecord,
     call_key,
 )
 from jetloop.schemas.errors import RetryableToolError, ToolError
 from jetloop.schemas.kinds import CALLS_PER_MESSAGE
-from jetloop.streams.state import StateStore, call_state_key
+from jetloop.streams.state import StateStore, Versioned, call_state_key
 
 log = structlog.get_logger("jetloop.call_tool")
 
@@ -73,7 +77,9 @@ __all__ = ["TOOL_CALL_NOT_RUN_ERROR_PREFIX", "on_call", "on_calls"]
 LOSABLE = (CallState.IN_DOUBT, CallState.RUNNING)
 
 
-async def on_call(d: Delivery, step: StepMessage) -> None:
+async def on_call(d: Delivery, step: StepMessage, carried: Carried | None = None) -> None:
+    """One call. ``carried``: the turn and session its ``call_tools`` message carries,
+    verified, on the message's first delivery (``jetloop.consumers.carry``)."""
     rt = d.rt
     sid, tid, n = step.session_id, step.turn_id, step.model_step
     if step.call_index is None:
@@ -82,7 +88,20 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
     ckey = call_key(sid, tid, n, i)
     bind_step(call=ckey)
 
-    turn_v, rec_v, session_v = await rt.state.step_view(sid, tid, ckey)
+    if _reads_carried(carried, i):
+        assert carried is not None
+        # A read on its message's first delivery: its record is taken to be absent, and its
+        # first write (its outcome, or a claim) is a create, which fails if the call has a
+        # record (a close of the turn, another delivery): nothing is then published or acked,
+        # and the message's next delivery reads. Only reads: a write is made only once its
+        # turn is read still running, so a cancel is never seen late before a write.
+        turn_v: Versioned[TurnRecord] | None = Versioned(carried.turn, carried.turn_revision)
+        rec_v: Versioned[CallRecord] | None = None
+        session_v: Versioned[SessionRecord] | None = Versioned(
+            carried.session, carried.session_revision
+        )
+    else:
+        turn_v, rec_v, session_v = await rt.state.step_view(sid, tid, ckey)
     if turn_v is None:
         raise DeadLetter(f"{step.kind.value} for turn {tid} of session {sid}, which has no record")
     turn = turn_v.value
@@ -214,14 +233,16 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
         )
     slots = d.rt.call_slots
 
+    carried = trusted_carry(d, step.carried)
+
     async def one(part: Delivery, i: int) -> None:
-        own = step.model_copy(update={"call_index": i, "calls": None})
+        own = step.model_copy(update={"call_index": i, "calls": None, "carried": None})
         try:
             if slots is None:
-                await on_call(part, own)
+                await on_call(part, own, carried)
                 return
             async with slots:  # the tool pool's concurrency counts calls, not messages
-                await on_call(part, own)
+                await on_call(part, own, carried)
         finally:
             part.end_part()
 
@@ -249,7 +270,21 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
 
 def _delivered_before(d: Delivery) -> bool:
     """A redelivery, or the copy a rescuer published of a message a dead process held."""
-    return d.num_delivered > 1 or H_HOLDER_LOST in (d.msg.headers or {})
+    return not d.first_sight
+
+
+def _reads_carried(carried: Carried | None, i: int) -> bool:
+    """Call ``i`` starts from ``carried`` instead of reading: a read-only call of a turn the
+    message carries at this step."""
+    if carried is None:
+        return False
+    turn = carried.turn
+    return (
+        i < len(turn.calls)
+        and turn.calls[i].effect == Effect.READ
+        and turn.phase == TurnPhase.CALLS
+        and not turn.status.terminal
+    )
 
 
 # What a call that may have started something at a vendor is told when it cannot be followed.

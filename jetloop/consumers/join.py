@@ -27,13 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from jetloop.consumers.carry import carry
 from jetloop.consumers.errors import DeadLetter, RetryLater
 from jetloop.consumers.followers import call_done, joined
 from jetloop.consumers.runtime import Delivery
 from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import (
     CallRecord,
-    Carried,
     SessionRecord,
     StepMessage,
     TurnPhase,
@@ -180,12 +180,7 @@ async def _join_known(d: Delivery, known: StepCalls, n: int) -> None:
     session = known.session
     carried = None
     if session is not None:
-        carried = Carried(
-            turn=moved,
-            turn_revision=rev,
-            session=session.value,
-            session_revision=session.revision,
-        )
+        carried = carry(d.rt.state.sealer, moved, rev, session.value, session.revision)
     await joined(moved, results, carried).publish(d.rt.bus)
 
 

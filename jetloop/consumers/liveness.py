@@ -41,12 +41,12 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from jetloop.consumers.errors import RetryLater
 from jetloop.consumers.runtime import Delivery
 from jetloop.schemas import Attempt
+from jetloop.streams.bus import H_HOLDER_LOST
 from jetloop.streams.connection import linked_for
 from jetloop.streams.topology import alive_subject
 
 log = structlog.get_logger("jetloop.liveness")
 
-H_HOLDER_LOST = "Jl-Holder-Lost"
 ASK_TIMEOUT = 0.5
 # A request naming a key is answered HOLDING while this process works on that key.
 HOLDING = b"holding"

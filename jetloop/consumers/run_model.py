@@ -22,11 +22,12 @@ from jetloop.agents.adapters import MalformedToolCall
 from jetloop.agents.mcp import MCPUnreachable
 from jetloop.consumers import flow, metrics
 from jetloop.consumers.budgets import over_budget
+from jetloop.consumers.carry import carry, trusted_carry
 from jetloop.consumers.compact import compact_first, compaction_needed, estimate
 from jetloop.consumers.conversation import conversation
 from jetloop.consumers.errors import DeadLetter, RetryLater, StaleCarry, TakenOver
 from jetloop.consumers.followers import answer, expected_history, joined, turn_start
-from jetloop.consumers.liveness import H_HOLDER_LOST, holder_lost
+from jetloop.consumers.liveness import holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import Resume, loss_id, lost_event, lost_reason, tell_resumed
 from jetloop.consumers.runtime import Delivery, Runtime
@@ -56,8 +57,8 @@ log = structlog.get_logger("jetloop.run_model")
 
 
 async def on_run_model(d: Delivery, step: StepMessage) -> None:
-    carried = step.carried
-    if carried is not None and _first_sight(d) and carried.turn.attempt is None:
+    carried = trusted_carry(d, step.carried)
+    if carried is not None and carried.turn.attempt is None:
         try:
             await _run_model(d, step, carried)
             return
@@ -70,12 +71,6 @@ async def on_run_model(d: Delivery, step: StepMessage) -> None:
                 # from a read loses: nothing more is sent on the message.
                 raise TakenOver(exc.key) from None
     await _run_model(d, step, None)
-
-
-def _first_sight(d: Delivery) -> bool:
-    """The message's first delivery, not a rescuer's copy: what it carries was current when
-    it was published, and is likely current still."""
-    return d.num_delivered == 1 and H_HOLDER_LOST not in (d.msg.headers or {})
 
 
 async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) -> None:
@@ -282,13 +277,16 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
         await admission.close()
     committed = await _plan(rt, tools, claimed, response, spent)
     await rt.faults.point("run_model.before_commit")
-    await d.commit(committed)
+    rev = await d.commit(committed)
     log.debug("model.answered", calls=len(committed.calls), status=committed.status.value)
     await rt.faults.point("run_model.after_commit")
     if committed.status == TurnStatus.COMPLETED:
         await end_turn(rt, committed, session)
-    else:
-        await answer(committed, rt.calls_in_one_message).publish(rt.bus)
+        return
+    calls_carry = None
+    if session is not None:
+        calls_carry = carry(rt.state.sealer, committed, rev, session.value, session.revision)
+    await answer(committed, rt.calls_in_one_message, calls_carry).publish(rt.bus)
 
 
 ATTEMPT = "attempt"

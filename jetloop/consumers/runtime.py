@@ -32,7 +32,7 @@ from jetloop.consumers.faults import Faults
 from jetloop.consumers.tracing import Tracing
 from jetloop.schemas import Attempt, CallRecord
 from jetloop.streams.blobs import BlobStore
-from jetloop.streams.bus import Bus
+from jetloop.streams.bus import H_HOLDER_LOST, Bus
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.holds import Holds
 from jetloop.streams.loops import running_loop
@@ -146,6 +146,12 @@ class Delivery:
     def num_delivered(self) -> int:
         n: int = self.msg.metadata.num_delivered
         return n
+
+    @property
+    def first_sight(self) -> bool:
+        """The message's first delivery, not a rescuer's copy of one a dead process held:
+        what it carries was current when it was published, and is likely current still."""
+        return self.num_delivered == 1 and H_HOLDER_LOST not in (self.msg.headers or {})
 
     async def claim(
         self, key: str, value: BaseModel, revision: int | None, carried: bool = False

@@ -13,13 +13,13 @@ from datetime import datetime
 
 import structlog
 
+from jetloop.consumers.carry import carry
 from jetloop.consumers.errors import DeadLetter, RetryLater
 from jetloop.consumers.followers import Followers, finished, turn_start
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import (
-    Carried,
     Event,
     SessionRecord,
     Spent,
@@ -141,10 +141,7 @@ async def on_turn_request(d: Delivery) -> None:
     out = Followers([event_out(accepted)], restorable=True)
     if session.active == tid and turn_rec.status == TurnStatus.QUEUED:
         out = out + turn_start(
-            turn_rec,
-            Carried(
-                turn=turn_rec, turn_revision=turn_rev, session=session, session_revision=session_rev
-            ),
+            turn_rec, carry(rt.state.sealer, turn_rec, turn_rev, session, session_rev)
         )
     await out.publish(rt.bus)
 

@@ -46,10 +46,11 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from jetloop.consumers.liveness import H_HOLDER_LOST, gone, patience_after, settled_link
+from jetloop.consumers.liveness import gone, patience_after, settled_link
 from jetloop.consumers.session import UnscopedRequestId, request_id_of
 from jetloop.services.natsauth import DISCONNECT_ADVISORIES
 from jetloop.streams import kvkeys
+from jetloop.streams.bus import H_HOLDER_LOST
 from jetloop.streams.connection import connect
 from jetloop.streams.holds import read_holds
 from jetloop.streams.topology import TURNS_STREAM, WORKERS_BUCKET, held_key

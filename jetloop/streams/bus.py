@@ -32,6 +32,8 @@ H_TURN = "Jl-Turn"
 H_STEP = "Jl-Step"
 H_SCHEMA = "Jl-Schema"
 H_MSG_ID = "Nats-Msg-Id"
+# On a rescuer's copy of a message a dead process held: that process's incarnation.
+H_HOLDER_LOST = "Jl-Holder-Lost"
 
 
 @dataclass(frozen=True)

@@ -538,6 +538,18 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_step_reads.py::test_reads_of_a_call_tools_message_start_from_what_it_carries",
         ),
     ),
+    Mutation(
+        "carried-session-gates-a-call",
+        "jetloop/consumers/call_tool.py",
+        "    return carried.model_copy(update={"
+        '"session": now.value, "session_revision": now.revision})\n',
+        "    return carried\n",
+        "a read of a message of calls is gated by the session its model step read: an approval "
+        "policy set since is not applied to it",
+        (
+            "tests/test_step_reads.py::test_a_policy_set_while_the_model_step_ran_gates_a_carried_read",
+        ),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

@@ -20,6 +20,7 @@ from jetloop.streams.bus import step_out
 from jetloop.streams.seal import Sealer
 from jetloop.streams.state import StateStore, turn_key
 from tests.conftest import WorkerFactory, call, script, until
+from tests.test_resume import pending_approval
 
 
 async def _multi_reads(client: Client) -> list[list[str]]:
@@ -156,3 +157,20 @@ async def test_a_forged_carry_is_not_used(
     made = await vendor.payload_counts("read")
     # (A read may be made by each message that reads it: three here, never with "forged".)
     assert {json.loads(p)["name"] for p in made} == {"asked"}, made
+
+
+async def test_a_policy_set_while_the_model_step_ran_gates_a_carried_read(
+    client: Client, workers: WorkerFactory, tmp_path: Path
+) -> None:
+    """The approval policy is read when a call is routed: a session override set after the
+    model step answered (its ``call_tools`` message carries the session as it was) still
+    holds the read-only call for approval."""
+    release = tmp_path / "release"
+    w = workers.start("held", hold="run_model.after_commit", release_file=release)
+    h = await client.send("tester", "sr5", script([call("read", name="r")]))
+    await w.wait_for("fault.hold", point="run_model.after_commit")
+    await client.set_approval("sr5", "read", True)
+    release.touch()
+    approval = await pending_approval(client, "sr5")
+    await client.approve("sr5", approval)
+    assert (await client.wait(h, timeout=30)).status == TurnStatus.COMPLETED

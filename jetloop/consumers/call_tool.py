@@ -94,7 +94,8 @@ async def on_call(d: Delivery, step: StepMessage, carried: Carried | None = None
         # first write (its outcome, or a claim) is a create, which fails if the call has a
         # record (a close of the turn, another delivery): nothing is then published or acked,
         # and the message's next delivery reads. Only reads: a write is made only once its
-        # turn is read still running, so a cancel is never seen late before a write.
+        # turn is read still running, so a cancel is never seen late before a write. The
+        # session (its approval overrides) was read just now, for every call of the message.
         turn_v: Versioned[TurnRecord] | None = Versioned(carried.turn, carried.turn_revision)
         rec_v: Versioned[CallRecord] | None = None
         session_v: Versioned[SessionRecord] | None = Versioned(
@@ -233,7 +234,7 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
         )
     slots = d.rt.call_slots
 
-    carried = trusted_carry(d, step.carried)
+    carried = await _with_session_now(d, trusted_carry(d, step.carried))
 
     async def one(part: Delivery, i: int) -> None:
         own = step.model_copy(update={"call_index": i, "calls": None, "carried": None})
@@ -271,6 +272,21 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
 def _delivered_before(d: Delivery) -> bool:
     """A redelivery, or the copy a rescuer published of a message a dead process held."""
     return not d.first_sight
+
+
+async def _with_session_now(d: Delivery, carried: Carried | None) -> Carried | None:
+    """``carried`` with the session as it is now, read once for every call of the message:
+    the approval policy (the session's overrides) is read when a call is routed, and may
+    have changed since the model step read it. None: nothing carried, or no read-only call
+    to start from it (every call then reads its turn and session with its own record)."""
+    if carried is None or not any(
+        _reads_carried(carried, i) for i in range(len(carried.turn.calls))
+    ):
+        return None
+    now = await d.rt.state.session(carried.turn.session_id)
+    if now is None:
+        return None
+    return carried.model_copy(update={"session": now.value, "session_revision": now.revision})
 
 
 def _reads_carried(carried: Carried | None, i: int) -> bool:

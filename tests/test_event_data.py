@@ -19,7 +19,16 @@ import jetloop.schemas.records
 import jetloop.services.gateway.config
 import jetloop.services.gateway.openapi
 import jetloop.services.settings
-from jetloop.schemas import EVENT_DATA, BlobRef, Event, EventType, HistoryEntry, StepMessage, encode
+from jetloop.schemas import (
+    EVENT_DATA,
+    BlobRef,
+    Carried,
+    Event,
+    EventType,
+    HistoryEntry,
+    StepMessage,
+    encode,
+)
 from jetloop.schemas.events import (
     AnsweredCall,
     CallOutcomeData,
@@ -134,7 +143,12 @@ def _fields_of_models() -> set[str]:
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if issubclass(cls, BaseModel):
                 fields |= set(cls.model_fields)
-    return fields | set(HistoryEntry.model_fields) | set(StepMessage.model_fields)
+    return (
+        fields
+        | set(HistoryEntry.model_fields)
+        | set(StepMessage.model_fields)
+        | set(Carried.model_fields)
+    )
 
 
 def test_model_copy_updates_name_real_fields() -> None:

@@ -148,11 +148,9 @@ class Bag(BaseModel):
     data: Any = None
 
 
-@tool(effect=Effect.IDEMPOTENT_WRITE)
+@tool(effect=Effect.READ)
 async def meddler(args: Bag, ctx: ToolContext) -> dict[str, Any]:
-    """Changes its arguments in place and fails the first time; says what it was given. (A
-    write: its first attempt reads the turn, as the retry does, rather than start from the
-    turn its message carried.)"""
+    """Changes its arguments in place and fails the first time; says what it was given."""
     given = json.loads(json.dumps(args.data))
     if isinstance(args.data, dict):
         args.data["meddled"] = ctx.attempt

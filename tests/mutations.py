@@ -524,31 +524,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if why is not None:\n",
         "    if False:\n",
         "a step message's carried records are used without their seal: whoever may publish "
-        "step messages makes a call run with arguments the model never asked for",
+        "step messages gives a model step a turn of their own, which its claim writes back sealed",
         ("tests/test_step_reads.py::test_a_forged_carry_is_not_used",),
-    ),
-    Mutation(
-        "write-starts-from-carried-turn",
-        "jetloop/consumers/call_tool.py",
-        "        and turn.calls[i].effect == Effect.READ\n",
-        "        and True\n",
-        "a write of a message of calls starts from the turn its message carried, not from the "
-        "turn as it is: a turn cancelled since its model step answered still makes the write",
-        (
-            "tests/test_step_reads.py::test_reads_of_a_call_tools_message_start_from_what_it_carries",
-        ),
-    ),
-    Mutation(
-        "carried-session-gates-a-call",
-        "jetloop/consumers/call_tool.py",
-        "    return carried.model_copy(update={"
-        '"session": now.value, "session_revision": now.revision})\n',
-        "    return carried\n",
-        "a read of a message of calls is gated by the session its model step read: an approval "
-        "policy set since is not applied to it",
-        (
-            "tests/test_step_reads.py::test_a_policy_set_while_the_model_step_ran_gates_a_carried_read",
-        ),
     ),
 )
 

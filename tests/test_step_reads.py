@@ -14,12 +14,12 @@ from nats.aio.msg import Msg
 
 from jetloop.consumers.carry import carry
 from jetloop.demo.vendor import Vendor
-from jetloop.schemas import Carried, StepKind, StepMessage, TurnStatus
+from jetloop.schemas import StepKind, StepMessage, TurnStatus
 from jetloop.services.client import Client
 from jetloop.streams.bus import step_out
 from jetloop.streams.seal import Sealer
 from jetloop.streams.state import StateStore, turn_key
-from tests.conftest import WorkerFactory, call, script, until
+from tests.conftest import WorkerFactory, call, script
 from tests.test_resume import pending_approval
 
 
@@ -86,85 +86,53 @@ async def test_a_carried_turn_written_since_is_read_again(
     assert turn is not None and turn.attempts == 1
 
 
-async def test_reads_of_a_call_tools_message_start_from_what_it_carries(
-    client: Client, workers: WorkerFactory
-) -> None:
-    """A ``call_tools`` message carries the turn as its model step wrote it: its read-only
-    calls read no record before they run (their outcomes are creates), a write reads its
-    own, as always."""
-    w = workers.start()
-    await w.wait_for("worker.started", timeout=30)
-    reads = await _multi_reads(client)
-    h = await client.send(
-        "tester", "sr3", script([call("read", name="a"), call("read", name="b"), call("write")])
-    )
-    assert (await client.wait(h, timeout=30)).status == TurnStatus.COMPLETED
-    read_keys = {k for r in reads for k in r}
-    calls = [f"call.sr3.{h.turn_id}.0.{i}" for i in range(3)]
-    assert calls[0] not in read_keys and calls[1] not in read_keys, reads
-    assert calls[2] in read_keys, reads
-
-
 async def test_a_forged_carry_is_not_used(
     client: Client, workers: WorkerFactory, vendor: Vendor, tmp_path: Path
 ) -> None:
-    """Whoever may publish step messages (not the seal key) publishes the ``call_tools``
-    message of a turn's step before its worker does, carrying the turn with other arguments
-    for its call, at the turn's revision, unsealed and then sealed with another key: the
-    worker does not use either (it reads the turn): the call is made with the arguments the
-    model asked for, never with the forged ones."""
+    """Whoever may publish step messages (not the seal key) publishes a turn's first model
+    step before its worker does, carrying the turn at its revision with another request
+    text, sealed with another key. Used, the step's claim (a CAS from that revision) would
+    write the forged turn back sealed, and the model would be given the forged text (the
+    step restores the user's entry from the turn while the worker's own is not in yet). The
+    worker refuses the carry and reads: the model is given the request as it was sent."""
     release = tmp_path / "release"
-    w = workers.start("held", hold="run_model.after_commit", release_file=release)
+    w = workers.start("held", hold="turn_request.after_accept", release_file=release)
     h = await client.send("tester", "sr4", script([call("read", name="asked")]))
-    await w.wait_for("fault.hold", point="run_model.after_commit")
+    await w.wait_for("fault.hold", point="turn_request.after_accept")
     state = await StateStore.open(client.nc, client.sealer)
     cur, session = await state.turn_view("sr4", h.turn_id)
     assert cur is not None and session is not None
-    forged_turn = cur.value.model_copy(
-        update={"calls": [cur.value.calls[0].model_copy(update={"args": {"name": "forged"}})]}
-    )
-    forged = Carried(
-        turn=forged_turn,
-        turn_revision=cur.revision,
-        session=session.value,
-        session_revision=session.revision,
-    )
-    other = carry(
+    forged_turn = cur.value.model_copy(update={"text": script([call("read", name="forged")])})
+    forged = carry(
         Sealer([b"another key"]), forged_turn, cur.revision, session.value, session.revision
     )
-    assert other is not None
-    for c in (forged, other):
-        step = StepMessage(
-            kind=StepKind.CALL_TOOLS,
-            agent="tester",
-            session_id="sr4",
-            turn_id=h.turn_id,
-            calls=1,
-            carried=c,
-        )
-        out = step_out(step)
-        # Another step key each (the wake), so the stream stores both.
-        if c is not forged:
-            out = step_out(step.model_copy(update={"wake": "again"}))
-        await client.js.publish(out.subject, out.body, headers=out.headers)
+    assert forged is not None
+    step = StepMessage(
+        kind=StepKind.RUN_MODEL,
+        agent="tester",
+        session_id="sr4",
+        turn_id=h.turn_id,
+        model_step=0,
+        carried=forged,
+    )
+    out = step_out(step)  # the step's own key: the worker's publish of it is a duplicate
+    await client.js.publish(out.subject, out.body, headers=out.headers)
+    await w.wait_for("model.call", timeout=10)  # the forged message's step, before release
     release.touch()
     assert (await client.wait(h, timeout=30)).status == TurnStatus.COMPLETED
-
-    async def both_refused() -> bool:
-        return len(w.find("step.carry_refused")) >= 2
-
-    await until(both_refused, timeout=10)
     made = await vendor.payload_counts("read")
-    # (A read may be made by each message that reads it: three here, never with "forged".)
     assert {json.loads(p)["name"] for p in made} == {"asked"}, made
+    turn = await client.turn("sr4", h.turn_id)
+    assert turn is not None and "forged" not in turn.text
+    assert len(w.find("step.carry_refused")) == 1
 
 
 async def test_a_policy_set_while_the_model_step_ran_gates_a_carried_read(
     client: Client, workers: WorkerFactory, tmp_path: Path
 ) -> None:
     """The approval policy is read when a call is routed: a session override set after the
-    model step answered (its ``call_tools`` message carries the session as it was) still
-    holds the read-only call for approval."""
+    model step answered (while the worker holds before publishing the calls) still holds the
+    read-only call for approval."""
     release = tmp_path / "release"
     w = workers.start("held", hold="run_model.after_commit", release_file=release)
     h = await client.send("tester", "sr5", script([call("read", name="r")]))

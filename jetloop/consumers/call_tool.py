@@ -43,7 +43,6 @@ from jetloop.consumers.calls import (
     window_passed,
     write,
 )
-from jetloop.consumers.carry import trusted_carry
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.followers import call_done
 from jetloop.consumers.join import StepCalls, outcome_told_and_joined
@@ -56,17 +55,14 @@ from jetloop.schemas import (
     CallOutcome,
     CallRecord,
     CallState,
-    Carried,
     Decision,
-    SessionRecord,
     StepMessage,
     TurnPhase,
-    TurnRecord,
     call_key,
 )
 from jetloop.schemas.errors import RetryableToolError, ToolError
 from jetloop.schemas.kinds import CALLS_PER_MESSAGE
-from jetloop.streams.state import StateStore, Versioned, call_state_key
+from jetloop.streams.state import StateStore, call_state_key
 
 log = structlog.get_logger("jetloop.call_tool")
 
@@ -77,9 +73,7 @@ __all__ = ["TOOL_CALL_NOT_RUN_ERROR_PREFIX", "on_call", "on_calls"]
 LOSABLE = (CallState.IN_DOUBT, CallState.RUNNING)
 
 
-async def on_call(d: Delivery, step: StepMessage, carried: Carried | None = None) -> None:
-    """One call. ``carried``: the turn and session its ``call_tools`` message carries,
-    verified, on the message's first delivery (``jetloop.consumers.carry``)."""
+async def on_call(d: Delivery, step: StepMessage) -> None:
     rt = d.rt
     sid, tid, n = step.session_id, step.turn_id, step.model_step
     if step.call_index is None:
@@ -88,21 +82,7 @@ async def on_call(d: Delivery, step: StepMessage, carried: Carried | None = None
     ckey = call_key(sid, tid, n, i)
     bind_step(call=ckey)
 
-    if _reads_carried(carried, i):
-        assert carried is not None
-        # A read on its message's first delivery: its record is taken to be absent, and its
-        # first write (its outcome, or a claim) is a create, which fails if the call has a
-        # record (a close of the turn, another delivery): nothing is then published or acked,
-        # and the message's next delivery reads. Only reads: a write is made only once its
-        # turn is read still running, so a cancel is never seen late before a write. The
-        # session (its approval overrides) was read just now, for every call of the message.
-        turn_v: Versioned[TurnRecord] | None = Versioned(carried.turn, carried.turn_revision)
-        rec_v: Versioned[CallRecord] | None = None
-        session_v: Versioned[SessionRecord] | None = Versioned(
-            carried.session, carried.session_revision
-        )
-    else:
-        turn_v, rec_v, session_v = await rt.state.step_view(sid, tid, ckey)
+    turn_v, rec_v, session_v = await rt.state.step_view(sid, tid, ckey)
     if turn_v is None:
         raise DeadLetter(f"{step.kind.value} for turn {tid} of session {sid}, which has no record")
     turn = turn_v.value
@@ -234,16 +214,14 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
         )
     slots = d.rt.call_slots
 
-    carried = await _with_session_now(d, trusted_carry(d, step.carried))
-
     async def one(part: Delivery, i: int) -> None:
-        own = step.model_copy(update={"call_index": i, "calls": None, "carried": None})
+        own = step.model_copy(update={"call_index": i, "calls": None})
         try:
             if slots is None:
-                await on_call(part, own, carried)
+                await on_call(part, own)
                 return
             async with slots:  # the tool pool's concurrency counts calls, not messages
-                await on_call(part, own, carried)
+                await on_call(part, own)
         finally:
             part.end_part()
 
@@ -272,35 +250,6 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
 def _delivered_before(d: Delivery) -> bool:
     """A redelivery, or the copy a rescuer published of a message a dead process held."""
     return not d.first_sight
-
-
-async def _with_session_now(d: Delivery, carried: Carried | None) -> Carried | None:
-    """``carried`` with the session as it is now, read once for every call of the message:
-    the approval policy (the session's overrides) is read when a call is routed, and may
-    have changed since the model step read it. None: nothing carried, or no read-only call
-    to start from it (every call then reads its turn and session with its own record)."""
-    if carried is None or not any(
-        _reads_carried(carried, i) for i in range(len(carried.turn.calls))
-    ):
-        return None
-    now = await d.rt.state.session(carried.turn.session_id)
-    if now is None:
-        return None
-    return carried.model_copy(update={"session": now.value, "session_revision": now.revision})
-
-
-def _reads_carried(carried: Carried | None, i: int) -> bool:
-    """Call ``i`` starts from ``carried`` instead of reading: a read-only call of a turn the
-    message carries at this step."""
-    if carried is None:
-        return False
-    turn = carried.turn
-    return (
-        i < len(turn.calls)
-        and turn.calls[i].effect == Effect.READ
-        and turn.phase == TurnPhase.CALLS
-        and not turn.status.terminal
-    )
 
 
 # What a call that may have started something at a vendor is told when it cannot be followed.

@@ -1,21 +1,20 @@
 """Records a step message carries for its step, sealed so that only a worker could have made
 them.
 
-A step publishing the next one knows the turn and session records that step would read
-first: it just wrote or read them. The next step's message carries them (``schemas.Carried``),
-with their revisions, so a first delivery starts without reading them back. They are a hint:
-a ``run_model`` step's first write is a CAS from the carried turn revision (a turn written
-since fails it, and the step reads), and a ``call_tools`` message's read-only calls commit
-their outcomes as creates (a call settled since fails it, and the message is handed to a
-delivery that reads).
+A step publishing a model step knows the turn and session records that step would read
+first: it just wrote or read them. The ``run_model`` message carries them
+(``schemas.Carried``), with their revisions, so a first delivery starts without reading them
+back. They are a hint: the model step's first write is a CAS from the carried turn revision
+(a turn written since fails it, and the step reads).
 
 A step message may be published by anyone allowed ``jl.step.>``, which the seal key does not
 protect. So the carried records are sealed as a record in ``jl_state`` is, under the key
 ``carried.<session>.<turn>``, bound to the turn revision they describe and to the time they
 were sealed (within the seal's tolerance of the time the server stored the message). A
 message whose carried records do not verify is read as if it carried none: forging one can
-make a step read, never make it act on records no worker wrote. A carry sealed for an earlier
-revision of the turn is one the CAS (or the create) rejects.
+make a step read, never make it act on records no worker wrote (a forged turn at the turn's
+current revision would pass the CAS, and be written back sealed, as the worker's own). A
+carry sealed for an earlier revision of the turn is one the CAS rejects.
 """
 
 from __future__ import annotations

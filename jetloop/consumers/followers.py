@@ -60,16 +60,14 @@ class Followers:
         await bus.publish(self.steps)
 
 
-# A ``run_model`` or ``call_tools`` message carries its turn's and session's records only
-# while it stays this small: a step message is stored and delivered whole, and a large turn
-# (long arguments, a long answer kept inline) is read once rather than copied into every
-# message.
+# A ``run_model`` message carries its turn's and session's records only while it stays this
+# small: a step message is stored and delivered whole, and a large turn (long arguments, a
+# long answer kept inline) is read once rather than copied into every message.
 CARRY_MOST_BYTES = 8 * 1024
 
 
-def carrying_out(step: StepMessage, carried: Carried | None) -> Outgoing:
-    """A step that reads its turn and session first, carrying ``carried`` (sealed:
-    ``jetloop.consumers.carry``) when it keeps the message small."""
+def model_step_out(step: StepMessage, carried: Carried | None) -> Outgoing:
+    """A ``run_model`` step, carrying ``carried`` when it keeps the message small."""
     if carried is not None:
         out = step_out(step.model_copy(update={"carried": carried}))
         if len(out.body) <= CARRY_MOST_BYTES:
@@ -106,7 +104,7 @@ def turn_start(turn: TurnRecord, carried: Carried | None = None) -> Followers:
     # RunModel 0 restores the user's entry from the turn record if it is not in yet.
     return Followers(
         [history_out(turn.session_id, user), event_out(started)],
-        [carrying_out(first, carried)],
+        [model_step_out(first, carried)],
         True,
     )
 
@@ -122,11 +120,10 @@ def _assistant_entry(turn: TurnRecord) -> HistoryEntry:
     )
 
 
-def answer(turn: TurnRecord, in_one_message: bool, carried: Carried | None = None) -> Followers:
+def answer(turn: TurnRecord, in_one_message: bool) -> Followers:
     """A model step answered with calls: record the answer, then run every call, in one
     ``call_tools`` message when ``in_one_message`` (every live worker runs that kind) and the
-    step asked for at most ``CALLS_PER_MESSAGE`` (carrying ``carried``, the turn as the
-    answer wrote it), else a message per call."""
+    step asked for at most ``CALLS_PER_MESSAGE``, else a message per call."""
     n = turn.model_step
     answered = Event.of(
         ModelAnsweredData(
@@ -143,31 +140,29 @@ def answer(turn: TurnRecord, in_one_message: bool, carried: Carried | None = Non
         turn_id=turn.turn_id,
     )
 
-    def step(
-        kind: StepKind, calls: int | None = None, call_index: int | None = None
-    ) -> StepMessage:
-        return StepMessage(
-            kind=kind,
-            agent=turn.agent,
-            session_id=turn.session_id,
-            turn_id=turn.turn_id,
-            model_step=n,
-            calls=calls,
-            call_index=call_index,
+    def step(kind: StepKind, calls: int | None = None, call_index: int | None = None) -> Outgoing:
+        return step_out(
+            StepMessage(
+                kind=kind,
+                agent=turn.agent,
+                session_id=turn.session_id,
+                turn_id=turn.turn_id,
+                model_step=n,
+                calls=calls,
+                call_index=call_index,
+            )
         )
 
     if in_one_message and len(turn.calls) <= CALLS_PER_MESSAGE:
         # One message for every call (``call_tools``): one publish, one delivery, one ack.
-        steps = [carrying_out(step(StepKind.CALL_TOOLS, calls=len(turn.calls)), carried)]
+        steps = [step(StepKind.CALL_TOOLS, calls=len(turn.calls))]
     else:
         steps = [
-            step_out(
-                step(
-                    StepKind.CALL_SINGLE_ATTEMPT_TOOL
-                    if c.effect == "non_idempotent_write"
-                    else StepKind.CALL_TOOL,
-                    call_index=c.index,
-                )
+            step(
+                StepKind.CALL_SINGLE_ATTEMPT_TOOL
+                if c.effect == "non_idempotent_write"
+                else StepKind.CALL_TOOL,
+                call_index=c.index,
             )
             for c in turn.calls
         ]
@@ -316,7 +311,7 @@ def joined(
         model_step=turn.model_step,
     )
     # RunModel n+1 restores the results from the call records if they are not in yet.
-    return Followers(records, [carrying_out(step, carried)], True)
+    return Followers(records, [model_step_out(step, carried)], True)
 
 
 def expected_history(turn: TurnRecord) -> list[str]:

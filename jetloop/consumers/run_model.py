@@ -22,7 +22,7 @@ from jetloop.agents.adapters import MalformedToolCall
 from jetloop.agents.mcp import MCPUnreachable
 from jetloop.consumers import flow, metrics
 from jetloop.consumers.budgets import over_budget
-from jetloop.consumers.carry import carry, trusted_carry
+from jetloop.consumers.carry import trusted_carry
 from jetloop.consumers.compact import compact_first, compaction_needed, estimate
 from jetloop.consumers.conversation import conversation
 from jetloop.consumers.errors import DeadLetter, RetryLater, StaleCarry, TakenOver
@@ -277,16 +277,13 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
         await admission.close()
     committed = await _plan(rt, tools, claimed, response, spent)
     await rt.faults.point("run_model.before_commit")
-    rev = await d.commit(committed)
+    await d.commit(committed)
     log.debug("model.answered", calls=len(committed.calls), status=committed.status.value)
     await rt.faults.point("run_model.after_commit")
     if committed.status == TurnStatus.COMPLETED:
         await end_turn(rt, committed, session)
-        return
-    calls_carry = None
-    if session is not None:
-        calls_carry = carry(rt.state.sealer, committed, rev, session.value, session.revision)
-    await answer(committed, rt.calls_in_one_message, calls_carry).publish(rt.bus)
+    else:
+        await answer(committed, rt.calls_in_one_message).publish(rt.bus)
 
 
 ATTEMPT = "attempt"

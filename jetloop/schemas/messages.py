@@ -48,13 +48,11 @@ class TurnRequest(BaseModel):
 
 
 class Carried(BaseModel):
-    """A turn's and its session's records as the step that publishes a ``run_model`` or a
-    ``call_tools`` step wrote or read them, with their revisions: what that step would read
-    first.
+    """A turn's and its session's records as the step that publishes a ``run_model`` step
+    wrote or read them, with their revisions: what that step would read first.
 
-    Only a hint: a ``run_model`` step's first write is a CAS from ``turn_revision``, so a
-    turn written since fails it, and the step then starts again from what it reads
-    (``StaleCarry``); a ``call_tools`` message's read-only calls commit as creates.
+    Only a hint: the step's first write is a CAS from ``turn_revision``, so a turn written
+    since fails it, and the step then starts again from what it reads (``StaleCarry``).
     ``seal``: made by the worker that carried them, as a state record's, for the key
     ``carried.<session>.<turn>`` over ``turn_revision`` (``jetloop.consumers.carry``); a
     carry that does not verify is not used."""
@@ -83,8 +81,8 @@ class StepMessage(BaseModel):
     # Tells apart two messages of one step that are both needed (e.g. RunModel after a
     # compaction); part of the step key, so it comes from identity too.
     wake: str | None = None
-    # ``run_model``, ``call_tools``: the records the step would read first, when they are
-    # small (``Carried``; not part of the step key).
+    # ``run_model``: the records the step would read first, when they are small
+    # (``Carried``; not part of the step key).
     carried: Carried | None = None
 
     @field_validator("kind", mode="before")

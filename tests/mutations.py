@@ -527,6 +527,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "step messages gives a model step a turn of their own, which its claim writes back sealed",
         ("tests/test_step_reads.py::test_a_forged_carry_is_not_used",),
     ),
+    Mutation(
+        "first-sight-by-count-alone",
+        "jetloop/consumers/runtime.py",
+        "        return self.rt.stored_since_link(self.msg.metadata.timestamp.timestamp())\n",
+        "        return True\n",
+        "a message a restarted server delivers again counted as a first delivery is taken for "
+        "one: a read a delivery before it made is made again unclaimed, one attempt for two",
+        (
+            "tests/test_step_reads.py::test_a_message_stored_before_the_link_is_not_a_first_delivery",
+        ),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

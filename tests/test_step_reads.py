@@ -13,6 +13,7 @@ from pathlib import Path
 from nats.aio.msg import Msg
 
 from jetloop.consumers.carry import carry
+from jetloop.consumers.followers import answer
 from jetloop.demo.vendor import Vendor
 from jetloop.schemas import StepKind, StepMessage, TurnStatus
 from jetloop.services.client import Client
@@ -142,3 +143,33 @@ async def test_a_policy_set_while_the_model_step_ran_gates_a_carried_read(
     approval = await pending_approval(client, "sr5")
     await client.approve("sr5", approval)
     assert (await client.wait(h, timeout=30)).status == TurnStatus.COMPLETED
+
+
+async def test_a_message_stored_before_the_link_is_not_a_first_delivery(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A nats-server restarted on its store may deliver again, counted as a first delivery, a
+    message it delivered (even acked) before. A worker tells such a message by its stored time:
+    before the worker's link to the server opened. Here the message of a turn's calls is
+    stored while no worker runs (its model step's worker died after its commit), then a
+    worker starts: its count says 1, but the read-only call is made as after a redelivery,
+    claimed (a read made unclaimed by a delivery before, and again by this one, would count
+    one attempt for two)."""
+    victim = workers.start("victim", hold="run_model.after_commit")
+    h = await client.send("tester", "sr6", script([call("read", name="r")]))
+    await victim.wait_for("fault.hold", point="run_model.after_commit")
+    victim.kill()
+    cur = await client.turn("sr6", h.turn_id)
+    assert cur is not None
+    # What the victim would have published after its commit: the answer, then the calls.
+    followers = answer(cur, in_one_message=True)
+    for out in [*followers.records, *followers.steps]:
+        await client.js.publish(out.subject, out.body, headers=out.headers)
+    survivor = workers.start("survivor")
+    assert (await client.wait(h, timeout=30)).status == TurnStatus.COMPLETED
+    [again] = survivor.find("call.read_delivered_again")
+    assert again["delivery"] == 1 and again["kind"] == "call_tools"
+    # Claimed as after a delivery that may have made it: counted for it too.
+    rec = await client.call("sr6", h.turn_id, 0, 0)
+    assert rec is not None and rec.attempts == 2
+    assert sum((await vendor.request_counts("read")).values()) == 1

@@ -112,7 +112,7 @@ def _elected(calls: list[Versioned[CallRecord] | None], own: int) -> bool:
 
 
 async def on_join(d: Delivery, step: StepMessage) -> None:
-    await join_calls(d, step.session_id, step.turn_id, step.model_step, d.num_delivered == 1)
+    await join_calls(d, step.session_id, step.turn_id, step.model_step, d.first_sight)
 
 
 async def join_calls(

@@ -11,6 +11,7 @@ heartbeat that finds the fence lost cancels the paid work in flight (``cancelled
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,6 +34,7 @@ from jetloop.consumers.tracing import Tracing
 from jetloop.schemas import Attempt, CallRecord
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import H_HOLDER_LOST, Bus
+from jetloop.streams.connection import linked_for
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.holds import Holds
 from jetloop.streams.loops import running_loop
@@ -102,10 +104,32 @@ class Runtime:
             str(model)
         )
 
+    def stored_since_link(self, stored_at: float) -> bool:
+        """Whether the server stored a message at ``stored_at`` (its clock) after this
+        process's current link to it opened, by more than ``LINK_MARGIN`` and the
+        measurement's error (on the server's clock, as this process last measured its own
+        against it; unmeasured, taken as equal)."""
+        up = linked_for(self.nc)
+        if up == 0.0:
+            return False  # no link now: nothing can be told
+        if math.isinf(up):
+            return True  # a client whose links are not followed (tests' plain clients)
+        guard = self.state.sealer.guard if self.state.sealer is not None else None
+        reading = guard.reading if guard is not None else None
+        offset, error = (reading.now(), reading.error) if reading is not None else (0.0, 0.0)
+        opened = time.time() - up - offset
+        return stored_at > opened + error + LINK_MARGIN
+
     def new_attempt(self, no: int) -> Attempt:
         return Attempt(
             no=no, worker=self.worker_id, started_at=time.time(), incarnation=self.incarnation
         )
+
+
+# How long after this process's link to the server (re)opened a message must have been stored
+# to be taken for a first delivery on its count (``Delivery.first_sight``), beyond the error of
+# the measured offset between the two clocks: the server's stamp and the clocks' drift since.
+LINK_MARGIN = 0.02
 
 
 class Delivery:
@@ -149,9 +173,15 @@ class Delivery:
 
     @property
     def first_sight(self) -> bool:
-        """The message's first delivery, not a rescuer's copy of one a dead process held:
-        what it carries was current when it was published, and is likely current still."""
-        return self.num_delivered == 1 and H_HOLDER_LOST not in (self.msg.headers or {})
+        """The message's first delivery: its count says 1, it is not a rescuer's copy of one
+        a dead process held, and it was stored after this process's link to the server
+        (re)opened. A nats-server restarted on its store may deliver again, as delivery 1, a
+        message it delivered (even one acked) before the restart: its consumer state had not
+        reached disk; such a message was stored before the link the restart made. What a
+        first delivery carries was current when it was published, and likely is still."""
+        if self.num_delivered != 1 or H_HOLDER_LOST in (self.msg.headers or {}):
+            return False
+        return self.rt.stored_since_link(self.msg.metadata.timestamp.timestamp())
 
     async def claim(
         self, key: str, value: BaseModel, revision: int | None, carried: bool = False

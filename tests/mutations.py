@@ -398,7 +398,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "read-delivered-again-unclaimed",
         "jetloop/consumers/call_tool.py",
-        "    if unclaimed and _delivered_before(env.d):\n",
+        "    if unclaimed and not env.d.first_sight:\n",
         "    if False:\n",
         "a read delivered again runs unclaimed too: a lost read attempt is never counted, so a "
         "read that kills its worker every time is made for ever",

@@ -2,8 +2,10 @@
 (as the step that published it wrote or read them), and a ``call_tools`` message that holds
 every call of its step joins from what its calls know, without reading their records back.
 The carried records are a hint the model step's claim checks (a CAS from their revision): a
-turn written since is read again, and the step goes on from what it reads. Real nats-server,
-real worker processes."""
+turn written since is read again, and the step goes on from what it reads; they are sealed, and
+a forged carry is read as none. A "first" delivery is one stored after the worker's link
+opened (a restarted server may count a redelivery 1). Real nats-server, real worker
+processes."""
 
 from __future__ import annotations
 
@@ -128,7 +130,7 @@ async def test_a_forged_carry_is_not_used(
     assert len(w.find("step.carry_refused")) == 1
 
 
-async def test_a_policy_set_while_the_model_step_ran_gates_a_carried_read(
+async def test_a_policy_set_while_the_model_step_ran_gates_its_read(
     client: Client, workers: WorkerFactory, tmp_path: Path
 ) -> None:
     """The approval policy is read when a call is routed: a session override set after the

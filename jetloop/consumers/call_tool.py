@@ -247,11 +247,6 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
         raise min(waits, key=lambda e: e.delay)  # handed back once, for the call due first
 
 
-def _delivered_before(d: Delivery) -> bool:
-    """A redelivery, or the copy a rescuer published of a message a dead process held."""
-    return not d.first_sight
-
-
 # What a call that may have started something at a vendor is told when it cannot be followed.
 TASK_NOT_POLLED = "the task it started may still be running, and cannot be polled"
 CHILD_NOT_AWAITED = "the sub-agent it asked may still be answering, and is not awaited"
@@ -309,8 +304,9 @@ async def run(env: CallEnv) -> None:
             return
 
     unclaimed = effect == Effect.READ and tool.kind == ToolKind.CALL and env.rev is None
-    if unclaimed and _delivered_before(env.d):
-        # Delivered before (or a rescuer's copy), with nothing in state: that delivery may
+    if unclaimed and not env.d.first_sight:
+        # Delivered before (or a rescuer's copy, or stored before this process's link opened:
+        # a restarted server's redelivery counted 1), with nothing in state: that delivery may
         # have made the read unclaimed and died. Counted as an attempt (a read has at most
         # ``max_attempts``, lost ones included); this one claims, so losing it is seen and
         # charged like any claimed attempt's loss.

@@ -2,11 +2,16 @@
 
 A worker that fetches step or turn messages lists them — stream and sequence, nothing else —
 under ``held.<incarnation>`` in ``jl_workers``. The list is published without waiting for an
-answer (a core publish into the bucket's stream: no round trip on the step's path) each time
-the worker fetches, and again with each presence refresh, so the bucket's TTL keeps it only
-while the process lives. Changes made in the same pass of the event loop (under load, several
-fetches at once) go out as one list (``Holds.sent``). A message the worker settles (ack, nak,
-term) leaves the list at once but is not published on its own: the next list leaves it out.
+answer (a core publish into the bucket's stream: no round trip on the step's path) when the
+worker fetches, and again with each presence refresh, so the bucket's TTL keeps it only
+while the process lives. Lists go out at most every ``LIST_SPACING`` (25 ms): a fetch after
+a quiet spell is listed at once (changes made in the same pass of the event loop share that
+list), a fetch soon after a list waits for the next one, which names what is held then
+(``Holds.sent``). Under load that is one list per 25 ms instead of one per fetch (≈ 1.5 per
+7-step turn at 50 turns in flight, each a stored write naming every held message); the
+price is that a process killed within 25 ms of such a fetch leaves those messages to their
+leases. A message the worker settles (ack, nak, term) leaves the list at once but is not
+published on its own: the next list leaves it out.
 So a list names what the process held when it was sent, and maybe steps it settled since:
 a rescuer that copies one of those finds in state that it is done (``JL_STEPS`` keeps acked
 messages; a copy of a settled step does what its redelivery would, nothing twice), and one
@@ -41,6 +46,10 @@ from nats.js.errors import NotFoundError
 from jetloop.streams.loops import running_loop
 from jetloop.streams.topology import WORKERS_BUCKET, held_key
 
+# The least time between two lists of one process: under load, fetches every few
+# milliseconds share a list instead of each writing one.
+LIST_SPACING = 0.025
+
 
 @dataclass
 class Holds:
@@ -53,6 +62,8 @@ class Holds:
     _held: dict[tuple[str, int], str] = field(default_factory=dict)
     drained: bool = False  # its drain ran out: what it still holds is being cancelled
     _sending: asyncio.Future[None] | None = field(default=None, repr=False)
+    _deferred: bool = field(default=False, repr=False)  # the next list waits out the spacing
+    _last_sent: float = field(default=float("-inf"), repr=False)  # loop time of the last list
 
     def add(self, msg: Msg) -> None:
         held = (msg.metadata.stream, msg.metadata.sequence.stream)
@@ -62,20 +73,29 @@ class Holds:
         self._held.pop((msg.metadata.stream, msg.metadata.sequence.stream), None)
 
     async def sent(self) -> None:
-        """Return once a list made after this call has gone out (never raises).
+        """Return once a list made after this call has gone out, or is due (never raises).
 
         Changes made in the same pass of the event loop share one list: the first schedules
-        its publish for the next pass, the others wait for that one. Under load many fetches
-        come at once, and each list is a stream write naming every held message; alone, a
-        fetch waits one pass more. A lost list only means a rescuer copies a settled step
-        (state decides) or a dead process's step waits for its lease."""
+        its publish, the others wait for that one. The publish is for the next pass if the
+        last list went out ``LIST_SPACING`` ago or more; else it is for the end of the
+        spacing, and this returns at once (the fetched steps start meanwhile, and one that
+        settles before then is not named at all). A lost list only means a rescuer copies a
+        settled step (state decides) or a dead process's step waits for its lease."""
         sending = self._sending
         if sending is None:
-            sending = self._sending = asyncio.ensure_future(self._send(), loop=running_loop())
+            loop = running_loop()
+            delay = self._last_sent + LIST_SPACING - loop.time()
+            self._deferred = delay > 0
+            sending = self._sending = asyncio.ensure_future(self._send(delay), loop=loop)
+        if self._deferred:
+            return
         await asyncio.shield(sending)
 
-    async def _send(self) -> None:
+    async def _send(self, delay: float) -> None:
+        if delay > 0:
+            await asyncio.sleep(delay)
         self._sending = None  # what changes from here on needs a list of its own
+        self._last_sent = running_loop().time()
         try:
             await self.publish()
         except Exception:

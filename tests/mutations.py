@@ -191,7 +191,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "jetloop/consumers/join.py",
         "        results = _results(calls)\n"
         "        if results is not None:\n"
-        "            await joined(turn, results).publish(rt.bus)\n"
+        "            await joined(turn, results, folded=rt.folded_log).publish(rt.bus)\n"
         "        return\n",
         "        return\n",
         "a join redelivered after its worker moved the turn and died does not publish what follows",
@@ -209,7 +209,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no-re-emit-on-redelivery",
         "jetloop/consumers/run_model.py",
         "    if turn.model_step == n and turn.phase == TurnPhase.CALLS:\n"
-        "        await answer(turn, rt.calls_in_one_message).publish(rt.bus)\n"
+        "        await answer(turn, rt.calls_in_one_message, folded=rt.folded_log).publish("
+        "rt.bus)\n"
         "        return\n",
         "    if turn.model_step == n and turn.phase == TurnPhase.CALLS:\n        return\n",
         "a redelivered model step whose answer is committed does not re-emit its calls",
@@ -221,7 +222,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if current or turn.model_step == n + 1:\n"
         "            await outcome_told_and_joined(d, turn, rec_v.value, n, i, first=False)\n"
         "        else:\n"
-        "            await call_done(turn, rec_v.value).publish(rt.bus)\n",
+        "            await call_done(turn, rec_v.value, folded=rt.folded_log).publish(rt.bus)\n",
         "        if current:\n"
         "            await outcome_told_and_joined(d, turn, rec_v.value, n, i, first=False)\n",
         "a redelivered call whose outcome is committed re-emits nothing once the turn moved on",
@@ -469,8 +470,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "calls-of-one-message-unbounded",
         "jetloop/consumers/call_tool.py",
-        "        if slots is None:\n",
-        "        if True:\n",
+        "    slotted = await slots.take(count) if slots is not None else 0\n",
+        "    slotted = count if slots is not None else 0\n",
         "the calls of one message run all at once, past the tool pool's concurrency",
         (
             "tests/test_call_tools.py::test_the_tool_pools_concurrency_counts_the_calls_of_one_message",

@@ -210,7 +210,12 @@ async def test_roles_below_worker_cannot_stop_starve_or_blind_up(up: Up) -> None
             return cb
 
         allowed = {
-            client: ("_INBOX_client.>", "jl.live.>", "jl.event.*.turn.*"),
+            client: (
+                "_INBOX_client.>",
+                "jl.live.>",
+                "jl.event.*.turn.*",
+                "jl.event.*.history.assistant",
+            ),
             operator: ("_INBOX_operator.>",),
         }
         for r, subjects in allowed.items():

@@ -164,7 +164,7 @@ async def test_a_message_stored_before_the_link_is_not_a_first_delivery(
     cur = await client.turn("sr6", h.turn_id)
     assert cur is not None
     # What the victim would have published after its commit: the answer, then the calls.
-    followers = answer(cur, in_one_message=True)
+    followers = answer(cur, in_one_message=True, folded=False)
     for out in [*followers.records, *followers.steps]:
         await client.js.publish(out.subject, out.body, headers=out.headers)
     survivor = workers.start("survivor")

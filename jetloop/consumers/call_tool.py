@@ -98,7 +98,7 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
         if current or turn.model_step == n + 1:
             await outcome_told_and_joined(d, turn, rec_v.value, n, i, first=False)
         else:
-            await call_done(turn, rec_v.value).publish(rt.bus)
+            await call_done(turn, rec_v.value, folded=rt.folded_log).publish(rt.bus)
         return
     if not current:
         # The turn moved on, ended or was cancelled: nothing to make.
@@ -213,25 +213,41 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
             f"{step.kind.value} step with {count} calls (1 to {CALLS_PER_MESSAGE} are sent)"
         )
     slots = d.rt.call_slots
+    # The tool pool's concurrency counts calls, not messages: the calls take their slots
+    # together, so they start (and read) together (``jetloop.consumers.slots``); each gives
+    # its own back when it ends.
+    given_back = [False] * count
+
+    def give_back(i: int) -> None:
+        if slots is not None and not given_back[i]:
+            given_back[i] = True
+            slots.release()
 
     async def one(part: Delivery, i: int) -> None:
         own = step.model_copy(update={"call_index": i, "calls": None})
         try:
-            if slots is None:
-                await on_call(part, own)
-                return
-            async with slots:  # the tool pool's concurrency counts calls, not messages
-                await on_call(part, own)
+            if slots is not None and i >= slotted:
+                given_back[i] = True  # not taken yet
+                await slots.one()  # a message of more calls than the pool has slots
+                given_back[i] = False
+            await on_call(part, own)
         finally:
+            give_back(i)
             part.end_part()
 
     parts = [d.part() for _ in range(count)]
     known = StepCalls(parts)
     for part in parts:
         part.together = known
-    got = await asyncio.gather(
-        *(one(part, i) for i, part in enumerate(parts)), return_exceptions=True
-    )
+    slotted = await slots.take(count) if slots is not None else 0
+    given_back[slotted:] = [True] * (count - slotted)
+    try:
+        got = await asyncio.gather(
+            *(one(part, i) for i, part in enumerate(parts)), return_exceptions=True
+        )
+    finally:
+        for i in range(count):
+            give_back(i)  # (the slot of a call that never started)
     errors = [e for e in got if isinstance(e, BaseException)]
     lost = next((p for p in parts if p.lost), None)
     taken = next((e for e in errors if isinstance(e, TakenOver)), None)

@@ -17,6 +17,7 @@ from jetloop.schemas import (
     Event,
     HistoryEntry,
     HistoryRole,
+    PlannedCall,
     StepKind,
     StepMessage,
     ToolStatus,
@@ -27,6 +28,7 @@ from jetloop.schemas.events import (
     AnsweredCall,
     CallOutcomeData,
     ModelAnsweredData,
+    TurnAcceptedData,
     TurnCancelledData,
     TurnCompletedData,
     TurnFailedData,
@@ -79,20 +81,41 @@ def _base(turn: TurnRecord) -> str:
     return f"{turn.session_id}.{turn.turn_id}"
 
 
-def turn_start(turn: TurnRecord, carried: Carried | None = None) -> Followers:
+def accepted_event(turn: TurnRecord, queued: bool) -> Event:
+    """``turn.accepted``: the turn's request is in its session, to run now or after others."""
+    return Event.of(
+        TurnAcceptedData(request_id=turn.request_id, queued=queued),
+        key=f"{_base(turn)}.accepted",
+        session_id=turn.session_id,
+        turn_id=turn.turn_id,
+    )
+
+
+def turn_start(
+    turn: TurnRecord,
+    carried: Carried | None = None,
+    *,
+    folded: bool,
+    accepted: Event | None = None,
+) -> Followers:
+    """The turn starts: the user's entry, ``turn.started`` (and ``accepted``, its request
+    accepted just now, when given) and the first model step. ``folded``: the events ride in
+    the user's entry (``jetloop.schemas.log``)."""
     base = _base(turn)
+    started = Event.of(
+        TurnStartedData(request_id=turn.request_id, agent=turn.agent),
+        key=f"{base}.started",
+        session_id=turn.session_id,
+        turn_id=turn.turn_id,
+    )
+    told = [started] if accepted is None else [accepted, started]
     user = HistoryEntry(
         key=f"{base}.user",
         role=HistoryRole.USER,
         turn_id=turn.turn_id,
         text=turn.text if turn.text_ref is None else None,
         text_ref=turn.text_ref,
-    )
-    started = Event.of(
-        TurnStartedData(request_id=turn.request_id, agent=turn.agent),
-        key=f"{base}.started",
-        session_id=turn.session_id,
-        turn_id=turn.turn_id,
+        events=told if folded else [],
     )
     first = StepMessage(
         kind=StepKind.RUN_MODEL,
@@ -101,15 +124,16 @@ def turn_start(turn: TurnRecord, carried: Carried | None = None) -> Followers:
         turn_id=turn.turn_id,
         model_step=0,
     )
+    records = [history_out(turn.session_id, user)]
+    if not folded:
+        records = [*(event_out(e) for e in told if e is accepted), *records]
+        records.append(event_out(started))
     # RunModel 0 restores the user's entry from the turn record if it is not in yet.
-    return Followers(
-        [history_out(turn.session_id, user), event_out(started)],
-        [model_step_out(first, carried)],
-        True,
-    )
+    return Followers(records, [model_step_out(first, carried)], True)
 
 
-def _assistant_entry(turn: TurnRecord) -> HistoryEntry:
+def _assistant_entry(turn: TurnRecord, told: Event | None = None) -> HistoryEntry:
+    """The model's answer; ``told``: the event the entry carries (the folded log)."""
     return HistoryEntry(
         key=f"{_base(turn)}.m{turn.model_step}.assistant",
         role=HistoryRole.ASSISTANT,
@@ -117,13 +141,15 @@ def _assistant_entry(turn: TurnRecord) -> HistoryEntry:
         text=turn.answer_text,
         text_ref=turn.answer_ref,
         calls=turn.calls if turn.phase == "calls" else [],
+        events=[told] if told is not None else [],
     )
 
 
-def answer(turn: TurnRecord, in_one_message: bool) -> Followers:
+def answer(turn: TurnRecord, in_one_message: bool, *, folded: bool) -> Followers:
     """A model step answered with calls: record the answer, then run every call, in one
     ``call_tools`` message when ``in_one_message`` (every live worker runs that kind) and the
-    step asked for at most ``CALLS_PER_MESSAGE``, else a message per call."""
+    step asked for at most ``CALLS_PER_MESSAGE``, else a message per call. ``folded``:
+    ``model.answered`` rides in the assistant's entry."""
     n = turn.model_step
     answered = Event.of(
         ModelAnsweredData(
@@ -166,18 +192,21 @@ def answer(turn: TurnRecord, in_one_message: bool) -> Followers:
             )
             for c in turn.calls
         ]
+    if folded:
+        return Followers([history_out(turn.session_id, _assistant_entry(turn, answered))], steps)
     return Followers(
         [history_out(turn.session_id, _assistant_entry(turn)), event_out(answered)], steps
     )
 
 
-def finished(turn: TurnRecord) -> Followers:
+def finished(turn: TurnRecord, *, folded: bool) -> Followers:
     """A turn ended (completed or failed): its last words, its event, and the wake of a
-    delegating parent. (The session moves on in the same step: ``session.end_turn``.)"""
+    delegating parent. (The session moves on in the same step: ``session.end_turn``.)
+    ``folded``: ``turn.completed`` rides in the last answer's entry."""
     base = _base(turn)
     records: list[Outgoing] = []
+    ev: Event | None
     if turn.status == TurnStatus.COMPLETED:
-        records.append(history_out(turn.session_id, _assistant_entry(turn)))
         ev = Event.of(
             TurnCompletedData(
                 request_id=turn.request_id,
@@ -190,6 +219,9 @@ def finished(turn: TurnRecord) -> Followers:
             session_id=turn.session_id,
             turn_id=turn.turn_id,
         )
+        records.append(history_out(turn.session_id, _assistant_entry(turn, ev if folded else None)))
+        if folded:
+            ev = None
     elif turn.status == TurnStatus.CANCELLED:
         ev = Event.of(
             TurnCancelledData(request_id=turn.request_id, by=turn.cancelled_by),
@@ -206,7 +238,8 @@ def finished(turn: TurnRecord) -> Followers:
         )
         if turn.tool_calls_made or is_budget(turn.error):
             records.append(history_out(turn.session_id, failed_turn_note(turn)))
-    records.append(event_out(ev))
+    if ev is not None:
+        records.append(event_out(ev))
     steps = []
     if turn.parent is not None:
         # A delegated child turn: its end wakes the parent's call, which reads the answer.
@@ -226,9 +259,11 @@ def finished(turn: TurnRecord) -> Followers:
     return Followers(records, steps)
 
 
-def call_done(turn: TurnRecord, rec: CallRecord) -> Followers:
-    """A call has its outcome: tell the log. (The step that committed it then joins the
-    turn itself, ``jetloop.consumers.join.join_calls``: no message of its own.)"""
+def call_done(turn: TurnRecord, rec: CallRecord, *, folded: bool) -> Followers:
+    """A call has its outcome: tell the log (``folded``: the call's result entry, carrying
+    ``call.outcome``; the separate log publishes the entries when the join moves the turn).
+    The step that committed it then joins the turn itself
+    (``jetloop.consumers.join.join_calls``: no message of its own)."""
     assert rec.outcome is not None
     ev = Event.of(
         CallOutcomeData(
@@ -244,7 +279,31 @@ def call_done(turn: TurnRecord, rec: CallRecord) -> Followers:
         session_id=turn.session_id,
         turn_id=turn.turn_id,
     )
+    if folded:
+        return Followers([history_out(turn.session_id, result_entry(rec, ev))])
     return Followers([event_out(ev)])
+
+
+def result_entry(
+    rec: CallRecord, told: Event | None = None, call: PlannedCall | None = None
+) -> HistoryEntry:
+    """A call's result for the conversation: from the call as planned when given, else from
+    its record alone (its key names the turn, the model step and the call, and the call id
+    is derived from them). ``told``: the ``call.outcome`` it carries (the folded log)."""
+    assert rec.outcome is not None
+    _, tid, n, i = rec.key.rsplit(".", 3)
+    return HistoryEntry(
+        key=f"{rec.key.rsplit('.', 2)[0]}.m{n}.c{i}.result",
+        role=HistoryRole.TOOL,
+        turn_id=tid,
+        call_id=call.call_id if call is not None else f"{tid}-{n}-{i}",
+        tool=call.tool if call is not None else rec.tool,
+        status=TOOL_STATUS[rec.state],
+        result=rec.outcome.result,
+        result_ref=rec.outcome.result_ref,
+        text=rec.outcome.error,
+        events=[told] if told is not None else [],
+    )
 
 
 TOOL_STATUS = {
@@ -284,25 +343,16 @@ def note(session_id: str, turn_id: str, key: str, text: str) -> Outgoing:
 
 
 def joined(
-    turn: TurnRecord, results: list[CallRecord], carried: Carried | None = None
+    turn: TurnRecord, results: list[CallRecord], carried: Carried | None = None, *, folded: bool
 ) -> Followers:
-    """Every call of step n has its outcome and the turn is at step n+1: results, then model."""
-    n = turn.model_step - 1
+    """Every call of step n has its outcome and the turn is at step n+1: results, then model.
+    (``folded``: each result went out with its outcome, ``call_done``: the model alone.)"""
     records = []
-    for call, rec in zip(turn.calls, results, strict=True):
-        assert rec.outcome is not None
-        entry = HistoryEntry(
-            key=f"{_base(turn)}.m{n}.c{call.index}.result",
-            role=HistoryRole.TOOL,
-            turn_id=turn.turn_id,
-            call_id=call.call_id,
-            tool=call.tool,
-            status=TOOL_STATUS[rec.state],
-            result=rec.outcome.result,
-            result_ref=rec.outcome.result_ref,
-            text=rec.outcome.error,
-        )
-        records.append(history_out(turn.session_id, entry))
+    if not folded:
+        records = [
+            history_out(turn.session_id, result_entry(rec, call=call))
+            for call, rec in zip(turn.calls, results, strict=True)
+        ]
     step = StepMessage(
         kind=StepKind.RUN_MODEL,
         agent=turn.agent,
@@ -312,6 +362,14 @@ def joined(
     )
     # RunModel n+1 restores the results from the call records if they are not in yet.
     return Followers(records, [model_step_out(step, carried)], True)
+
+
+def results_again(turn: TurnRecord, results: list[CallRecord], *, folded: bool) -> list[Outgoing]:
+    """The result entries of ``turn``'s previous step as the log has them (``folded``: each
+    carrying its call's ``call.outcome``), to publish again when one is missing."""
+    if not folded:
+        return joined(turn, results, folded=False).records
+    return [call_done(turn, r, folded=True).records[0] for r in results]
 
 
 def expected_history(turn: TurnRecord) -> list[str]:

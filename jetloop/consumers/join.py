@@ -136,7 +136,7 @@ async def join_calls(
         # Maybe this message moved it and its worker died before publishing what follows.
         results = _results(calls)
         if results is not None:
-            await joined(turn, results).publish(rt.bus)
+            await joined(turn, results, folded=rt.folded_log).publish(rt.bus)
         return
     if turn.model_step != n or turn.phase != TurnPhase.CALLS:
         return
@@ -154,7 +154,7 @@ async def join_calls(
             return  # another join won the race (or the turn ended): it publishes what follows
         raise RetryLater(0.02, "turn changed while joining") from None
     await rt.faults.point("join.before_publish")
-    await joined(moved, results).publish(rt.bus)
+    await joined(moved, results, folded=rt.folded_log).publish(rt.bus)
 
 
 async def _join_known(d: Delivery, known: StepCalls, n: int) -> None:
@@ -181,7 +181,7 @@ async def _join_known(d: Delivery, known: StepCalls, n: int) -> None:
     carried = None
     if session is not None:
         carried = carry(d.rt.state.sealer, moved, rev, session.value, session.revision)
-    await joined(moved, results, carried).publish(d.rt.bus)
+    await joined(moved, results, carried, folded=d.rt.folded_log).publish(d.rt.bus)
 
 
 def _moved(turn: TurnRecord, n: int, results: list[CallRecord]) -> TurnRecord:
@@ -221,12 +221,15 @@ async def outcome_told_and_joined(
     if known is not None and current and known.carries_every_call(turn):
         how = known.ended(index, rec)
         if how is Join.NOT_YET:
-            await call_done(turn, rec).publish(d.rt.bus)
+            await call_done(turn, rec, folded=d.rt.folded_log).publish(d.rt.bus)
             return
         if how is Join.KNOWN:
-            await side_by_side(call_done(turn, rec).publish(d.rt.bus), _join_known(d, known, n))
+            await side_by_side(
+                call_done(turn, rec, folded=d.rt.folded_log).publish(d.rt.bus),
+                _join_known(d, known, n),
+            )
             return
     await side_by_side(
-        call_done(turn, rec).publish(d.rt.bus),
+        call_done(turn, rec, folded=d.rt.folded_log).publish(d.rt.bus),
         join_calls(d, turn.session_id, turn.turn_id, n, first=first, own=index),
     )

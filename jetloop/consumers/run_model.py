@@ -26,7 +26,13 @@ from jetloop.consumers.carry import trusted_carry
 from jetloop.consumers.compact import compact_first, compaction_needed, estimate
 from jetloop.consumers.conversation import conversation
 from jetloop.consumers.errors import DeadLetter, RetryLater, StaleCarry, TakenOver
-from jetloop.consumers.followers import answer, expected_history, joined, turn_start
+from jetloop.consumers.followers import (
+    accepted_event,
+    answer,
+    expected_history,
+    results_again,
+    turn_start,
+)
 from jetloop.consumers.liveness import holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import Resume, loss_id, lost_event, lost_reason, tell_resumed
@@ -101,7 +107,7 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
     if turn.model_step > n:
         return
     if turn.model_step == n and turn.phase == TurnPhase.CALLS:
-        await answer(turn, rt.calls_in_one_message).publish(rt.bus)
+        await answer(turn, rt.calls_in_one_message, folded=rt.folded_log).publish(rt.bus)
         return
     if turn.model_step < n:
         raise DeadLetter(f"run_model for step {n} but turn {tid} is at step {turn.model_step}")
@@ -283,7 +289,7 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
     if committed.status == TurnStatus.COMPLETED:
         await end_turn(rt, committed, session)
     else:
-        await answer(committed, rt.calls_in_one_message).publish(rt.bus)
+        await answer(committed, rt.calls_in_one_message, folded=rt.folded_log).publish(rt.bus)
 
 
 ATTEMPT = "attempt"
@@ -361,13 +367,17 @@ async def _with_its_inputs(
     if not lost:
         return history
     if n == 0:
-        records = turn_start(turn).records
+        # (Folded: ``turn.accepted`` rides in the user's entry of a turn started at once; a
+        # turn that was queued has it on its own already, which a reader keeps: the first of
+        # a key.)
+        accepted = accepted_event(turn, queued=False) if rt.folded_log else None
+        records = turn_start(turn, folded=rt.folded_log, accepted=accepted).records
     else:
         _, calls = await rt.state.join_view(sid, tid, n - 1)
         results = [v.value for v in calls if v is not None and v.value.done]
         if len(results) != len(turn.calls):
             raise RetryLater(0.2, f"the results of model step {n - 1} are not all recorded")
-        records = joined(turn, results).records
+        records = results_again(turn, results, folded=rt.folded_log)
     log.warning("history.restored", missing=lost)
     await rt.bus.publish(records)
     history = await rt.history.read(sid)

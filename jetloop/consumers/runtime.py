@@ -30,6 +30,7 @@ from jetloop.agents.prices import Prices
 from jetloop.consumers.conversation import MessageCache
 from jetloop.consumers.errors import StaleCarry, TakenOver
 from jetloop.consumers.faults import Faults
+from jetloop.consumers.slots import CallSlots
 from jetloop.consumers.tracing import Tracing
 from jetloop.schemas import Attempt, CallRecord
 from jetloop.streams.blobs import BlobStore
@@ -89,9 +90,12 @@ class Runtime:
     # worker runs that kind (its presence says so; set by jetloop.services.worker), else a
     # message per call, which every release runs.
     calls_in_one_message: bool = False
+    # The session log's layout (jetloop.schemas.log, JETLOOP_EVENT_LOG): True, folded (an
+    # event that tells the same fact as a history entry rides in it).
+    folded_log: bool = False
     # How many calls of ``call_tools`` messages run at once (the tool pool's concurrency: a
     # message of n calls counts n); None: no bound.
-    call_slots: asyncio.Semaphore | None = None
+    call_slots: CallSlots | None = None
 
     def limits_of(self, adapter: object) -> EndpointLimits | None:
         """The limits of the endpoint ``adapter`` calls: by ``provider:model``, else by the

@@ -15,12 +15,11 @@ import structlog
 
 from jetloop.consumers.carry import carry
 from jetloop.consumers.errors import DeadLetter, RetryLater
-from jetloop.consumers.followers import Followers, finished, turn_start
+from jetloop.consumers.followers import Followers, accepted_event, finished, turn_start
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import (
-    Event,
     SessionRecord,
     Spent,
     StepMessage,
@@ -33,7 +32,6 @@ from jetloop.schemas import (
     validate_name,
 )
 from jetloop.schemas.codec import DecodeError, decode_map
-from jetloop.schemas.events import TurnAcceptedData
 from jetloop.schemas.ids import parse_traceparent
 from jetloop.streams.bus import event_out
 from jetloop.streams.replies import first_seq
@@ -132,17 +130,16 @@ async def on_turn_request(d: Delivery) -> None:
         raise RetryLater(0.05, "session changed concurrently") from None
 
     await rt.faults.point("turn_request.after_accept")
-    accepted = Event.of(
-        TurnAcceptedData(request_id=request_id, queued=session.active != tid),
-        key=f"{sid}.{tid}.accepted",
-        session_id=sid,
-        turn_id=tid,
-    )
-    out = Followers([event_out(accepted)], restorable=True)
+    accepted = accepted_event(turn_rec, queued=session.active != tid)
     if session.active == tid and turn_rec.status == TurnStatus.QUEUED:
-        out = out + turn_start(
-            turn_rec, carry(rt.state.sealer, turn_rec, turn_rev, session, session_rev)
-        )
+        carried = carry(rt.state.sealer, turn_rec, turn_rev, session, session_rev)
+        out = turn_start(turn_rec, carried, folded=rt.folded_log, accepted=accepted)
+    elif rt.folded_log and session.active == tid:
+        # Delivered again after its turn started: told again as it was (the folded log
+        # carries ``turn.accepted`` in the user's entry; the same key lands once).
+        out = Followers(turn_start(turn_rec, folded=True, accepted=accepted).records, [], True)
+    else:
+        out = Followers([event_out(accepted)], restorable=True)
     await out.publish(rt.bus)
 
 
@@ -186,7 +183,7 @@ async def _refuse(
         except Conflict:
             raise RetryLater(0.05, "turn changed while refusing it") from None
         log.warning("turn.refused", reason=reason)
-    await finished(failed).publish(rt.bus)
+    await finished(failed, folded=rt.folded_log).publish(rt.bus)
 
 
 async def _first_request(rt: Runtime, sid: str) -> int | None:
@@ -301,7 +298,7 @@ async def end_turn(
     redelivery of that step finds the turn ended and calls this again: both parts are
     idempotent (message ids; the session moves only while the turn is still in it).
     ``session``: the session's record as the step read it (``session_moves_on``)."""
-    await finished(turn).publish(rt.bus)
+    await finished(turn, folded=rt.folded_log).publish(rt.bus)
     if rt.tracing is not None:
         rt.tracing.turn_ended(turn)
     await session_moves_on(rt, turn.session_id, turn.turn_id, turn.spent, session)
@@ -367,4 +364,4 @@ async def session_moves_on(
         return
     nxt_turn = await rt.state.turn(sid, session.active)
     if nxt_turn is not None and nxt_turn.value.status == TurnStatus.QUEUED:
-        await turn_start(nxt_turn.value).publish(rt.bus)
+        await turn_start(nxt_turn.value, folded=rt.folded_log).publish(rt.bus)

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from jetloop.schemas.codec import SCHEMA_VERSION
+from jetloop.schemas.events import Event
 from jetloop.schemas.records import BlobRef, PlannedCall
 
 
@@ -40,3 +41,7 @@ class HistoryEntry(BaseModel):
     status: ToolStatus | None = None
     result: Any = None
     result_ref: BlobRef | None = None
+    # The folded log (``jetloop.schemas.log``): the events that tell the same fact as this
+    # entry, carried in it instead of published on their own subjects. Empty in the
+    # separate log.
+    events: list[Event] = Field(default_factory=list)

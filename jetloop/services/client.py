@@ -46,7 +46,6 @@ from jetloop.schemas import (
     TurnRequest,
     TurnStatus,
     call_key,
-    decode,
     encode,
     scoped_msg_id,
     turn_id_for,
@@ -66,6 +65,7 @@ from jetloop.schemas.errors import TurnFailed as TurnFailed
 from jetloop.schemas.errors import UnknownAgent as UnknownAgent
 from jetloop.schemas.events import TURN_ENDS
 from jetloop.schemas.ids import parse_traceparent
+from jetloop.schemas.log import FOLDED_INTO, carrier_subjects, events_in
 from jetloop.services import namespaces
 from jetloop.services.control import PREFIX as CONTROL_PREFIX
 from jetloop.services.control import subject as control_subject
@@ -684,7 +684,7 @@ class Client:
 
     def _turn_ends(self) -> TurnEnds:
         if self._ends is None:
-            self._ends = TurnEnds(self.nc)
+            self._ends = TurnEnds(self.nc, self.js)
         return self._ends
 
     async def events(
@@ -710,13 +710,22 @@ class Client:
         """
         validate_name("session id", session_id)
         wanted = [topology.event_subject(session_id, t) for t in types]
-        subjects = list(wanted)
+        needed = list(wanted)
         if until_turn_ends is not None:
-            for end in TURN_ENDS:
-                subject = topology.event_subject(session_id, end.value)
-                if not any(_covers(w, subject) for w in wanted):
-                    subjects.append(subject)
-        async for ev in self._log(wanted, subjects, from_start, until_turn_ends, follow):
+            needed += [topology.event_subject(session_id, end.value) for end in TURN_ENDS]
+        # The folded log carries some types in history entries (jetloop.schemas.log): the
+        # entries that may carry a type asked for are read too.
+        folded = [
+            t for t in FOLDED_INTO if any(_covers(n, _subject(session_id, t)) for n in needed)
+        ]
+        subjects: list[str] = []
+        for subject in [*needed, *carrier_subjects(session_id, folded)]:
+            if subject not in subjects and not any(_covers(w, subject) for w in wanted):
+                subjects.append(subject)
+        subjects = [*wanted, *subjects]
+        async for ev in self._log(
+            session_id, wanted, subjects, from_start, until_turn_ends, follow
+        ):
             yield ev
 
     async def usage(self, session_id: str | None = None) -> list[UsageLine]:
@@ -728,12 +737,13 @@ class Client:
         subject = topology.event_subject(session_id or "*", EventType.MODEL_USAGE.value)
         lines = [
             UsageLine.of(ev)
-            async for ev in self._log([subject], [subject], True, None, follow=False)
+            async for ev in self._log(session_id, [subject], [subject], True, None, follow=False)
         ]
         return distinct(lines)
 
     async def _log(
         self,
+        session_id: str | None,
         wanted: list[str],
         subjects: list[str],
         from_start: bool,
@@ -785,9 +795,9 @@ class Client:
                     for m in msgs:
                         seq = m.metadata.sequence.stream
                         next_seq = seq + 1
-                        if ".history." not in m.subject:
-                            ev = decode(Event, m.data)
-                            if any(_covers(w, m.subject) for w in wanted):
+                        for ev in events_in(m.subject, m.data):
+                            told = _subject(session_id or ev.session_id, ev.type)
+                            if any(_covers(w, told) for w in wanted):
                                 yield ev
                             if ev.turn_id == until_turn_ends and ev.type in TURN_ENDS:
                                 return
@@ -845,6 +855,11 @@ class Client:
             )
             seq = (m.seq or seq) + 1
         return out
+
+
+def _subject(session_id: str, etype: EventType) -> str:
+    """The subject an event of ``etype`` has in the separate log (the one its type names)."""
+    return topology.event_subject(session_id, etype.value)
 
 
 def _covers(pattern: str, subject: str) -> bool:

@@ -125,8 +125,10 @@ WATCH_PERMISSIONS = {
 }
 
 
-# The turn events of every session (``jl.event.<session>.turn.<how>``).
+# The turn events of every session (``jl.event.<session>.turn.<how>``), and the model's
+# answers, which carry ``turn.completed`` in the folded log (``jetloop.schemas.log``).
 TURN_EVENTS = "jl.event.*.turn.*"
+ANSWERS = "jl.event.*.history.assistant"
 
 
 def _inbox(role: str) -> str:
@@ -151,9 +153,10 @@ def client_permissions(who: str) -> dict[str, dict[str, list[str]]]:
             "deny": [*_WRITES, *_NOT_THEIRS],
         },
         # Its own inboxes (answers, its consumers' deliveries), the live text of turns
-        # (``jetloop send`` prints it as it comes) and the turn events it could read from the
-        # log anyway, heard as they are stored (a wait's wake-up: ``services.turnends``).
-        "subscribe": {"allow": [_inbox("client"), "jl.live.>", TURN_EVENTS]},
+        # (``jetloop send`` prints it as it comes) and the turn events and answers it could
+        # read from the log anyway, heard as they are stored (a wait's wake-up:
+        # ``services.turnends``).
+        "subscribe": {"allow": [_inbox("client"), "jl.live.>", TURN_EVENTS, ANSWERS]},
     }
 
 

@@ -25,6 +25,7 @@ from pydantic_settings import SettingsError as PydanticSettingsError
 
 from jetloop.agents.prices import Price
 from jetloop.schemas.errors import SettingsError
+from jetloop.schemas.log import LogLayout
 from jetloop.services import namespaces
 from jetloop.services.gateway.config import HookTrigger, Scope, Tokens, fingerprint
 from jetloop.services.namespaces import DEFAULT as DEFAULT_NAMESPACE
@@ -99,6 +100,14 @@ class Settings(BaseSettings):
         ),
     )
     session_concurrency: int = Field(32, ge=1, description="session steps run at once")
+    event_log: LogLayout | None = Field(
+        None,
+        description="the session log's layout, set for the whole deployment when a worker "
+        "applies the topology (kept in JL_EVENTS's metadata; unset: as it is, separate at "
+        "first): separate (an event and a history entry for a fact that is both) or folded "
+        "(the entry carries the event: 9 fewer messages per 7-step turn, for readers that "
+        "read both; docs/protocol.md)",
+    )
     drain_seconds: float = Field(10.0, ge=0, description="graceful stop: time to finish steps")
     uvloop: bool = Field(
         True,
@@ -360,7 +369,11 @@ class Settings(BaseSettings):
         return Sealer(keys, tolerance=self.seal_tolerance_seconds)
 
     def topology(self) -> TopologyConfig:
-        return TopologyConfig(replicas=self.replicas, lease_seconds=self.lease_seconds)
+        return TopologyConfig(
+            replicas=self.replicas,
+            lease_seconds=self.lease_seconds,
+            event_log=None if self.event_log is None else self.event_log.value,
+        )
 
 
 def read_seal_key(store_dir: Path) -> SecretStr | None:

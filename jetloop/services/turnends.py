@@ -20,6 +20,13 @@ every wait to read.
 Before, each wait made an ephemeral consumer filtered to the session's turn ends, read every
 end the session had stored from its start, and deleted the consumer: a gateway holding a
 thousand waiting requests paid that a thousand times.
+
+In the folded log (``jetloop.schemas.log``) ``turn.completed`` rides in the last answer's
+history entry (``jl.event.<session>.history.assistant``, header ``Jl-Events:
+turn.completed``): there the session's assistant entries are heard too, and only one whose
+header names a turn end wakes a wait. The layout is read from ``JL_EVENTS`` when a session
+is listened to, at most every ``LAYOUT_SECONDS`` (read as separate if it cannot be: a wait
+then hears a folded end only by its reads, within ``RECHECK_SECONDS``).
 """
 
 from __future__ import annotations
@@ -32,8 +39,11 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
 
 from jetloop.schemas.events import TURN_ENDS
+from jetloop.schemas.history import HistoryRole
+from jetloop.schemas.log import H_EVENTS, LogLayout, is_history_subject
 from jetloop.streams import topology
 from jetloop.streams.bus import H_TURN
 from jetloop.streams.connection import when_link_lost, when_refused
@@ -44,6 +54,8 @@ RECHECK_SECONDS = 5.0
 # and how many turns at most are listened for so (past that, a wait reads first).
 EARLY_SECONDS = 30.0
 EARLY_MOST = 10_000
+# How long the log's layout, once read, is taken as it was.
+LAYOUT_SECONDS = 30.0
 
 
 @dataclass
@@ -69,6 +81,7 @@ class TurnEnds:
     """The turn ends one connection hears, for the waits on it (``Client.wait``)."""
 
     nc: Client
+    js: JetStreamContext | None = None  # where the log's layout is read (None: separate)
     _sessions: dict[str, _Session] = field(default_factory=dict)
     # turn id → the wake-ups of the waits on it
     _waits: dict[str, set[asyncio.Event]] = field(default_factory=dict)
@@ -78,6 +91,8 @@ class TurnEnds:
     _hooked: bool = False
     _deaf: bool = False  # a subscription to turn ends was refused
     _letting_go: set[asyncio.Task[None]] = field(default_factory=set)
+    _folded: asyncio.Future[bool] | None = None
+    _folded_at: float = 0.0
 
     async def before_send(self, session_id: str, turn_id: str) -> None:
         """Listen for turn ``turn_id``'s end before its request is published: a wait on it
@@ -158,8 +173,10 @@ class TurnEnds:
             )
             subs: list[Subscription] = []
             try:
-                for end in TURN_ENDS:
-                    subject = topology.event_subject(session_id, end.value)
+                subjects = [topology.event_subject(session_id, end.value) for end in TURN_ENDS]
+                if await self._log_folded():
+                    subjects.append(topology.history_subject(session_id, HistoryRole.ASSISTANT))
+                for subject in subjects:
                     subs.append(await self.nc.subscribe(subject, cb=self._on))
                 entry.ready.set_result(subs)
             except BaseException as exc:
@@ -200,8 +217,28 @@ class TurnEnds:
         self._letting_go.add(task)
         task.add_done_callback(self._letting_go.discard)
 
+    async def _log_folded(self) -> bool:
+        now = asyncio.get_running_loop().time()
+        if self._folded is None or now - self._folded_at > LAYOUT_SECONDS:
+            self._folded = asyncio.ensure_future(self._read_layout())
+            self._folded_at = now
+        return await asyncio.shield(self._folded)
+
+    async def _read_layout(self) -> bool:
+        if self.js is None:
+            return False
+        try:
+            return await topology.log_layout(self.js) == LogLayout.FOLDED
+        except Exception:
+            return False  # (not allowed, or no server now: the reads still find the end)
+
     async def _on(self, msg: Msg) -> None:
-        turn_id = (msg.headers or {}).get(H_TURN)
+        hdrs = msg.headers or {}
+        if is_history_subject(msg.subject) and not any(
+            end.value in hdrs.get(H_EVENTS, "").split() for end in TURN_ENDS
+        ):
+            return  # an answer that asked for calls: the turn goes on
+        turn_id = hdrs.get(H_TURN)
         for wake in self._waits.get(turn_id or "", ()):
             wake.set()
 

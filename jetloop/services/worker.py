@@ -34,9 +34,11 @@ from jetloop.consumers.dispatch import Handler
 from jetloop.consumers.liveness import HOLDING
 from jetloop.consumers.metrics import watch_lag
 from jetloop.consumers.runtime import new_incarnation
+from jetloop.consumers.slots import CallSlots
 from jetloop.consumers.tracing import Tracing
 from jetloop.schemas.errors import NotAuthorized
 from jetloop.schemas.kinds import StepKind
+from jetloop.schemas.log import LogLayout
 from jetloop.services.client import publish_trigger
 from jetloop.services.control import ControlService
 from jetloop.services.lifecycle import Service
@@ -183,10 +185,11 @@ class Worker(Service):
                 provider_limits=dict(s.provider_limits),
                 windows=Windows(await js.key_value(topology.LIMITS_BUCKET)),
                 tracing=Tracing.from_env("jetloop-worker"),
-                call_slots=asyncio.Semaphore(s.tool_concurrency),
+                call_slots=CallSlots(s.tool_concurrency),
             )
             self._rt = rt
             await self._kinds_written(registry)
+            await self._layout_read(js)
             for agent in self.app.agents.values():
                 for trigger in agent.triggers:
                     await publish_trigger(js, agent.name, trigger)
@@ -377,8 +380,21 @@ class Worker(Service):
                 if len(holds):
                     await holds.publish()
                 await self._kinds_written(registry)
+                await self._layout_read(self._rt.js if self._rt is not None else None)
             except Exception as exc:  # an outage: the next beat tries again
                 log.warning("worker.advertise_failed", error=str(exc))
+
+    async def _layout_read(self, js: JetStreamContext | None) -> None:
+        """The session log's layout, read from ``JL_EVENTS`` at the start and with every
+        presence refresh: an operator who changes it (``JETLOOP_EVENT_LOG`` on a worker that
+        applies the topology) changes what every worker writes within a refresh."""
+        rt = self._rt
+        if rt is None or js is None:
+            return
+        folded = await topology.log_layout(js) == LogLayout.FOLDED
+        if folded != rt.folded_log:
+            rt.folded_log = folded
+            log.info("worker.event_log", now=LogLayout.FOLDED if folded else LogLayout.SEPARATE)
 
     async def _kinds_written(self, registry: Registry) -> None:
         """Write a model step's calls as one message only while every live worker runs that

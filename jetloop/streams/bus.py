@@ -21,6 +21,7 @@ from jetloop.schemas import (
     StepMessage,
     encode,
 )
+from jetloop.schemas.log import H_EVENTS
 from jetloop.streams.connection import retrying
 from jetloop.streams.replies import connection_of, replies_of
 from jetloop.streams.topology import event_subject, history_subject, step_subject
@@ -82,10 +83,14 @@ def event_out(event: Event) -> Outgoing:
 
 
 def history_out(session_id: str, entry: HistoryEntry) -> Outgoing:
+    h = headers(f"history.{entry.role.value}", session_id, entry.turn_id, entry.key)
+    if entry.events:
+        # The folded log (jetloop.schemas.log): the event types the entry carries.
+        h[H_EVENTS] = " ".join(e.type.value for e in entry.events)
     return Outgoing(
         subject=history_subject(session_id, entry.role.value),
         body=encode(entry),
-        headers=headers(f"history.{entry.role.value}", session_id, entry.turn_id, entry.key),
+        headers=h,
     )
 
 

@@ -20,6 +20,8 @@ from jetloop.schemas.kinds import Pool
 TURNS_STREAM = "JL_TURNS"
 STEPS_STREAM = "JL_STEPS"
 EVENTS_STREAM = "JL_EVENTS"
+# The key of JL_EVENTS's metadata that names the session log's layout (jetloop.schemas.log).
+LOG_LAYOUT_KEY = "jetloop_log"
 DEAD_STREAM = "JL_DEAD"
 STATE_BUCKET = "jl_state"
 BLOB_BUCKET = "jl_blobs"
@@ -138,6 +140,9 @@ class TopologyConfig:
     turn_dedupe_seconds: float = 3600.0
     state_history: int = 8
     max_ack_pending: int = 1000
+    # The session log's layout (jetloop.schemas.log), kept in JL_EVENTS's metadata for every
+    # worker and reader; None: as the stream has it (separate for a new one).
+    event_log: str | None = None
 
 
 def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
@@ -182,6 +187,7 @@ def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
             num_replicas=r,
             duplicate_window=cfg.event_dedupe_seconds,
             allow_direct=direct,
+            metadata={LOG_LAYOUT_KEY: cfg.event_log or "separate"},
         ),
         api.StreamConfig(
             name=DEAD_STREAM,
@@ -264,6 +270,13 @@ async def apply_agent(
         await js.add_consumer(stream, cc)
 
 
+async def log_layout(js: JetStreamContext) -> str:
+    """The session log's layout, as ``JL_EVENTS``'s metadata says (``separate`` when it says
+    nothing: a stream made before layouts)."""
+    info = await js.stream_info(EVENTS_STREAM)
+    return str((info.config.metadata or {}).get(LOG_LAYOUT_KEY, "separate"))
+
+
 async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = False) -> None:
     """Create or update every stream, consumer and bucket; safe to run any number of times.
 
@@ -279,6 +292,13 @@ async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = 
             continue
         if not set_replicas and info.config.num_replicas:
             sc.num_replicas = info.config.num_replicas
+        if sc.name == EVENTS_STREAM:
+            # The layout stays as it is unless this apply sets it; the server's own keys stay.
+            kept = dict(info.config.metadata or {})
+            kept.update(sc.metadata or {})
+            if cfg.event_log is None and LOG_LAYOUT_KEY in (info.config.metadata or {}):
+                kept[LOG_LAYOUT_KEY] = (info.config.metadata or {})[LOG_LAYOUT_KEY]
+            sc.metadata = kept
         await _placed(js.update_stream, sc)
     for stream, name in LEGACY_CONSUMERS:
         try:

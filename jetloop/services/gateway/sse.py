@@ -5,7 +5,11 @@ Each event goes out as ``id: <JL_EVENTS stream sequence>``, ``event: <type>``, `
 <Event JSON>``. A client that reconnects with ``Last-Event-ID: n`` gets everything after
 sequence n of the session — no gap, no repeat — because the read starts an ephemeral
 pull consumer at n + 1 (deliver by start sequence, filter ``jl.event.<session>.>``).
-History entries share those subjects and are passed over (their sequences still count).
+History entries share those subjects and are passed over (their sequences still count),
+but for the events one carries in the folded log (``jetloop.schemas.log``): each goes out in
+order, the last with the entry's sequence as its id and any before it with the sequence
+before, so a client that reconnects between them reads the entry again (a repeat of an
+event, never a gap; the same ``key`` tells it).
 A consumer lost to a server restart or an election is made again from the next sequence,
 the way ``Client.events`` does. Idle streams get a keep-alive comment, which is also how a
 gone client is noticed (the write fails).
@@ -24,19 +28,14 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
-from jetloop.schemas import DecodeError, Event, decode
+from jetloop.schemas import DecodeError, Event
+from jetloop.schemas.log import events_in
 from jetloop.streams import topology
 from jetloop.streams.intake import Intake
 
 log = structlog.get_logger("jetloop.gateway")
 
 IDLE_POLL = 1.0  # how often a quiet stream looks at the stop flag and the keep-alive clock
-
-
-def _is_history(subject: str) -> bool:
-    # jl.event.<session>.history.<role>
-    parts = subject.split(".")
-    return len(parts) > 3 and parts[3] == "history"
 
 
 async def follow(
@@ -86,14 +85,13 @@ async def follow(
                     if seq < next_seq:
                         continue  # a redelivery across a consumer reset: already sent
                     next_seq = seq + 1
-                    if _is_history(m.subject):
-                        continue
                     try:
-                        ev = decode(Event, m.data)
+                        told = events_in(m.subject, m.data)
                     except DecodeError as exc:
                         log.warning("sse.unreadable", seq=seq, error=str(exc))
                         continue
-                    yield seq, ev
+                    for i, ev in enumerate(told):
+                        yield (seq if i == len(told) - 1 else seq - 1), ev
         finally:
             await intake.stop()
 

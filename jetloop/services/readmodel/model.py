@@ -62,7 +62,8 @@ from jetloop.streams.topology import EVENTS_STREAM
 log = structlog.get_logger("jetloop.readmodel")
 
 # Bumped when the tables change: a read model of another version is rebuilt from the log.
-SCHEMA_VERSION = 1
+# 2: an audit row is (stream sequence, part): an entry of the folded log carries several.
+SCHEMA_VERSION = 2
 
 TABLES = ("sessions", "turns", "calls", "approvals", "questions", "audit", "position")
 
@@ -156,13 +157,15 @@ DDL = (
         PRIMARY KEY (session_id, question_id)
     )""",
     """CREATE TABLE IF NOT EXISTS audit (
-        seq INTEGER PRIMARY KEY,
+        seq INTEGER NOT NULL,
+        part INTEGER NOT NULL DEFAULT 0,
         key TEXT NOT NULL UNIQUE,
         session_id TEXT NOT NULL,
         turn_id TEXT,
         type TEXT NOT NULL,
         at REAL NOT NULL,
-        data TEXT NOT NULL
+        data TEXT NOT NULL,
+        PRIMARY KEY (seq, part)
     )""",
     "CREATE INDEX IF NOT EXISTS audit_session ON audit (session_id, seq)",
     # The usage ledger's lines are audit rows of type model.usage (``usage_lines``).
@@ -404,22 +407,28 @@ class ReadModel:
         parts = item.subject.split(".")
         if parts[3] == "history":
             entry = decode(HistoryEntry, item.data)
+            # (Before any write: data that does not fit is unreadable, the whole entry.)
+            told = [(ev, ev.payload()) for ev in entry.events]
             await self._history(parts[2], entry)
+            for part, (ev, data) in enumerate(told):  # the folded log (jetloop.schemas.log)
+                await self._apply_event(item.seq, part, ev, data)
             return
         ev = decode(Event, item.data)
-        data = ev.payload()  # before any write: data that does not fit is unreadable, whole
+        await self._apply_event(item.seq, 0, ev, ev.payload())
+
+    async def _apply_event(self, seq: int, part: int, ev: Event, data: EventData | None) -> None:
         await self.db.execute(
-            "INSERT OR IGNORE INTO audit (seq, key, session_id, turn_id, type, at, data) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (item.seq, ev.key, ev.session_id, ev.turn_id, ev.type.value, ev.at, _json(ev.data)),
+            "INSERT OR IGNORE INTO audit (seq, part, key, session_id, turn_id, type, at, data) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (seq, part, ev.key, ev.session_id, ev.turn_id, ev.type.value, ev.at, _json(ev.data)),
         )
         await self._merge("sessions", {"session_id": ev.session_id}, {})
         await self.db.execute(
             "UPDATE sessions SET created_at = COALESCE(created_at, ?), "
             "updated_at = max(COALESCE(updated_at, 0), ?), last_seq = ? WHERE session_id = ?",
-            (ev.at, ev.at, item.seq, ev.session_id),
+            (ev.at, ev.at, seq, ev.session_id),
         )
-        await self._event(item.seq, ev, data)
+        await self._event(seq, ev, data)
 
     async def _history(self, session_id: str, entry: HistoryEntry) -> None:
         # Only the user's words are needed (search); answers come with turn.completed.
@@ -810,17 +819,21 @@ class ReadModel:
     async def turn_events(
         self, session_id: str, turn_id: str, after: int, limit: int
     ) -> list[dict[str, Any]]:
-        """The turn's events in log order after stream sequence ``after`` (the audit)."""
+        """The turn's events in log order after stream sequence ``after`` (the audit), from
+        at most ``limit`` messages (an entry of the folded log may carry several events: a
+        page ends after all of them)."""
         async with self.db.execute(
             "SELECT seq, key, type, at, data FROM audit WHERE session_id = ? AND turn_id = ? "
-            "AND seq > ? ORDER BY seq LIMIT ?",
-            (session_id, turn_id, after, limit),
+            "AND seq IN (SELECT DISTINCT seq FROM audit WHERE session_id = ? AND turn_id = ? "
+            "AND seq > ? ORDER BY seq LIMIT ?) ORDER BY seq, part",
+            (session_id, turn_id, session_id, turn_id, after, limit),
         ) as cur:
             return [dict(r) for r in await cur.fetchall()]
 
     async def event(self, session_id: str, seq: int) -> dict[str, Any] | None:
         async with self.db.execute(
-            "SELECT seq, key, type, turn_id, at, data FROM audit WHERE session_id = ? AND seq = ?",
+            "SELECT seq, key, type, turn_id, at, data FROM audit WHERE session_id = ? AND seq = ? "
+            "ORDER BY part LIMIT 1",
             (session_id, seq),
         ) as cur:
             row = await cur.fetchone()
@@ -834,7 +847,7 @@ class ReadModel:
         if session_id is not None:
             sql += " AND session_id = ?"
             args += (session_id,)
-        async with self.db.execute(sql + " ORDER BY seq", args) as cur:
+        async with self.db.execute(sql + " ORDER BY seq, part", args) as cur:
             rows = await cur.fetchall()
         return [
             UsageLine.recorded(

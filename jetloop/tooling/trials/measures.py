@@ -38,7 +38,8 @@ from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.client import JetStreamContext
 
-from jetloop.schemas import DecodeError, Event, EventType, decode
+from jetloop.schemas import DecodeError, EventType
+from jetloop.schemas.log import events_in
 from jetloop.streams import topology
 
 # Issue 14's numbers: detection after a worker kill, and the slack a recovery may take
@@ -101,14 +102,13 @@ async def _session_events(js: JetStreamContext, sid: str) -> list[SeenEvent]:
             except TimeoutError:
                 break  # nothing (more) to read
             for m in msgs:
-                if ".history." in m.subject:
-                    continue
                 try:
-                    ev = decode(Event, m.data)
+                    told = events_in(m.subject, m.data)  # (either layout of the log)
                 except DecodeError:
                     continue
                 stored = m.metadata.timestamp.timestamp()
-                out.append(SeenEvent(ev.type.value, ev.turn_id, ev.at, stored, ev.data))
+                for ev in told:
+                    out.append(SeenEvent(ev.type.value, ev.turn_id, ev.at, stored, ev.data))
             if not msgs or msgs[-1].metadata.num_pending == 0:
                 break
     finally:

@@ -1,0 +1,180 @@
+"""The folded log (``jetloop.schemas.log``): where a fact is both an event and a history
+entry, one message (the entry, carrying the event) instead of two — read back the same.
+
+One server: the same turn (two read-only calls) runs first with the log separate, then on a
+deployment switched to folded (a worker started with ``JETLOOP_EVENT_LOG=folded`` sets it in
+``JL_EVENTS``'s metadata). Every reader jetloop ships — ``Client.events``, ``Client.wait``,
+the read model and the gateway's event stream — tells both runs alike, and the folded log
+holds 6 fewer messages for this turn (13 → 7) (no ``turn.accepted``, ``turn.started``,
+``model.answered``, ``turn.completed`` or ``call.outcome`` on their own subjects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from nats.js import api
+
+from jetloop.schemas import HistoryEntry, HistoryRole, decode, encode, turn_id_for
+from jetloop.schemas.log import H_EVENTS, events_in
+from jetloop.services.client import Client
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.services.gateway.sse import follow
+from jetloop.services.readmodel.model import Incoming, ReadModel
+from jetloop.streams import topology
+from jetloop.streams.history import HistoryReader
+from tests.conftest import WorkerFactory, call, script
+
+TEXT = script([call("read", name="a"), call("read", name="b")], answer="both read")
+
+
+async def stored(c: Client, sid: str) -> list[Any]:
+    """Every message of the session's log, in order."""
+    cfg = api.ConsumerConfig(
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_policy=api.AckPolicy.NONE,
+        filter_subject=topology.session_events_filter(sid),
+        mem_storage=True,
+        num_replicas=1,
+    )
+    sub = await c.js.pull_subscribe(
+        topology.session_events_filter(sid), stream=topology.EVENTS_STREAM, config=cfg
+    )
+    out: list[Any] = []
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(100, timeout=1.0)
+            except TimeoutError:
+                return out
+            out += msgs
+            if msgs[-1].metadata.num_pending == 0:
+                return out
+    finally:
+        await sub.unsubscribe()
+
+
+def same(key: str, sid: str) -> str:
+    """``key`` with its session and turn named alike for both runs."""
+    return key.replace(turn_id_for(sid, f"r-{sid}"), "T").replace(sid, "S")
+
+
+async def run(c: Client, sid: str) -> float:
+    began = time.monotonic()
+    h = await c.send("tester", sid, TEXT, f"r-{sid}")
+    res = await c.wait(h, timeout=30)
+    assert res.text is not None and res.text.startswith("both read")
+    return time.monotonic() - began
+
+
+async def sse_events(c: Client, sid: str) -> list[tuple[str, str]]:
+    stopping = asyncio.Event()
+    got: list[tuple[str, str]] = []
+    async for item in follow(c.js, sid, 0, stopping, idle=0.2):
+        if item is None:
+            break
+        _, ev = item
+        got.append((ev.type.value, same(ev.key, sid)))
+    return got
+
+
+async def test_the_folded_log_reads_as_the_separate_one(
+    nats_ready: EmbeddedServer, workers: WorkerFactory
+) -> None:
+    c = await Client.connect(nats_ready.url)
+    try:
+        separate = workers.start("separate")
+        await run(c, "fl1")
+        separate.kill()
+    finally:
+        await c.close()
+
+    folded = workers.start("folded", env={"JETLOOP_EVENT_LOG": "folded"})
+    await folded.wait_for("worker.started")
+    c = await Client.connect(nats_ready.url)  # (a new client reads the layout anew)
+    try:
+        assert await topology.log_layout(c.js) == "folded"
+        took = await run(c, "fl2")
+        # Heard, not found by the wait's read every 5 s: the end rides in the last answer.
+        assert took < 4.0, f"the wait took {took:.1f} s"
+
+        logs = {sid: await stored(c, sid) for sid in ("fl1", "fl2")}
+        subjects = {sid: [m.subject.split(".", 3)[3] for m in msgs] for sid, msgs in logs.items()}
+        folded_away = {
+            "turn.accepted",
+            "turn.started",
+            "model.answered",
+            "turn.completed",
+            "call.outcome",
+        }
+        assert folded_away <= set(subjects["fl1"])
+        assert not folded_away & set(subjects["fl2"])
+        # Folded into the user's words (accepted, started), the answers (answered,
+        # completed) and the results (2 outcomes): 6 of the separate log's 13 messages.
+        assert (len(subjects["fl1"]), len(subjects["fl2"])) == (13, 7), subjects
+        carried = {
+            m.subject.split(".", 3)[3]: (m.headers or {}).get(H_EVENTS)
+            for m in logs["fl2"]
+            if ".history." in m.subject and m.subject.endswith((".user", ".tool"))
+        }
+        assert carried == {
+            "history.user": "turn.accepted turn.started",
+            "history.tool": "call.outcome",
+        }
+
+        # Every reader tells the same events, in the same order, and the same conversation.
+        told = {
+            sid: [(e.type.value, same(e.key, sid)) async for e in c.events(sid, follow=False)]
+            for sid in ("fl1", "fl2")
+        }
+        assert told["fl1"] == told["fl2"]
+        assert [t for t, _ in told["fl2"]].count("call.outcome") == 2
+        outcomes = [e async for e in c.events("fl2", ["call.outcome"], follow=False)]
+        assert [e.data["state"] for e in outcomes] == ["succeeded", "succeeded"]
+        ends = [e.type.value async for e in c.events("fl2", ["turn.>"], follow=False)]
+        assert ends == ["turn.accepted", "turn.started", "turn.completed"]
+        assert await sse_events(c, "fl2") == told["fl1"]
+
+        reader = HistoryReader(c.nc)
+        talk = {}
+        for sid in ("fl1", "fl2"):
+            talk[sid] = [
+                (e.role.value, same(e.key, sid), e.text, e.status, e.result)
+                for e in await reader.read(sid)
+            ]
+        assert talk["fl1"] == talk["fl2"]
+        entry = decode(HistoryEntry, logs["fl2"][0].data)
+        assert [e.type.value for e in entry.events] == ["turn.accepted", "turn.started"]
+
+        # The read model: the same turns, calls and audit.
+        async with await ReadModel.open(nats_ready.store_dir.parent / "rm.sqlite") as model:
+            await model.prepare()
+            for sid in ("fl1", "fl2"):
+                await model.apply(
+                    [Incoming(m.metadata.sequence.stream, m.subject, m.data) for m in logs[sid]]
+                )
+            rows = {}
+            for sid in ("fl1", "fl2"):
+                tid = turn_id_for(sid, f"r-{sid}")
+                turn = await model.turn_row(sid, tid)
+                assert turn is not None
+                calls = await model.turn_calls(sid, tid, 100)
+                audit = await model.turn_events(sid, tid, 0, 100)
+                rows[sid] = (
+                    (turn["status"], turn["user_text"] == TEXT),
+                    [(k["state"], k["tool"]) for k in calls],
+                    [(a["type"], same(a["key"], sid)) for a in audit],
+                )
+            assert rows["fl1"] == rows["fl2"]
+            assert rows["fl2"][0] == ("completed", True)
+            assert rows["fl2"][2] == told["fl2"]
+    finally:
+        await c.close()
+
+
+def test_a_separate_message_reads_as_itself() -> None:
+    """``events_in`` of an entry of the separate log is empty; of an event, the event."""
+    entry = HistoryEntry(key="s.t.user", role=HistoryRole.USER, turn_id="t", text="hi")
+    assert events_in("jl.event.s.history.user", encode(entry)) == []

@@ -78,14 +78,28 @@ async function ephemeral(stream, filter) {
 }
 const consumer = await ephemeral("JL_EVENTS", `jl.event.${session}.>`);
 const messages = await consumer.consume();
+// The log's layout: JL_EVENTS's metadata `jetloop_log` (absent: separate). Folded, a history
+// entry carries the events that tell the same fact in `events`; read either way, a message
+// on jl.event.<session>.history.<role> yields its `events`, any other message is an event.
+const layout = (await jsm.streams.info("JL_EVENTS")).config.metadata?.jetloop_log ?? "separate";
+console.log(JSON.stringify({ layout }));
+function told(body) {
+  for (const w of [...waiters]) {
+    if (w.test(body)) {
+      waiters.splice(waiters.indexOf(w), 1);
+      w.resolve(body);
+    }
+  }
+}
 const following = (async () => {
   for await (const m of messages) {
     const body = decode(m.data);
     events.push({ subject: m.subject, seq: m.seq, body });
-    for (const w of [...waiters]) {
-      if (w.test(body)) {
-        waiters.splice(waiters.indexOf(w), 1);
-        w.resolve(body);
+    told(body);
+    if (m.subject.split(".")[3] === "history") {
+      for (const ev of body.events ?? []) {
+        events.push({ subject: `jl.event.${session}.${ev.type}`, seq: m.seq, body: ev });
+        told(ev);
       }
     }
   }

@@ -45,13 +45,15 @@ async def served(url: str) -> bool:
 
 
 @pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
-async def test_node_client_follows_the_protocol_doc(tmp_path: Path) -> None:
+@pytest.mark.parametrize("event_log", ["separate", "folded"])
+async def test_node_client_follows_the_protocol_doc(tmp_path: Path, event_log: str) -> None:
     """Publish, duplicate, follow events to the answer, approve over jl.control (a repeat
     returns the decision, a conflicting one is 409), a snapshot, a jl_state record, a blob,
-    dead letters with their headers kept: every check of the script passes."""
+    dead letters with their headers kept: every check of the script passes, with the session
+    log in either layout (the script reads both, as the page says)."""
     assert NODE is not None
     port = free_port()
-    proc = start_up(tmp_path, port)
+    proc = start_up(tmp_path, port, env={"JETLOOP_EVENT_LOG": event_log})
     log = tmp_path / "up.log"
     try:
         await asyncio.to_thread(wait_ready, proc, log)
@@ -81,6 +83,8 @@ async def test_node_client_follows_the_protocol_doc(tmp_path: Path) -> None:
         lines = [json.loads(ln) for ln in run.stdout.splitlines() if ln.startswith("{")]
         assert run.returncode == 0, (run.stdout, run.stderr[-3000:], log.read_text()[-3000:])
         assert lines[-1]["conformance"] == "passed"
+        layouts = [ln["layout"] for ln in lines if "layout" in ln]
+        assert layouts == [event_log], "the script read the log's layout as the stream says"
         checks = {ln["check"] for ln in lines if "check" in ln}
         assert {
             "duplicate",

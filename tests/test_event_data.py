@@ -125,7 +125,7 @@ async def test_read_model_reads_data_through_the_models(tmp_path: Path) -> None:
         )
         assert (got.applied, got.unreadable) == (2, 2)
         rows = await rm.dump()
-    assert [a[4] for a in rows["audit"]] == ["model.answered", "task.polled"]
+    assert [a[5] for a in rows["audit"]] == ["model.answered", "task.polled"]  # (type)
     [call] = rows["calls"]
     assert "read" in call and "succeeded" not in call
     assert rows["turns"][0][4] != "failed"

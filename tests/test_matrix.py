@@ -18,6 +18,7 @@ these tests cell by cell; ``tests/test_matrix_doc.py`` keeps the two in step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -156,7 +157,8 @@ async def colocate(cluster: Any, tries: int = 5) -> int:
 async def rig(
     request: pytest.FixtureRequest, tmp_path: Path, vendor_db: Path, vendor: Vendor
 ) -> AsyncIterator[Rig]:
-    mode: str = request.param
+    # "<mode>" or "<mode>+folded": the session log folded (``test_matrix_folded``).
+    mode, _, layout = str(request.param).partition("+")
     release = tmp_path / "release"
     cluster: Any = None
     server: EmbeddedServer | None = None
@@ -182,6 +184,7 @@ async def rig(
         nc = await connect(urls, "test-topology")
         try:
             cfg = Settings(lease_seconds=LEASE, replicas=replicas).topology()
+            cfg = dataclasses.replace(cfg, event_log=layout or None)
             await prepare(nc, cfg)
         finally:
             await nc.close()
@@ -730,4 +733,22 @@ ROWS: dict[str, Callable[[Rig], Awaitable[None]]] = {
 @pytest.mark.parametrize("row", list(ROWS))
 async def test_matrix(rig: Rig, row: str) -> None:
     """One cell: the row's scenario under the column's failure (see docs/crash-matrix.md)."""
+    await ROWS[row](rig)
+
+
+# The rows where the folded log publishes differently (jetloop.schemas.log): a call's result
+# entry with its outcome at its commit, a queued turn's start, a model step's answer.
+FOLDED_ROWS = (
+    "run_model-after-output",
+    "read-while-running",
+    "single_attempt-after-mark",
+    "after-result-before-commit",
+    "queued-before-worker",
+)
+
+
+@pytest.mark.parametrize("rig", ["worker_kill+folded", "server_restart+folded"], indirect=True)
+@pytest.mark.parametrize("row", FOLDED_ROWS)
+async def test_matrix_folded(rig: Rig, row: str) -> None:
+    """The same cell with the session log folded: judged by the same readers."""
     await ROWS[row](rig)

@@ -20,7 +20,7 @@ from jetloop.schemas import CallState, EventType
 from jetloop.services.client import Client, TurnHandle
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams import topology
-from jetloop.streams.holds import read_holds
+from jetloop.streams.holds import LIST_SPACING, read_holds
 from tests.conftest import WorkerFactory, body, call, script, until
 from tests.paused import paused
 
@@ -79,10 +79,13 @@ async def test_restarted_worker_hands_on_what_its_predecessor_held(
     client: Client, workers: WorkerFactory, vendor: Vendor
 ) -> None:
     """Without the watch user (a wrong password here), a worker started after a death sweeps
-    the dead process's list at start: the step moves on at once, not at the lease."""
+    the dead process's list at start: the step moves on at once, not at the lease. (Killed
+    once its list has gone out: a step fetched within ``LIST_SPACING`` of the list before
+    waits for the next list, and a kill before that leaves it to its lease.)"""
     victim = workers.start("victim", hold="call_tool.in_tool", env=LONG_LEASE)
     h = await client.send("tester", "sweep", script([call("write", name="w")]))
     await victim.wait_for("fault.hold", point="call_tool.in_tool")
+    await asyncio.sleep(LIST_SPACING * 4)
     victim.kill()
     started = time.monotonic()
     successor = workers.start(

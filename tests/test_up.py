@@ -57,14 +57,16 @@ def up_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 _log_starts: dict[int, int] = {}
 
 
-def start_up(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
+def start_up(
+    tmp_path: Path, port: int, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     with open(tmp_path / "up.log", "ab") as out:
         start = out.tell()
         proc = subprocess.Popen(
             up_command(tmp_path, port, *extra),
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=up_env(tmp_path),
+            env=up_env(tmp_path, **(env or {})),
             start_new_session=True,
         )
         _log_starts[proc.pid] = start

@@ -345,6 +345,12 @@ def trials(
     type=click.IntRange(1, 16),
     help="peer: jetloop's worker processes beside the peers (default 1)",
 )
+@click.option(
+    "--event-log",
+    type=click.Choice(["separate", "folded"]),
+    help="the layout of jetloop's session log in every benchmark (default separate; "
+    "docs/protocol.md)",
+)
 @click.option("--json", "out_json", type=click.Path(dir_okay=False))
 @click.option("--keep", type=click.Path(file_okay=False))
 def bench(
@@ -352,6 +358,7 @@ def bench(
     quick: bool,
     waiting_sessions: int | None,
     workers: int | None,
+    event_log: str | None,
     out_json: str | None,
     keep: str | None,
 ) -> None:
@@ -370,6 +377,7 @@ def bench(
             Path(keep) if keep else None,
             waiting_sessions,
             workers,
+            event_log,
         )
     )
 

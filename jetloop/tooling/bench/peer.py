@@ -153,6 +153,7 @@ class PeerResult:
     # load → system (jetloop, floor) → per turn: server messages in and out, CPU ms of the
     # server, the workers and the driving client (jetloop.tooling.bench.costs).
     costs: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
+    event_log: str = "separate"  # the layout of jetloop's session log (jetloop.schemas.log)
 
 
 @dataclass
@@ -261,6 +262,7 @@ async def peer_side_by_side(
     skipped: list[str] | None = None,
     workers: int = 1,
     floor: bool = True,
+    event_log: str = "separate",
 ) -> PeerResult:
     """The 7-step turn on jetloop (``workers`` worker processes) and on each installed peer
     (Restate, DBOS),
@@ -370,6 +372,7 @@ async def peer_side_by_side(
         chunks=chunks,
         workers=workers,
         costs=costs,
+        event_log=event_log,
     )
 
 
@@ -401,6 +404,7 @@ def format_peer(result: PeerResult) -> str:
         label = name
         if name == JETLOOP:
             label = "**jetloop**" + (f", {result.workers} workers" if result.workers > 1 else "")
+            label += ", folded log" if result.event_log == "folded" else ""
         lines.append(f"| {label} | {cells} | {turns} |")
     lines += [
         "",
@@ -418,6 +422,7 @@ def format_peer(result: PeerResult) -> str:
         " acked) before each batch of any system. A jetloop turn runs from Client.send until"
         " Client.wait returns (jetloop's public API), through"
         + (" one worker." if result.workers == 1 else f" {result.workers} worker processes.")
+        + f" Its session log is {result.event_log} (JETLOOP_EVENT_LOG)."
     ]
     if RESTATE in systems:
         per = result.restate_journal_per_turn or {}

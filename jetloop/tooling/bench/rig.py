@@ -177,8 +177,9 @@ class Rig:
     """One nats-server on a temporary store, the engine's and the floor's topology, worker
     processes on demand, and the driver's connection."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, event_log: str = "separate") -> None:
         self.base = base
+        self.event_log = event_log  # the session log's layout (jetloop.schemas.log)
         # The monitoring port's /connz says how many messages each connection sent.
         self.monitor_port = free_port()
         # The server as `jetloop up` configures it: the default namespace in an account of
@@ -235,7 +236,7 @@ class Rig:
         await self.server.wait_jetstream()
         self._nc = await nats.connect(self.server.url, name="jetloop-bench")
         self._probe = await nats.connect(self.server.url, name=PROBE_NAME)
-        await topology.apply(self.js, topology.TopologyConfig())
+        await topology.apply(self.js, topology.TopologyConfig(event_log=self.event_log))
         await bench_floor.apply_topology(self.js)
         self._client = Client(self.nc, sealer=load_settings(seal_key=SEAL_KEY).sealer())
         # Subscribed while the raw driver runs turns only (``send``): through the public API
@@ -444,12 +445,12 @@ FLOOR_CONSUMERS = [
 
 
 @asynccontextmanager
-async def rig(work_dir: Path | None = None) -> AsyncIterator[Rig]:
+async def rig(work_dir: Path | None = None, event_log: str = "separate") -> AsyncIterator[Rig]:
     """A running rig on ``work_dir`` (else a temporary directory), closed on the way out."""
     with tempfile.TemporaryDirectory(prefix="jetloop-bench-") as tmp:
         base = work_dir or Path(tmp)
         await asyncio.to_thread(base.mkdir, parents=True, exist_ok=True)
-        r = Rig(base)
+        r = Rig(base, event_log)
         try:
             await r.start()
             yield r

@@ -464,6 +464,7 @@ class Sizes:
     chunks: int = 4
     throughput_workers: tuple[int, ...] = (1, 2, 4)
     peer_workers: int = 1  # jetloop's worker processes beside the peers
+    event_log: str = "separate"  # the session log's layout in every benchmark
     limit_calls: int = 2000
 
 
@@ -543,7 +544,7 @@ async def _run_one(
 ) -> None:
     """One benchmark on a rig of its own; its result goes into ``rep``."""
     wd = work_dir / name if work_dir is not None else None
-    async with rig(wd) as r:
+    async with rig(wd, sizes.event_log) as r:
         if name == "overhead":
             rep.overhead = await engine_overhead(
                 r,
@@ -582,6 +583,7 @@ async def _run_one(
                 peers=peers,
                 skipped=skipped,
                 workers=sizes.peer_workers,
+                event_log=sizes.event_log,
             )
         else:
             # Kept after the run (the report names it): the text tree and pstats.
@@ -602,6 +604,7 @@ def main(
     work_dir: Path | None = None,
     waiting_sessions: int | None = None,
     workers: int | None = None,
+    event_log: str | None = None,
 ) -> int:
     """What ``jetloop bench`` runs: prints the tables; 0 if every measured target is met,
     1 if one is not, 2 if a benchmark could not run (each said in one line on stderr)."""
@@ -615,6 +618,8 @@ def main(
         sizes = replace(sizes, waiting_sessions=waiting_sessions)
     if workers is not None:
         sizes = replace(sizes, peer_workers=workers)
+    if event_log is not None:
+        sizes = replace(sizes, event_log=event_log)
     try:
         rep = asyncio.run(run_benchmarks(which, sizes=sizes, out_json=out_json, work_dir=work_dir))
     except ValueError as exc:

@@ -36,6 +36,7 @@ from nats.js import JetStreamContext
 
 from jetloop.schemas import TurnRequest, encode, scoped_msg_id, turn_id_for
 from jetloop.schemas.events import EventType, turn_end_of
+from jetloop.schemas.log import H_EVENTS
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.services.settings import load_settings
@@ -113,20 +114,20 @@ class Ends:
     """Turn ends seen on a core subscription (a JetStream publish also reaches core
     subscribers of its subject): one future per turn, resolved with the arrival time."""
 
-    def __init__(self, nc: Nats, subject: str) -> None:
+    def __init__(self, nc: Nats, subject: str, *more: str) -> None:
         self.nc = nc
-        self.subject = subject
+        self.subjects = [subject, *more]
         self.waiting: dict[str, asyncio.Future[float]] = {}
-        self._sub: Any = None
+        self._subs: list[Any] = []
 
     async def start(self) -> None:
-        if self._sub is None:
-            self._sub = await self.nc.subscribe(self.subject, cb=self._on)
+        if not self._subs:
+            self._subs = [await self.nc.subscribe(s, cb=self._on) for s in self.subjects]
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            await sub.unsubscribe()
 
     def expect(self, turn_id: str) -> asyncio.Future[float]:
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
@@ -135,6 +136,11 @@ class Ends:
 
     async def _on(self, msg: Msg) -> None:
         how = turn_end_of(msg.subject)
+        # The folded log's answers carry ``turn.completed`` (jetloop.schemas.log).
+        if how is None and EventType.TURN_COMPLETED.value in (msg.headers or {}).get(
+            H_EVENTS, ""
+        ).split():
+            how = EventType.TURN_COMPLETED
         if how is None:
             return  # accepted, started: not an end
         tid = (msg.headers or {}).get(H_TURN)
@@ -241,7 +247,8 @@ class Rig:
         self._client = Client(self.nc, sealer=load_settings(seal_key=SEAL_KEY).sealer())
         # Subscribed while the raw driver runs turns only (``send``): through the public API
         # (``api_turn``) it would hear every turn's events, messages no user of it pays.
-        self.engine_ends = Ends(self.nc, "jl.event.*.turn.*")
+        answers = ["jl.event.*.history.assistant"] if self.event_log == "folded" else []
+        self.engine_ends = Ends(self.nc, "jl.event.*.turn.*", *answers)
         self.floor_ends = Ends(self.nc, bench_floor.COMPLETED)
         await self.floor_ends.start()
 

@@ -96,12 +96,11 @@ from nats.errors import Error as NatsError
 from jetloop.schemas import (
     CallState,
     DecodeError,
-    Event,
     TurnPhase,
     call_key,
-    decode,
     idempotency_key,
 )
+from jetloop.schemas.log import events_in
 from jetloop.services.client import Client
 from jetloop.services.embedded import server_binary
 from jetloop.services.logs import configure
@@ -629,15 +628,24 @@ class Trials:
         it late (a read that rode out a restart); the event says when the state changed."""
         client = self._client(t.session_id)
         seen = time.monotonic() - start
-        subject = topology.event_subject(t.session_id, f"turn.{status}")
-        try:
-            raw = await asyncio.wait_for(
-                client.js.get_msg(topology.EVENTS_STREAM, subject=subject), 5.0
-            )
-            event = decode(Event, raw.data or b"")
-        except (NatsError, TimeoutError, DecodeError):
-            return seen
-        if event.turn_id != t.turn_id:
+        end = f"turn.{status}"
+        # (In the folded log ``turn.completed`` rides in the last answer: jetloop.schemas.log.)
+        subjects = [topology.event_subject(t.session_id, end)]
+        if status == "completed":
+            subjects.append(topology.history_subject(t.session_id, "assistant"))
+        event = None
+        for subject in subjects:
+            try:
+                raw = await asyncio.wait_for(
+                    client.js.get_msg(topology.EVENTS_STREAM, subject=subject), 5.0
+                )
+                told = events_in(raw.subject or subject, raw.data or b"")
+            except (NatsError, TimeoutError, DecodeError):
+                continue
+            event = next((e for e in told if e.type.value == end), None)
+            if event is not None:
+                break
+        if event is None or event.turn_id != t.turn_id:
             return seen
         wall_to_monotonic = time.monotonic() - time.time()
         return min(seen, event.at + wall_to_monotonic - start)

@@ -569,8 +569,25 @@ async function timelineView(signal, sid, tid) {
   }
   const soon = debounce(() => refresh().catch(() => {}), 300);
   const later = debounce(() => refresh().catch(() => {}), 1500);
+  // The end of the turn, heard live, may reach the read model later than 1.5 s on a busy
+  // machine: until the turn's row says it ended too, read again every second (20 s at most).
+  const ENDS = ["turn.completed", "turn.failed", "turn.cancelled"];
+  let catchingUp = false;
+  const catchUp = async () => {
+    if (catchingUp) return;
+    catchingUp = true;
+    for (let i = 0; i < 20 && !signal.aborted; i++) {
+      await new Promise((r) => setTimeout(r, 1000));
+      if (["completed", "failed", "cancelled"].includes((tl.turn || {}).status)) break;
+      await refresh().catch(() => {});
+    }
+    catchingUp = false;
+  };
   follow(`/v1/sessions/${enc(sid)}/events`, after, signal, (ev) => {
-    if (ev.data && ev.data.turn_id === tid) (soon(), later());
+    if (!ev.data || ev.data.turn_id !== tid) return;
+    soon();
+    later();
+    if (ENDS.includes(ev.data.type)) catchUp();
   });
 }
 

@@ -29,6 +29,7 @@ import pytest
 
 from jetloop.demo.vendor import Vendor
 from jetloop.schemas.ids import idempotency_key
+from jetloop.schemas.log import LogLayout
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.services.settings import Settings
@@ -184,7 +185,7 @@ async def rig(
         nc = await connect(urls, "test-topology")
         try:
             cfg = Settings(lease_seconds=LEASE, replicas=replicas).topology()
-            cfg = dataclasses.replace(cfg, event_log=layout or None)
+            cfg = dataclasses.replace(cfg, event_log=LogLayout(layout) if layout else None)
             await prepare(nc, cfg)
         finally:
             await nc.close()

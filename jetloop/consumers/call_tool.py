@@ -215,21 +215,20 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
     slots = d.rt.call_slots
     # The tool pool's concurrency counts calls, not messages: the calls take their slots
     # together, so they start (and read) together (``jetloop.consumers.slots``); each gives
-    # its own back when it ends.
-    given_back = [False] * count
+    # its own back when it ends. ``held[i]``: call i holds a slot now.
+    held = [False] * count
 
     def give_back(i: int) -> None:
-        if slots is not None and not given_back[i]:
-            given_back[i] = True
+        if slots is not None and held[i]:
+            held[i] = False
             slots.release()
 
     async def one(part: Delivery, i: int) -> None:
         own = step.model_copy(update={"call_index": i, "calls": None})
         try:
-            if slots is not None and i >= slotted:
-                given_back[i] = True  # not taken yet
+            if slots is not None and not held[i]:
                 await slots.one()  # a message of more calls than the pool has slots
-                given_back[i] = False
+                held[i] = True
             await on_call(part, own)
         finally:
             give_back(i)
@@ -240,7 +239,7 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
     for part in parts:
         part.together = known
     slotted = await slots.take(count) if slots is not None else 0
-    given_back[slotted:] = [True] * (count - slotted)
+    held[:slotted] = [True] * slotted
     try:
         got = await asyncio.gather(
             *(one(part, i) for i, part in enumerate(parts)), return_exceptions=True

@@ -34,6 +34,7 @@ from jetloop.schemas.events import (
     TurnFailedData,
     TurnStartedData,
 )
+from jetloop.schemas.ids import call_id, call_key_parts
 from jetloop.schemas.kinds import CALLS_PER_MESSAGE
 from jetloop.streams.bus import Bus, Outgoing, event_out, history_out, step_out
 
@@ -79,6 +80,11 @@ def model_step_out(step: StepMessage, carried: Carried | None) -> Outgoing:
 
 def _base(turn: TurnRecord) -> str:
     return f"{turn.session_id}.{turn.turn_id}"
+
+
+def _result_key(session_id: str, turn_id: str, model_step: int, index: int) -> str:
+    """The key of a call's result entry."""
+    return f"{session_id}.{turn_id}.m{model_step}.c{index}.result"
 
 
 def accepted_event(turn: TurnRecord, queued: bool) -> Event:
@@ -291,12 +297,12 @@ def result_entry(
     its record alone (its key names the turn, the model step and the call, and the call id
     is derived from them). ``told``: the ``call.outcome`` it carries (the folded log)."""
     assert rec.outcome is not None
-    _, tid, n, i = rec.key.rsplit(".", 3)
+    sid, tid, n, i = call_key_parts(rec.key)
     return HistoryEntry(
-        key=f"{rec.key.rsplit('.', 2)[0]}.m{n}.c{i}.result",
+        key=_result_key(sid, tid, n, i),
         role=HistoryRole.TOOL,
         turn_id=tid,
-        call_id=call.call_id if call is not None else f"{tid}-{n}-{i}",
+        call_id=call.call_id if call is not None else call_id(tid, n, i),
         tool=call.tool if call is not None else rec.tool,
         status=TOOL_STATUS[rec.state],
         result=rec.outcome.result,
@@ -377,8 +383,7 @@ def expected_history(turn: TurnRecord) -> list[str]:
     published together with its message (``restorable``): the user's message for step 0,
     the previous step's tool results after that. (The previous step's answer went out, and
     was confirmed, before its calls.)"""
-    base = _base(turn)
     n = turn.model_step
     if n == 0:
-        return [f"{base}.user"]
-    return [f"{base}.m{n - 1}.c{c.index}.result" for c in turn.calls]
+        return [f"{_base(turn)}.user"]
+    return [_result_key(turn.session_id, turn.turn_id, n - 1, c.index) for c in turn.calls]

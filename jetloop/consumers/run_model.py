@@ -54,6 +54,7 @@ from jetloop.schemas import (
     idempotency_key,
 )
 from jetloop.schemas.errors import ProviderError, ProviderRejected, ProviderRetryable
+from jetloop.schemas.ids import call_id
 from jetloop.streams.bus import event_out
 from jetloop.streams.holds import drained
 from jetloop.streams.state import Versioned, turn_key
@@ -439,7 +440,7 @@ async def _plan(
         calls.append(
             PlannedCall(
                 index=i,
-                call_id=f"{tid}-{n}-{i}",
+                call_id=call_id(tid, n, i),
                 provider_id=c.provider_id,
                 tool=c.name,
                 args=c.arguments,

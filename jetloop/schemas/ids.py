@@ -48,6 +48,17 @@ def call_key(session_id: str, turn_id: str, model_step: int, index: int) -> str:
     return f"{session_id}.{turn_id}.{model_step}.{index}"
 
 
+def call_key_parts(key: str) -> tuple[str, str, int, int]:
+    """Session, turn, model step and position of a call key (``call_key``'s inverse)."""
+    sid, tid, n, i = key.split(".")
+    return sid, tid, int(n), int(i)
+
+
+def call_id(turn_id: str, model_step: int, index: int) -> str:
+    """The call's id the model is given: ``<turn>-<model step>-<index>`` (docs/protocol.md)."""
+    return f"{turn_id}-{model_step}-{index}"
+
+
 def idempotency_key(session_id: str, turn_id: str, model_step: int, index: int) -> str:
     """The key handed to a tool: identical on every attempt of the checkpointed call."""
     return "jl-" + _digest(call_key(session_id, turn_id, model_step, index), size=16)

@@ -18,7 +18,7 @@ Which events ride in which entries (``FOLDED_INTO``):
 A reader of events reads both layouts alike with ``events_in``: a message on a history
 subject yields the events it carries (none in the separate log), any other message the event
 it is. A reader that filters by event type also reads the entries that may carry those types
-(``carrier_subjects``).
+(``carrier_roles``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from jetloop.schemas.codec import decode
-from jetloop.schemas.events import Event, EventType
+from jetloop.schemas.events import TURN_ENDS, Event, EventType, turn_end_of
 from jetloop.schemas.history import HistoryEntry, HistoryRole
 
 
@@ -61,7 +61,16 @@ def events_in(subject: str, data: bytes) -> list[Event]:
     return [decode(Event, data)]
 
 
-def carrier_subjects(session: str, types: list[EventType]) -> list[str]:
-    """The history subjects of ``session`` whose entries may carry an event of ``types``."""
-    roles = sorted({FOLDED_INTO[t].value for t in types if t in FOLDED_INTO})
-    return [f"jl.event.{session}.history.{role}" for role in roles]
+def carrier_roles(types: list[EventType]) -> list[HistoryRole]:
+    """The history roles whose entries may carry an event of ``types``."""
+    return sorted({FOLDED_INTO[t] for t in types if t in FOLDED_INTO})
+
+
+def turn_end_heard(subject: str, headers: dict[str, str] | None) -> EventType | None:
+    """The turn end a stored message tells, from its subject and headers alone (no decoding):
+    an end event on its own subject, or a folded entry whose ``Jl-Events`` names one."""
+    end = turn_end_of(subject)
+    if end is not None or not is_history_subject(subject):
+        return end
+    told = (headers or {}).get(H_EVENTS, "").split()
+    return next((e for e in TURN_ENDS if e.value in told), None)

@@ -65,7 +65,7 @@ from jetloop.schemas.errors import TurnFailed as TurnFailed
 from jetloop.schemas.errors import UnknownAgent as UnknownAgent
 from jetloop.schemas.events import TURN_ENDS
 from jetloop.schemas.ids import parse_traceparent
-from jetloop.schemas.log import FOLDED_INTO, carrier_subjects, events_in
+from jetloop.schemas.log import FOLDED_INTO, carrier_roles, events_in
 from jetloop.services import namespaces
 from jetloop.services.control import PREFIX as CONTROL_PREFIX
 from jetloop.services.control import subject as control_subject
@@ -719,7 +719,8 @@ class Client:
             t for t in FOLDED_INTO if any(_covers(n, _subject(session_id, t)) for n in needed)
         ]
         subjects: list[str] = []
-        for subject in [*needed, *carrier_subjects(session_id, folded)]:
+        carriers = [topology.history_subject(session_id, r) for r in carrier_roles(folded)]
+        for subject in [*needed, *carriers]:
             if subject not in subjects and not any(_covers(w, subject) for w in wanted):
                 subjects.append(subject)
         subjects = [*wanted, *subjects]

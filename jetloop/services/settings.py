@@ -372,7 +372,7 @@ class Settings(BaseSettings):
         return TopologyConfig(
             replicas=self.replicas,
             lease_seconds=self.lease_seconds,
-            event_log=None if self.event_log is None else self.event_log.value,
+            event_log=self.event_log,
         )
 
 

@@ -43,7 +43,7 @@ from nats.js import JetStreamContext
 
 from jetloop.schemas.events import TURN_ENDS
 from jetloop.schemas.history import HistoryRole
-from jetloop.schemas.log import H_EVENTS, LogLayout, is_history_subject
+from jetloop.schemas.log import LogLayout, turn_end_heard
 from jetloop.streams import topology
 from jetloop.streams.bus import H_TURN
 from jetloop.streams.connection import when_link_lost, when_refused
@@ -233,12 +233,9 @@ class TurnEnds:
             return False  # (not allowed, or no server now: the reads still find the end)
 
     async def _on(self, msg: Msg) -> None:
-        hdrs = msg.headers or {}
-        if is_history_subject(msg.subject) and not any(
-            end.value in hdrs.get(H_EVENTS, "").split() for end in TURN_ENDS
-        ):
+        if turn_end_heard(msg.subject, msg.headers) is None:
             return  # an answer that asked for calls: the turn goes on
-        turn_id = hdrs.get(H_TURN)
+        turn_id = (msg.headers or {}).get(H_TURN)
         for wake in self._waits.get(turn_id or "", ()):
             wake.set()
 

@@ -189,7 +189,7 @@ class Worker(Service):
             )
             self._rt = rt
             await self._kinds_written(registry)
-            await self._layout_read(js)
+            await self._layout_read()
             for agent in self.app.agents.values():
                 for trigger in agent.triggers:
                     await publish_trigger(js, agent.name, trigger)
@@ -380,18 +380,18 @@ class Worker(Service):
                 if len(holds):
                     await holds.publish()
                 await self._kinds_written(registry)
-                await self._layout_read(self._rt.js if self._rt is not None else None)
+                await self._layout_read()
             except Exception as exc:  # an outage: the next beat tries again
                 log.warning("worker.advertise_failed", error=str(exc))
 
-    async def _layout_read(self, js: JetStreamContext | None) -> None:
+    async def _layout_read(self) -> None:
         """The session log's layout, read from ``JL_EVENTS`` at the start and with every
         presence refresh: an operator who changes it (``JETLOOP_EVENT_LOG`` on a worker that
         applies the topology) changes what every worker writes within a refresh."""
         rt = self._rt
-        if rt is None or js is None:
+        if rt is None:
             return
-        folded = await topology.log_layout(js) == LogLayout.FOLDED
+        folded = await topology.log_layout(rt.js) == LogLayout.FOLDED
         if folded != rt.folded_log:
             rt.folded_log = folded
             log.info("worker.event_log", now=LogLayout.FOLDED if folded else LogLayout.SEPARATE)

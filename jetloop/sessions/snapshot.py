@@ -27,6 +27,7 @@ from jetloop.schemas import (
     TurnRecord,
     idempotency_key,
 )
+from jetloop.schemas.ids import call_id
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.registry import Registry
@@ -159,7 +160,7 @@ def _unreadable(turn: TurnRecord, key: str, step: int, index: int, exc: Exceptio
     why = exc.reason if isinstance(exc, SealBroken) else str(exc)
     return CallView(
         call_key=key.removeprefix("call."),
-        call_id=f"{turn.turn_id}-{step}-{index}",
+        call_id=call_id(turn.turn_id, step, index),
         model_step=step,
         index=index,
         tool=planned.tool if planned and step == turn.model_step else "",
@@ -219,7 +220,7 @@ async def turn_calls(
         calls.append(
             CallView(
                 call_key=rec.key,
-                call_id=f"{tid}-{step}-{index}",
+                call_id=call_id(tid, step, index),
                 model_step=step,
                 index=index,
                 tool=rec.tool,

@@ -16,6 +16,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, NotFoundError
 
 from jetloop.schemas.kinds import Pool
+from jetloop.schemas.log import LogLayout
 
 TURNS_STREAM = "JL_TURNS"
 STEPS_STREAM = "JL_STEPS"
@@ -142,7 +143,7 @@ class TopologyConfig:
     max_ack_pending: int = 1000
     # The session log's layout (jetloop.schemas.log), kept in JL_EVENTS's metadata for every
     # worker and reader; None: as the stream has it (separate for a new one).
-    event_log: str | None = None
+    event_log: LogLayout | None = None
 
 
 def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
@@ -187,7 +188,7 @@ def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
             num_replicas=r,
             duplicate_window=cfg.event_dedupe_seconds,
             allow_direct=direct,
-            metadata={LOG_LAYOUT_KEY: cfg.event_log or "separate"},
+            metadata={LOG_LAYOUT_KEY: cfg.event_log or LogLayout.SEPARATE},
         ),
         api.StreamConfig(
             name=DEAD_STREAM,
@@ -270,11 +271,12 @@ async def apply_agent(
         await js.add_consumer(stream, cc)
 
 
-async def log_layout(js: JetStreamContext) -> str:
+async def log_layout(js: JetStreamContext) -> LogLayout:
     """The session log's layout, as ``JL_EVENTS``'s metadata says (``separate`` when it says
-    nothing: a stream made before layouts)."""
+    nothing, or nothing this version knows: a stream made before layouts)."""
     info = await js.stream_info(EVENTS_STREAM)
-    return str((info.config.metadata or {}).get(LOG_LAYOUT_KEY, "separate"))
+    said = (info.config.metadata or {}).get(LOG_LAYOUT_KEY)
+    return LogLayout.FOLDED if said == LogLayout.FOLDED else LogLayout.SEPARATE
 
 
 async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = False) -> None:
@@ -295,9 +297,10 @@ async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = 
         if sc.name == EVENTS_STREAM:
             # The layout stays as it is unless this apply sets it; the server's own keys stay.
             kept = dict(info.config.metadata or {})
-            kept.update(sc.metadata or {})
-            if cfg.event_log is None and LOG_LAYOUT_KEY in (info.config.metadata or {}):
-                kept[LOG_LAYOUT_KEY] = (info.config.metadata or {})[LOG_LAYOUT_KEY]
+            if cfg.event_log is None:
+                kept.setdefault(LOG_LAYOUT_KEY, LogLayout.SEPARATE)
+            else:
+                kept[LOG_LAYOUT_KEY] = cfg.event_log
             sc.metadata = kept
         await _placed(js.update_stream, sc)
     for stream, name in LEGACY_CONSUMERS:

@@ -35,8 +35,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from jetloop.schemas import TurnRequest, encode, scoped_msg_id, turn_id_for
-from jetloop.schemas.events import EventType, turn_end_of
-from jetloop.schemas.log import H_EVENTS
+from jetloop.schemas.events import EventType
+from jetloop.schemas.log import LogLayout, turn_end_heard
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.services.settings import load_settings
@@ -135,12 +135,7 @@ class Ends:
         return fut
 
     async def _on(self, msg: Msg) -> None:
-        how = turn_end_of(msg.subject)
-        # The folded log's answers carry ``turn.completed`` (jetloop.schemas.log).
-        if how is None and EventType.TURN_COMPLETED.value in (msg.headers or {}).get(
-            H_EVENTS, ""
-        ).split():
-            how = EventType.TURN_COMPLETED
+        how = turn_end_heard(msg.subject, msg.headers)  # (also a folded answer's)
         if how is None:
             return  # accepted, started: not an end
         tid = (msg.headers or {}).get(H_TURN)
@@ -242,7 +237,8 @@ class Rig:
         await self.server.wait_jetstream()
         self._nc = await nats.connect(self.server.url, name="jetloop-bench")
         self._probe = await nats.connect(self.server.url, name=PROBE_NAME)
-        await topology.apply(self.js, topology.TopologyConfig(event_log=self.event_log))
+        cfg = topology.TopologyConfig(event_log=LogLayout(self.event_log))
+        await topology.apply(self.js, cfg)
         await bench_floor.apply_topology(self.js)
         self._client = Client(self.nc, sealer=load_settings(seal_key=SEAL_KEY).sealer())
         # Subscribed while the raw driver runs turns only (``send``): through the public API

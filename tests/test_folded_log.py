@@ -17,6 +17,7 @@ from typing import Any
 
 from nats.js import api
 
+from jetloop.consumers.conversation import in_call_order
 from jetloop.schemas import HistoryEntry, HistoryRole, decode, encode, turn_id_for
 from jetloop.schemas.log import H_EVENTS, events_in
 from jetloop.services.client import Client
@@ -195,3 +196,20 @@ def test_a_separate_message_reads_as_itself() -> None:
     """``events_in`` of an entry of the separate log is empty; of an event, the event."""
     entry = HistoryEntry(key="s.t.user", role=HistoryRole.USER, turn_id="t", text="hi")
     assert events_in("jl.event.s.history.user", encode(entry)) == []
+
+
+def test_the_model_is_given_a_steps_results_in_call_order() -> None:
+    """The folded log stores a step's results as the calls end; the conversation gives them in
+    the order of the calls, as the separate log stores them (other entries stay in place)."""
+    keys = ["s.t.user", "s.t.m0.assistant", "s.t.m0.c2.result", "s.t.m0.c0.result"]
+    keys += ["s.t.m0.c1.result", "s.t.m1.assistant", "s.t.m1.c0.result"]
+    got = [k for k, _ in in_call_order([(k, None) for k in keys])]
+    assert got == [
+        "s.t.user",
+        "s.t.m0.assistant",
+        "s.t.m0.c0.result",
+        "s.t.m0.c1.result",
+        "s.t.m0.c2.result",
+        "s.t.m1.assistant",
+        "s.t.m1.c0.result",
+    ]

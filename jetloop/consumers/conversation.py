@@ -8,6 +8,7 @@ payload lives in ``jl_blobs`` are resolved on every use instead of being kept in
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -49,6 +50,32 @@ async def message_of(rt: Runtime, e: HistoryEntry) -> Message:
     return Message.from_entry(e, text, result)
 
 
+# A call's result entry: ``<session>.<turn>.m<model step>.c<index>.result``.
+_RESULT = re.compile(r".*\.m(\d+)\.c(\d+)\.result")
+
+
+def _call_of(item: tuple[str, Any]) -> tuple[int, int]:
+    found = _RESULT.fullmatch(item[0])
+    assert found is not None
+    return int(found[1]), int(found[2])
+
+
+def in_call_order(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``items`` (history keys and what they became) with each run of call results in the
+    order of the calls: the folded log stores a step's results as the calls end, the
+    separate log in call order, and the model is given the same either way."""
+    out: list[tuple[str, Any]] = []
+    run: list[tuple[str, Any]] = []
+    for item in items:
+        if _RESULT.fullmatch(item[0]):
+            run.append(item)
+            continue
+        out += sorted(run, key=_call_of)
+        run = []
+        out.append(item)
+    return out + sorted(run, key=_call_of)
+
+
 async def conversation(
     rt: Runtime,
     session_id: str,
@@ -80,7 +107,7 @@ async def conversation(
             converted.append((e.key, e))  # resolved when used, not kept
         else:
             converted.append((e.key, await message_of(rt, e)))
-    for _, m in converted[start:end]:
+    for _, m in in_call_order(converted[start:end]):
         if isinstance(m, HistoryEntry):
             out.append(await message_of(rt, m))
         elif m is not None:

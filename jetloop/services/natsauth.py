@@ -42,7 +42,7 @@ import secrets
 import urllib.parse
 from pathlib import Path
 
-from jetloop.services import namespaces
+from jetloop.services import durability, namespaces
 from jetloop.services.control import subject as control_subject
 from jetloop.services.readmodel.projector import DEFAULT_DURABLE as PROJECTOR_DURABLE
 from jetloop.services.settings import LOCAL_USER, NATS_USERS_FILE, WATCH_USER
@@ -193,11 +193,14 @@ def system_account(watch_password: str) -> dict[str, object]:
     return {"accounts": {SYSTEM_ACCOUNT: {"users": [watch]}}, "system_account": SYSTEM_ACCOUNT}
 
 
-def server_config(users: dict[str, str], store_dir: Path | None = None) -> str:
+def server_config(
+    users: dict[str, str], store_dir: Path | None = None, sync: str = durability.ALWAYS
+) -> str:
     """nats-server's config (JSON is valid config syntax): one account per namespace
     (``jetloop.services.namespaces``), each with its users and their permissions, and the
     system account. ``store_dir`` names where the namespaces' credentials are; without it,
-    the default namespace alone."""
+    the default namespace alone. ``sync``: when the server puts an acknowledged write on
+    disk (``jetloop.services.durability``; always, unless the operator chose otherwise)."""
     accounts: dict[str, object] = {}
     names = namespaces.names(store_dir) if store_dir is not None else [namespaces.DEFAULT]
     for ns in names:
@@ -224,7 +227,11 @@ def server_config(users: dict[str, str], store_dir: Path | None = None) -> str:
         # Every namespace's account has JetStream: its streams and buckets are its own.
         accounts[ns] = {"jetstream": "enabled", "users": entries}
     system = system_account(users[WATCH_USER])
-    config = {**system, "accounts": {**accounts, **system["accounts"]}}  # type: ignore[dict-item]
+    config = {
+        **durability.server_block(sync),
+        **system,
+        "accounts": {**accounts, **system["accounts"]},  # type: ignore[dict-item]
+    }
     return json.dumps(config, indent=2) + "\n"
 
 
@@ -232,12 +239,14 @@ def _entry(cred: namespaces.Credential, perms: object) -> dict[str, object]:
     return {"user": cred.user, "password": cred.password, "permissions": perms}
 
 
-def write_config(store_dir: Path, server_name: str | None = None) -> Path:
+def write_config(
+    store_dir: Path, server_name: str | None = None, sync: str = durability.ALWAYS
+) -> Path:
     """Make the users if needed and write the server's config beside them (0600).
     ``server_name``: the name the server is started with, for a server that will reload the
     file (nats-server refuses a reload whose file names no server, or another, even when the
-    command line names it)."""
-    text = server_config(make_users(store_dir), store_dir)
+    command line names it); ``sync``: as ``server_config``."""
+    text = server_config(make_users(store_dir), store_dir, sync)
     if server_name is not None:
         text = json.dumps({"server_name": server_name, **json.loads(text)}, indent=2) + "\n"
     path = store_dir / CONFIG_FILE

@@ -26,7 +26,7 @@ from pydantic_settings import SettingsError as PydanticSettingsError
 from jetloop.agents.prices import Price
 from jetloop.schemas.errors import SettingsError
 from jetloop.schemas.log import LogLayout
-from jetloop.services import namespaces
+from jetloop.services import durability, namespaces
 from jetloop.services.gateway.config import HookTrigger, Scope, Tokens, fingerprint
 from jetloop.services.namespaces import DEFAULT as DEFAULT_NAMESPACE
 from jetloop.services.storefiles import write_once
@@ -80,6 +80,14 @@ class Settings(BaseSettings):
         "their leases alone)",
     )
     embedded_port: int = Field(4222, ge=0, le=65535, description="client port of `jetloop up`")
+    nats_sync: str = Field(
+        durability.ALWAYS,
+        description="when the nats-server that `jetloop up` starts (and the config `jetloop "
+        "credentials` writes) puts an acknowledged write on disk: always (before "
+        "acknowledging: survives an OS crash or a power cut) or an interval such as 2m "
+        "(nats-server's own default: a power cut loses what was acknowledged since the "
+        "last sync); docs/design.md, What an acknowledgement survives",
+    )
     app: str = Field(
         "jetloop.demo.agent:app", description="the agents a worker serves (module:attr)"
     )
@@ -243,6 +251,11 @@ class Settings(BaseSettings):
             if not u.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
                 raise ValueError(f"{u.strip()!r} is not a nats:// URL")
         return v
+
+    @field_validator("nats_sync")
+    @classmethod
+    def _sync(cls, v: str) -> str:
+        return durability.check(v)
 
     @field_validator("seal_key", mode="after")
     @classmethod

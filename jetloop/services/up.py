@@ -33,7 +33,7 @@ import structlog
 from pydantic import SecretStr
 
 from jetloop.agents import load_app
-from jetloop.services import namespaces
+from jetloop.services import durability, namespaces
 from jetloop.services.embedded import (
     EmbeddedServer,
     PortInUse,
@@ -194,7 +194,15 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
     # What the running server's config was made of (None with servers started elsewhere):
     # the namespaces' parts reload it only once the store's credentials change.
     known: list[list[str] | None] = [None]
-    if not external:
+    if external:
+        log.info(
+            "nats.durability",
+            sync="set by your servers",
+            hint="sync_interval: always in their jetstream block, or an OS crash or a power "
+            "cut can take back what they acknowledged (docs/design.md, What an "
+            "acknowledgement survives)",
+        )
+    else:
         # The default namespace's data moves out of the server's global account once, with
         # the server stopped (jetloop.services.namespaces).
         try:
@@ -202,6 +210,12 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
                 log.info("namespace.migrated", namespace=namespaces.DEFAULT)
         except namespaces.NamespaceError as exc:
             raise UpError(str(exc)) from None
+        # Said first: what an acknowledgement survives here (jetloop.services.durability).
+        log.info(
+            "nats.durability",
+            sync=settings.nats_sync,
+            survives=durability.survives(settings.nats_sync),
+        )
         # NATS authorization: users with the permissions of their roles (jetloop.services.natsauth);
         # every part of `up` connects as the worker.
         users = make_users(settings.store_dir)
@@ -213,7 +227,7 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
             name=SERVER_NAME,
             port=settings.embedded_port,  # 0: a free port, kept across restarts
             log_file=settings.store_dir / "nats-server.log",
-            config_file=write_config(settings.store_dir, SERVER_NAME),
+            config_file=write_config(settings.store_dir, SERVER_NAME, settings.nats_sync),
             auth=(LOCAL_USER, password),
         )
         settings = settings.model_copy(
@@ -278,7 +292,7 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
         new one."""
         if server is None:
             return  # servers started elsewhere: their config is their operator's
-        write_config(settings.store_dir, SERVER_NAME)
+        write_config(settings.store_dir, SERVER_NAME, settings.nats_sync)
         server.reload()
         for ns in new:
             await _accepted(settings.for_namespace(ns).nats_urls)

@@ -36,6 +36,11 @@ from jetloop.services.cli.main import (
 )
 @click.option("--gateway-port", type=int, help="port of the gateway (HTTP API)")
 @click.option(
+    "--nats-sync",
+    help="when the embedded server puts an acknowledged write on disk: always (default) or "
+    "an interval such as 2m (faster; a power cut loses what was acknowledged since)",
+)
+@click.option(
     "--allow-anonymous-remote",
     is_flag=True,
     default=None,
@@ -54,6 +59,7 @@ def up(
     store_dir: str | None,
     embedded_port: int | None,
     gateway_port: int | None,
+    nats_sync: str | None,
     allow_anonymous_remote: bool | None,
     worker_processes: int | None,
 ) -> None:
@@ -67,6 +73,7 @@ def up(
         store_dir=store_dir,
         embedded_port=embedded_port,
         gateway_port=gateway_port,
+        nats_sync=nats_sync,
         gateway_allow_anonymous_remote=allow_anonymous_remote,
         worker_processes=worker_processes,
     )
@@ -228,6 +235,7 @@ def credentials(store_dir: str | None) -> None:
     """Make the store's secrets once (the seal key, a NATS password per role) and write the
     nats-server config that gives each role its permissions: for servers started elsewhere
     (compose.yaml, a cluster). Prints where they are, never the secrets."""
+    from jetloop.services.durability import survives
     from jetloop.services.natsauth import write_config
     from jetloop.services.settings import make_seal_key
 
@@ -235,11 +243,14 @@ def credentials(store_dir: str | None) -> None:
     try:
         s.store_dir.mkdir(parents=True, exist_ok=True)
         make_seal_key(s.store_dir)
-        conf = write_config(s.store_dir)
+        conf = write_config(s.store_dir, sync=s.nats_sync)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"setting JETLOOP_STORE_DIR / --store-dir: {exc}") from None
     click.echo(f"seal key and NATS users in {s.store_dir} (0600, made once)")
     click.echo(f"start every nats-server with: --config {conf}")
+    click.echo(
+        f"sync_interval {s.nats_sync}: an acknowledged write survives {survives(s.nats_sync)}"
+    )
     click.echo(
         f"processes with JETLOOP_STORE_DIR={s.store_dir} seal with the key and connect as "
         "worker; give programs elsewhere the client or operator password (docs/security.md)"
@@ -351,6 +362,11 @@ def trials(
     help="the layout of jetloop's session log in every benchmark (default separate; "
     "docs/protocol.md)",
 )
+@click.option(
+    "--nats-sync",
+    help="when the bench's nats-server syncs what it acknowledged: always (default, as "
+    "`jetloop up`) or an interval such as 2m (nats-server's own default)",
+)
 @click.option("--json", "out_json", type=click.Path(dir_okay=False))
 @click.option("--keep", type=click.Path(file_okay=False))
 def bench(
@@ -359,6 +375,7 @@ def bench(
     waiting_sessions: int | None,
     workers: int | None,
     event_log: str | None,
+    nats_sync: str | None,
     out_json: str | None,
     keep: str | None,
 ) -> None:
@@ -378,6 +395,7 @@ def bench(
             waiting_sessions,
             workers,
             event_log,
+            nats_sync,
         )
     )
 

@@ -57,6 +57,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
+from jetloop.services import durability
 from jetloop.tooling.bench.costs import Cost
 from jetloop.tooling.bench.restate import side as restate_side
 from jetloop.tooling.bench.rig import (
@@ -154,6 +155,7 @@ class PeerResult:
     # server, the workers and the driving client (jetloop.tooling.bench.costs).
     costs: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
     event_log: str = "separate"  # the layout of jetloop's session log (jetloop.schemas.log)
+    nats_sync: str = durability.ALWAYS  # when jetloop's server syncs (services.durability)
 
 
 @dataclass
@@ -263,6 +265,7 @@ async def peer_side_by_side(
     workers: int = 1,
     floor: bool = True,
     event_log: str = "separate",
+    nats_sync: str = durability.ALWAYS,
 ) -> PeerResult:
     """The 7-step turn on jetloop (``workers`` worker processes) and on each installed peer
     (Restate, DBOS),
@@ -373,6 +376,7 @@ async def peer_side_by_side(
         workers=workers,
         costs=costs,
         event_log=event_log,
+        nats_sync=nats_sync,
     )
 
 
@@ -405,6 +409,8 @@ def format_peer(result: PeerResult) -> str:
         if name == JETLOOP:
             label = "**jetloop**" + (f", {result.workers} workers" if result.workers > 1 else "")
             label += ", folded log" if result.event_log == "folded" else ""
+            if result.nats_sync != durability.ALWAYS:
+                label += f", syncs every {result.nats_sync}"
         lines.append(f"| {label} | {cells} | {turns} |")
     lines += [
         "",
@@ -422,7 +428,14 @@ def format_peer(result: PeerResult) -> str:
         " acked) before each batch of any system. A jetloop turn runs from Client.send until"
         " Client.wait returns (jetloop's public API), through"
         + (" one worker." if result.workers == 1 else f" {result.workers} worker processes.")
-        + f" Its session log is {result.event_log} (JETLOOP_EVENT_LOG)."
+        + f" Its session log is {result.event_log} (JETLOOP_EVENT_LOG); its nats-server"
+        + (
+            " syncs to disk before it acknowledges (sync_interval always, JETLOOP_NATS_SYNC),"
+            " as Restate's server syncs its log."
+            if result.nats_sync == durability.ALWAYS
+            else f" syncs every {result.nats_sync} (JETLOOP_NATS_SYNC): a power cut would"
+            " lose what it acknowledged since, which Restate's server would keep."
+        )
     ]
     if RESTATE in systems:
         per = result.restate_journal_per_turn or {}

@@ -37,6 +37,7 @@ from nats.js import JetStreamContext
 from jetloop.schemas import TurnRequest, encode, scoped_msg_id, turn_id_for
 from jetloop.schemas.events import EventType
 from jetloop.schemas.log import LogLayout, turn_end_heard
+from jetloop.services import durability
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.services.settings import load_settings
@@ -178,15 +179,19 @@ class Rig:
     """One nats-server on a temporary store, the engine's and the floor's topology, worker
     processes on demand, and the driver's connection."""
 
-    def __init__(self, base: Path, event_log: str = "separate") -> None:
+    def __init__(
+        self, base: Path, event_log: str = "separate", sync: str = durability.ALWAYS
+    ) -> None:
         self.base = base
         self.event_log = event_log  # the session log's layout (jetloop.schemas.log)
+        # When the server syncs what it acknowledged (jetloop.services.durability).
+        self.sync = sync
         # The monitoring port's /connz says how many messages each connection sent.
         self.monitor_port = free_port()
         # The server as `jetloop up` configures it: the default namespace in an account of
         # its own (docs/design.md, "Namespaces"); the rig's connections, without a user, act
         # as its workers.
-        config, _, _ = write_namespaced_config(base, names=("default",))
+        config, _, _ = write_namespaced_config(base, names=("default",), sync=sync)
         self.server = EmbeddedServer(
             base / "store",
             port=0,
@@ -448,12 +453,14 @@ FLOOR_CONSUMERS = [
 
 
 @asynccontextmanager
-async def rig(work_dir: Path | None = None, event_log: str = "separate") -> AsyncIterator[Rig]:
+async def rig(
+    work_dir: Path | None = None, event_log: str = "separate", sync: str = durability.ALWAYS
+) -> AsyncIterator[Rig]:
     """A running rig on ``work_dir`` (else a temporary directory), closed on the way out."""
     with tempfile.TemporaryDirectory(prefix="jetloop-bench-") as tmp:
         base = work_dir or Path(tmp)
         await asyncio.to_thread(base.mkdir, parents=True, exist_ok=True)
-        r = Rig(base, event_log)
+        r = Rig(base, event_log, sync)
         try:
             await r.start()
             yield r

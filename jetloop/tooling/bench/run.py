@@ -40,6 +40,7 @@ from pathlib import Path
 from nats.aio.msg import Msg
 
 from jetloop.schemas import Event, approval_id_for, call_key, decode, turn_id_for
+from jetloop.services import durability
 from jetloop.services.client import Client
 from jetloop.streams.bus import H_SESSION
 from jetloop.streams.seal import Sealer, key_bytes
@@ -465,6 +466,9 @@ class Sizes:
     throughput_workers: tuple[int, ...] = (1, 2, 4)
     peer_workers: int = 1  # jetloop's worker processes beside the peers
     event_log: str = "separate"  # the session log's layout in every benchmark
+    # When the rig's server syncs what it acknowledged (jetloop.services.durability): always,
+    # as `jetloop up` runs it, unless --nats-sync says otherwise.
+    nats_sync: str = durability.ALWAYS
     limit_calls: int = 2000
 
 
@@ -544,7 +548,7 @@ async def _run_one(
 ) -> None:
     """One benchmark on a rig of its own; its result goes into ``rep``."""
     wd = work_dir / name if work_dir is not None else None
-    async with rig(wd, sizes.event_log) as r:
+    async with rig(wd, sizes.event_log, sizes.nats_sync) as r:
         if name == "overhead":
             rep.overhead = await engine_overhead(
                 r,
@@ -584,6 +588,7 @@ async def _run_one(
                 skipped=skipped,
                 workers=sizes.peer_workers,
                 event_log=sizes.event_log,
+                nats_sync=sizes.nats_sync,
             )
         else:
             # Kept after the run (the report names it): the text tree and pstats.
@@ -605,6 +610,7 @@ def main(
     waiting_sessions: int | None = None,
     workers: int | None = None,
     event_log: str | None = None,
+    nats_sync: str | None = None,
 ) -> int:
     """What ``jetloop bench`` runs: prints the tables; 0 if every measured target is met,
     1 if one is not, 2 if a benchmark could not run (each said in one line on stderr)."""
@@ -620,6 +626,12 @@ def main(
         sizes = replace(sizes, peer_workers=workers)
     if event_log is not None:
         sizes = replace(sizes, event_log=event_log)
+    if nats_sync is not None:
+        try:
+            sizes = replace(sizes, nats_sync=durability.check(nats_sync))
+        except ValueError as exc:
+            print(f"jetloop bench: --nats-sync: {exc}", file=sys.stderr)
+            return 2
     try:
         rep = asyncio.run(run_benchmarks(which, sizes=sizes, out_json=out_json, work_dir=work_dir))
     except ValueError as exc:

@@ -29,7 +29,7 @@ from typing import NamedTuple, Protocol
 
 from nats.errors import Error as NatsError
 
-from jetloop.services import namespaces
+from jetloop.services import durability, namespaces
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.services.natsauth import make_users, server_config, system_account
 from jetloop.services.settings import WATCH_USER
@@ -68,9 +68,10 @@ NAMESPACES = ("default", "t1", "t2")
 
 
 def write_namespaced_config(
-    base: Path, names: Sequence[str] = NAMESPACES
+    base: Path, names: Sequence[str] = NAMESPACES, sync: str = durability.ALWAYS
 ) -> tuple[Path, str, Path]:
-    """The config of ``jetloop up``'s server, with the namespaces ``names``: (its path, the
+    """The config of ``jetloop up``'s server, with the namespaces ``names`` and the sync policy
+    ``sync`` (``jetloop.services.durability``; always, as ``up``'s default): (its path, the
     watch user's password, the store directory that holds every namespace's credentials)."""
     store = base / "auth"
     store.mkdir(parents=True, exist_ok=True)
@@ -80,7 +81,7 @@ def write_namespaced_config(
             namespaces.create(store, ns)
     # A connection without a user acts as the default namespace's workers: the harness's
     # own looks at the servers (readiness, leaders) connect so.
-    config = {**json.loads(server_config(users, store)), "no_auth_user": namespaces.WORKER}
+    config = {**json.loads(server_config(users, store, sync)), "no_auth_user": namespaces.WORKER}
     path = base / "nats-server.conf"
     path.write_text(json.dumps(config, indent=2) + "\n")
     path.chmod(0o600)

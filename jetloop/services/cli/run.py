@@ -270,6 +270,21 @@ def credentials(store_dir: str | None) -> None:
     show_default=True,
     help="busy processes (one core each) beside the workers for the whole run",
 )
+@click.option(
+    "--nats-sync",
+    default="always",
+    show_default=True,
+    help="when the trial's servers sync what they acknowledged: always, or an interval such "
+    "as 2m (nats-server's own default)",
+)
+@click.option(
+    "--control-rounds",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="power_loss, cluster_power_loss: rounds of a control run with nats-server's lazy "
+    "sync after the run, which must show harm (0: none)",
+)
 @click.option("--json", "out_json", type=click.Path(dir_okay=False))
 @click.option("--keep", type=click.Path(file_okay=False), help="keep logs and stores here")
 @click.option(
@@ -299,6 +314,8 @@ def trials(
     rounds: int | None,
     seed: int | None,
     load: int,
+    nats_sync: str,
+    control_rounds: int,
     out_json: str | None,
     keep: str | None,
     app: str | None,
@@ -307,10 +324,18 @@ def trials(
     quick: bool,
     vendor_dedupes: tuple[str, ...],
 ) -> None:
-    """Kill trials: random SIGKILLs of workers, servers or leaders, judged from state: lost
-    turns, duplicates, detection and completion times, false takeovers. With --app, the
-    same for your own agent: killed at every step boundary its conversation reaches."""
+    """Kill trials: random SIGKILLs of workers, servers or leaders, and power cuts, judged
+    from state: lost turns, duplicates, reverted decisions, detection and completion times,
+    false takeovers. With --app, the same for your own agent: killed at every step boundary
+    its conversation reaches."""
     from pathlib import Path
+
+    from jetloop.services.durability import check
+
+    try:
+        nats_sync = check(nats_sync)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--nats-sync") from None
 
     if app is not None:
         from jetloop.tooling.crashtest.cli import main as crash
@@ -336,7 +361,18 @@ def trials(
 
     from jetloop.tooling.trials.run import main as run
 
-    sys.exit(run(modes, rounds, seed, out_json, Path(keep) if keep else None, load=load))
+    sys.exit(
+        run(
+            modes,
+            rounds,
+            seed,
+            out_json,
+            Path(keep) if keep else None,
+            load=load,
+            sync=nats_sync,
+            control_rounds=control_rounds,
+        )
+    )
 
 
 @main.command()

@@ -6,6 +6,7 @@
 - ``run``      ``jetloop trials``: random kills, every turn judged from state
 - ``measures`` detection, false takeovers and the targets, read from the events stream
 - ``load``     busy processes beside a trial (``--load N``)
+- ``power``    servers on disks that lose what was not synced: power cuts, OS crashes
 
 The modes are named here, where the CLI can read them without loading the trials.
 """
@@ -19,4 +20,6 @@ MODES = (
     "control",
     "deploy",
     "upgrade",
+    "power_loss",
+    "cluster_power_loss",
 )

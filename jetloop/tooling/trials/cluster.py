@@ -25,7 +25,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,9 +99,14 @@ class LocalCluster:
         cluster_name: str = "jetloop",
         size: int = 3,
         config_file: Path | None = None,
+        store_dirs: Sequence[Path] | None = None,
     ) -> None:
+        """``store_dirs``: each node's store directory (default ``<base_dir>/n<i>``), e.g. one
+        power-cut filesystem per node (``jetloop.tooling.powercut``)."""
         if size < 1:
             raise ValueError("a cluster needs at least one node")
+        if store_dirs is not None and len(store_dirs) != size:
+            raise ValueError(f"{len(store_dirs)} store directories for {size} nodes")
         self.base_dir = Path(base_dir)
         self.cluster_name = cluster_name
         self.config_file = config_file
@@ -112,7 +117,9 @@ class LocalCluster:
                 name=f"n{i + 1}",
                 port=ports[2 * i],
                 route_port=ports[2 * i + 1],
-                store_dir=self.base_dir / f"n{i + 1}",
+                store_dir=(
+                    Path(store_dirs[i]) if store_dirs is not None else self.base_dir / f"n{i + 1}"
+                ),
                 log_file=self.base_dir / f"n{i + 1}.log",
             )
             for i in range(size)
@@ -201,6 +208,21 @@ class LocalCluster:
         if node.proc is not None and node.proc.poll() is None:
             os.kill(node.proc.pid, signal.SIGKILL)
             node.proc.wait()
+
+    def pause(self, i: int) -> None:
+        """SIGSTOP node ``i``: alive to the kernel (its connections stay open) but silent, as a
+        process stalled by its machine."""
+        node = self.nodes[i]
+        if node.running:
+            assert node.proc is not None
+            os.kill(node.proc.pid, signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        """SIGCONT node ``i`` after ``pause``."""
+        node = self.nodes[i]
+        if node.running:
+            assert node.proc is not None
+            os.kill(node.proc.pid, signal.SIGCONT)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every node, then SIGKILL whatever is still alive after ``timeout``."""

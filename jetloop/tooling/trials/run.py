@@ -31,6 +31,14 @@ failure:
   replace them run this one. Between rounds, with nothing in flight, the survivor is put back
   on the previous release. The previous release serves the default namespace only, so every
   session of this mode is there;
+- ``power_loss``: the machine loses power (``jetloop.tooling.trials.power``): nats-server and
+  every worker SIGKILLed at once, what the store had not synced to disk discarded, the server
+  restarted on what is left and new workers started. The harness, a client elsewhere, sends
+  again every turn it had no answer for (the same request id, as the docs allow), and at the
+  end reads back every turn it saw completed: one that is gone was lost;
+- ``cluster_power_loss``: on the 3-node cluster, each node on such a disk, each round either
+  cuts all three nodes and every worker at once, or crashes one node's OS (killed, its
+  unsynced data discarded, restarted) while another node is paused;
 - ``control``: nothing fails. Its "completion" is what the turns in flight at a random
   moment take anyway (their timers, approvals, polls, model rounds): the part of every other
   mode's completion that no failure caused.
@@ -42,6 +50,8 @@ the vendor's SQLite log, never from worker logs. Per failure the report gives:
   (``outcome_unknown`` for a single-attempt write in doubt is a legitimate end);
 - *duplicates*: a vendor write applied twice for one idempotency key, or a single-attempt
   write requested twice with one key;
+- *reverted decisions*: an approval the harness granted that was asked for again (a power
+  cut took the decision back);
 - *detection*: from the kill until the engine noticed. After a worker kill, until another
   worker resumed a step the dead one held (its ``agent.run.crash_resumed`` event); rounds in
   which the victim held no step have none and are counted "n/a". When no worker died (a
@@ -101,6 +111,7 @@ from jetloop.schemas import (
     idempotency_key,
 )
 from jetloop.schemas.log import events_in
+from jetloop.services import durability
 from jetloop.services.client import Client
 from jetloop.services.embedded import server_binary
 from jetloop.services.logs import configure
@@ -122,9 +133,17 @@ from jetloop.tooling.trials.measures import (
     targets,
     worker_detection,
 )
+from jetloop.tooling.trials.power import KILLS_WORKERS, PowerCluster, PowerServer
 from jetloop.tooling.trials.servers import NAMESPACES, Cluster, Kill, Servers, SingleServer
 
 MIXED_FAILURES = ("worker_kill", "node_restart", "takeover", "worker_kill+takeover")
+CLUSTER_POWER_FAILURES = ("cluster_power_cut", "node_crash+pause")
+POWER_MODES = ("power_loss", "cluster_power_loss")
+# A call's grant: the decision's time, and when the harness last granted it.
+Approvals = dict[str, tuple[float | None, float]]
+REGRANT_SECONDS = 1.0
+# The rounds of the lazy-sync control run beside a power mode's (``main``).
+CONTROL_ROUNDS = 3
 
 APP = "tests.apps:app"
 # What a deploy round replaces the workers with, and back (``deploy``).
@@ -148,6 +167,9 @@ DEADLINES = {
     "takeover": 90.0,
     "worker_kill+takeover": 90.0,
     "worker_drain": 60.0,
+    "power_cut": 90.0,
+    "cluster_power_cut": 120.0,
+    "node_crash+pause": 120.0,
 }
 # How long a drained worker may take to exit before the round says so (its drain is 5 s).
 DRAIN_EXIT_SECONDS = 30.0
@@ -178,6 +200,9 @@ class TurnTrial:
     in_flight: bool = False
     completion: float | None = None  # seconds from the kill to its end, if in flight
     lost: list[str] = field(default_factory=list)  # the record's losses: worker/incarnation
+    resent: bool = False  # sent again after a power cut (no answer heard)
+    vanished: str | None = None  # seen completed, then gone or changed after a power cut
+    reverted: list[str] = field(default_factory=list)  # approvals granted, then asked again
 
 
 @dataclass
@@ -197,6 +222,7 @@ class RoundTrial:
     detection: float | None = None  # seconds from the kill until the engine noticed
     false_takeovers: list[str] = field(default_factory=list)
     drained_resumes: int = 0  # steps taken over from a worker whose drain ran out
+    survivor: str | None = None  # the worker started after a power cut took every worker
     turns: list[TurnTrial] = field(default_factory=list)
 
     @property
@@ -245,14 +271,28 @@ class Report:
     trials: list[RoundTrial]
     # ``upgrade``: the release the old workers ran (``<version> (<commit>)``).
     upgraded_from: str | None = None
+    # When the servers synced what they acknowledged (jetloop.services.durability).
+    sync: str = durability.ALWAYS
+    reverted: list[str] = field(default_factory=list)  # decided approvals asked again
+    # A lazy-sync run beside a power mode's, to show the harness can fail: its verdict is
+    # that it did fail (``bites``).
+    control: bool = False
 
     @property
     def targets_ok(self) -> bool:
         return all(t.met for t in self.targets)
 
     @property
+    def harmed(self) -> bool:
+        """Something a durable engine must never do happened: a lost turn, a write made
+        twice, a decision reverted."""
+        return bool(self.lost or self.duplicates or self.reverted)
+
+    @property
     def ok(self) -> bool:
-        return not self.lost and not self.duplicates and self.targets_ok
+        if self.control:
+            return self.harmed  # the control must show the harm the default prevents
+        return not self.harmed and self.targets_ok
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -353,6 +393,8 @@ class Trials:
         # and the one the survivor runs now.
         self.previous: BuiltRelease | None = None
         self.survivor_release: BuiltRelease | None = None
+        # Each turn's user text by request id: what a client sends again after a power cut.
+        self.texts: dict[str, str] = {}
 
     def _worker(
         self, name: str, app: str | None = None, release: BuiltRelease | None = None
@@ -421,6 +463,10 @@ class Trials:
             return "worker_kill+server_restart"
         if self.mode in ("deploy", "upgrade"):
             return "worker_drain"
+        if self.mode == "power_loss":
+            return "power_cut"
+        if self.mode == "cluster_power_loss":
+            return self.rng.choice(CLUSTER_POWER_FAILURES)
         return self.mode
 
     async def round(self, r: int) -> RoundTrial:
@@ -471,8 +517,12 @@ class Trials:
                 trial.replacement = replacement.worker_id
             if failure == "worker_drain":
                 kill, replacement = await self._deploy(r, victim, trial, stop_sending)
+            elif failure in KILLS_WORKERS:
+                kill = await self._power_cut(r, failure, victim, trial)
             else:
                 kill = await self.servers.fail(failure, victim, self.rng)
+            if failure in (*KILLS_WORKERS, *CLUSTER_POWER_FAILURES):
+                await self._send_again(trial)
             trial.kill_at = kill.at - start
             trial.kill_wall = kill.wall
             trial.restart = kill.restart
@@ -491,6 +541,70 @@ class Trials:
                 t.completion = t.ended_at - trial.kill_at
         await self._judge_from_events(trial, sids)
         return trial
+
+    async def _power_cut(
+        self, r: int, failure: str, victim: WorkerProcess, trial: RoundTrial
+    ) -> Kill:
+        """Every worker dies with the servers (SIGKILL, all at once), the servers' disks lose
+        what they had not synced and restart; then new workers start, as a machine that
+        boots again starts its services. The new survivor serves the rounds after."""
+        assert self.survivor is not None
+        for w in (self.survivor, *self.victims):
+            w.signal(signal.SIGKILL)
+        kill = await self.servers.fail(failure, victim, self.rng)
+        for w in (self.survivor, *self.victims):
+            w.kill()  # reaped
+        self.victims.append(self.survivor)  # killed again on the way out: harmless
+        self.survivor = self._worker(f"survivor{r}")
+        trial.survivor = self.survivor.worker_id
+        await self.survivor.wait_for("worker.started", timeout=WORKER_START_SECONDS)
+        return kill
+
+    async def _send_again(self, trial: RoundTrial) -> None:
+        """As a client that heard no answer: send every turn in flight again, with its
+        request id (the docs call that harmless: it must never run a turn twice)."""
+        for t in trial.turns:
+            if t.ended_at is not None:
+                continue
+            client = self._client(t.session_id)
+            deadline = time.monotonic() + 30.0
+            while True:
+                try:
+                    handle = await client.send(
+                        AGENT,
+                        t.session_id,
+                        self.texts[t.request_id],
+                        request_id=t.request_id,
+                        will_wait=False,
+                    )
+                    break
+                except (NatsError, TimeoutError, OSError):
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)  # the servers are coming back: try again
+            t.resent = True
+            if handle.turn_id != t.turn_id:
+                t.error = f"sent again as another turn {handle.turn_id}"
+
+    async def read_back(self, rounds: Sequence[RoundTrial]) -> None:
+        """After power cuts: every turn seen completed must still be completed, with the
+        same answer state; one that is gone or changed was lost."""
+        for rnd in rounds:
+            for t in rnd.turns:
+                if t.status != "completed":
+                    continue
+                client = self._client(t.session_id)
+                turn = None
+                for _ in range(5):
+                    try:
+                        turn = await asyncio.wait_for(client.turn(t.session_id, t.turn_id), 5.0)
+                        break
+                    except (NatsError, TimeoutError, OSError):
+                        await asyncio.sleep(0.5)  # a busy server after a restart
+                if turn is None:
+                    t.vanished = "gone after a power cut"
+                elif turn.status.value != "completed":
+                    t.vanished = f"{turn.status.value} after a power cut"
 
     async def _deploy(
         self, r: int, victim: WorkerProcess, trial: RoundTrial, stop_sending: asyncio.Event
@@ -538,13 +652,16 @@ class Trials:
             for ns, c in self.clients.items()
             for e in await read_events(c.js, [s for s in sids if self.namespace_of[s] == ns])
         ]
-        killed = trial.victim if trial.failure in VICTIM_KILLED else None
-        if killed is not None:
+        power = trial.failure in KILLS_WORKERS
+        killed = trial.victim if trial.failure in VICTIM_KILLED or power else None
+        if killed is not None and not power:
             trial.detection = worker_detection(events, killed, trial.kill_wall)
         else:
             in_flight = {t.turn_id for t in trial.in_flight}
             trial.detection = engine_detection(events, in_flight, trial.kill_wall)
         alive = {self.survivor.worker_id} | ({trial.victim} if killed is None else set())
+        if power:  # every worker died: the one started after is the only one alive since
+            alive = {self.survivor.worker_id}
         if trial.replacement is not None:
             alive.add(trial.replacement)
         if trial.failure == "worker_drain":
@@ -568,6 +685,7 @@ class Trials:
             if stop_sending.is_set():
                 return
             rid = f"{sid}-{k}"
+            self.texts[rid] = script_text(steps)
             sent = time.monotonic() - start
             # Followed by reading its record (``_follow``), not ``Client.wait``.
             handle = await client.send(
@@ -599,7 +717,7 @@ class Trials:
         """Poll the turn record until it ends (approving held calls on the way) or the
         deadline after the kill passes."""
         client = self._client(t.session_id)
-        approved: set[str] = set()
+        approved: Approvals = {}
         while True:
             if deadline and time.monotonic() > deadline[0]:
                 t.error = "did not end within the deadline after the kill"
@@ -651,20 +769,31 @@ class Trials:
         return min(seen, event.at + wall_to_monotonic - start)
 
     async def _approve(
-        self, t: TurnTrial, n: int, steps: list[list[dict[str, Any]]], approved: set[str]
+        self, t: TurnTrial, n: int, steps: list[list[dict[str, Any]]], approved: Approvals
     ) -> None:
-        """Grant every held call of the step, as a person watching the session would."""
+        """Grant every held call of the step, as a person watching the session would.
+
+        A call still held after its grant is granted again (at most every ``REGRANT_SECONDS``:
+        the worker may simply not have moved it on yet). The first decision wins, so the
+        repeat returns the decision already taken; one with another time means the first
+        was taken back (a power cut), and the person was asked twice: ``t.reverted``."""
         client = self._client(t.session_id)
         if n >= len(steps):
             return
         for i, c in enumerate(steps[n]):
             ckey = call_key(t.session_id, t.turn_id, n, i)
-            if c["tool"] != "guarded" or ckey in approved:
+            if c["tool"] != "guarded":
+                continue
+            first = approved.get(ckey)
+            if first is not None and time.monotonic() - first[1] < REGRANT_SECONDS:
                 continue
             rec = await client.call(t.session_id, t.turn_id, n, i)
             if rec is not None and rec.state == CallState.AWAITING_APPROVAL and rec.approval_id:
-                await client.approve(t.session_id, rec.approval_id, by="trials")
-                approved.add(ckey)
+                decision = await client.approve(t.session_id, rec.approval_id, by="trials")
+                if first is not None and decision.decided_at != first[0]:
+                    t.reverted.append(ckey)
+                decided = decision.decided_at if first is None else first[0]
+                approved[ckey] = (decided, time.monotonic())
 
     async def _settled_calls(self, t: TurnTrial, steps: list[list[dict[str, Any]]]) -> None:
         client = self._client(t.session_id)
@@ -709,9 +838,13 @@ async def run_trials(
     *,
     work_dir: Path | None = None,
     load: int = 0,
+    sync: str = durability.ALWAYS,
+    control: bool = False,
 ) -> Report:
     """Run ``rounds`` rounds of ``mode`` (one of ``MODES``) and judge them, with ``load``
-    busy processes beside the workers throughout (``jetloop.tooling.trials.load``).
+    busy processes beside the workers throughout (``jetloop.tooling.trials.load``), on
+    servers that sync as ``sync`` says (``jetloop.services.durability``). ``control``: the
+    run is a control, whose verdict is that it shows harm (``Report.ok``).
 
     ``seed`` fixes the kill moments, failures and turn plans (not the scheduler). The report
     is written as JSON to ``out_json`` when given; worker and server logs stay in
@@ -724,7 +857,7 @@ async def run_trials(
     info = machine()  # the load before the busy processes start
     with busy(load):
         async with work_dir_of(work_dir, "jetloop-trials-") as base:
-            return await _run(mode, rounds, seed, out_json, base, load, info)
+            return await _run(mode, rounds, seed, out_json, base, load, info, sync, control)
 
 
 async def _run(
@@ -735,11 +868,21 @@ async def _run(
     base: Path,
     load: int,
     info: dict[str, str],
+    sync: str = durability.ALWAYS,
+    control: bool = False,
 ) -> Report:
     """One run on its work directory: servers up, the rounds, the verdict."""
     began = time.monotonic()
     rng = random.Random(seed)
-    servers: Servers = Cluster(base) if mode in ("takeover", "mixed") else SingleServer(base)
+    servers: Servers
+    if mode == "power_loss":
+        servers = PowerServer(base, sync)
+    elif mode == "cluster_power_loss":
+        servers = PowerCluster(base, sync)
+    elif mode in ("takeover", "mixed"):
+        servers = Cluster(base, sync)
+    else:
+        servers = SingleServer(base, sync)
     try:
         await servers.start()
         trials = Trials(mode, servers, base, rng, seed)
@@ -747,6 +890,8 @@ async def _run(
         async with trials.running():
             for r in range(rounds):
                 done.append(await trials.round(r))
+            if mode in POWER_MODES:
+                await trials.read_back(done)
         old = trials.previous
         upgraded_from = f"{old.release.version} ({old.release.commit[:7]})" if old else None
         dups, stray = await asyncio.to_thread(
@@ -760,6 +905,11 @@ async def _run(
         for rnd in done
         for t in rnd.turns
         if t.status != "completed"
+    ] + [
+        f"round {rnd.round} {t.session_id}/{t.turn_id} completed, then {t.vanished}"
+        for rnd in done
+        for t in rnd.turns
+        if t.vanished is not None
     ]
     states: Counter[str] = Counter()
     for t in turns:
@@ -800,6 +950,14 @@ async def _run(
         machine=info,
         trials=done,
         upgraded_from=upgraded_from,
+        sync=sync,
+        reverted=[
+            f"round {rnd.round} {ckey}: granted, then asked again"
+            for rnd in done
+            for t in rnd.turns
+            for ckey in t.reverted
+        ],
+        control=control,
     )
     if out_json is not None:
         text = json.dumps(report.to_json(), indent=2, default=str) + "\n"
@@ -822,7 +980,12 @@ def summarize(rounds: Sequence[RoundTrial]) -> dict[str, Any]:
     return {
         "rounds": len(rounds),
         "in_flight": sum(len(rnd.in_flight) for rnd in rounds),
-        "lost": sum(1 for rnd in rounds for t in rnd.turns if t.status != "completed"),
+        "lost": sum(
+            1
+            for rnd in rounds
+            for t in rnd.turns
+            if t.status != "completed" or t.vanished is not None
+        ),
         **_spread("detection", detections),
         "detection_na": len(rounds) - len(detections),
         **_spread("completion", completions),
@@ -858,6 +1021,8 @@ def format_reports(reports: Sequence[Report]) -> str:
     lines = [head, "-" * len(head)]
     for rep in reports:
         verdict = "met" if rep.ok else "NOT MET"
+        if rep.control:
+            verdict = "bites (control)" if rep.ok else "DID NOT BITE (control)"
         lines.append(
             f"{rep.mode:<15}{rep.rounds:>7}{rep.turns:>7}{rep.in_flight:>10}{len(rep.lost):>6}"
             f"{len(rep.duplicates):>5}{rep.call_states.get('outcome_unknown', 0):>9}"
@@ -872,11 +1037,18 @@ def format_reports(reports: Sequence[Report]) -> str:
         " end = completion (kill → the turn ends); false = false takeovers;"
         " n/a = rounds without detection"
     )
+    if any(rep.mode in POWER_MODES for rep in reports):
+        lines.append(
+            "power modes: lost counts turns seen completed and gone after a cut too; a control"
+            " run syncs lazily (nats-server's default) and must show the harm the default"
+            " sync prevents"
+        )
     for rep in reports:
         lines.append("")
         busy_note = f", {rep.load} busy processes beside" if rep.load else ", no added load"
+        sync_note = f", sync_interval {rep.sync}" + (" (control)" if rep.control else "")
         lines.append(
-            f"{rep.mode} (seed {rep.seed}, {rep.wall_seconds:.0f}s{busy_note},"
+            f"{rep.mode} (seed {rep.seed}, {rep.wall_seconds:.0f}s{busy_note}{sync_note},"
             f" 1-min load {rep.machine.get('load_1m')} at its start,"
             f" {rep.machine.get('load_1m_end')} at its end)"
         )
@@ -896,8 +1068,14 @@ def format_reports(reports: Sequence[Report]) -> str:
                 lines.append(f"    JL_STEPS   {_three(f, 'steps_election')}")
         for target in rep.targets:
             lines.append(f"  target {target.text()}")
-        if rep.lost or rep.duplicates:
-            lines.append("  target no lost turn, no duplicate: NOT MET")
+        if rep.harmed and not rep.control:
+            lines.append("  target no lost turn, no duplicate, no reverted decision: NOT MET")
+        if rep.control:
+            lines.append(
+                f"  control: {len(rep.lost)} lost, {len(rep.duplicates)} duplicated,"
+                f" {len(rep.reverted)} reverted: "
+                + ("the harness bites" if rep.ok else "NOTHING WENT WRONG: it did not bite")
+            )
         for rnd in rep.trials:
             rec = [t.completion for t in rnd.in_flight if t.completion is not None]
             server = ""
@@ -920,6 +1098,8 @@ def format_reports(reports: Sequence[Report]) -> str:
             lines.append(f"  LOST {what}")
         for d in rep.duplicates:
             lines.append(f"  DUPLICATE {d.op} {d.idempotency_key} x{d.applied} ({d.call})")
+        for what in rep.reverted:
+            lines.append(f"  REVERTED {what}")
         for what in rep.false_takeovers:
             lines.append(f"  FALSE TAKEOVER {what}")
         if rep.stray_keys:
@@ -934,11 +1114,16 @@ def main(
     out_json: Path | str | None = None,
     work_dir: Path | None = None,
     load: int = 0,
+    sync: str = durability.ALWAYS,
+    control_rounds: int = CONTROL_ROUNDS,
 ) -> int:
     """What ``jetloop trials`` runs: each mode in turn; prints the table; 0 if all targets met.
 
     ``rounds`` defaults to ``JETLOOP_TRIALS`` (else 10), ``seed`` to ``JETLOOP_KILL_SEED``
     (else random, and printed). With several modes, ``out_json`` holds a list of reports.
+    ``sync``: when the servers sync what they acknowledged (always, as ``jetloop up``). A
+    power mode run on ``always`` is followed by ``control_rounds`` rounds of a control on
+    nats-server's lazy default, which must show harm (0: no control).
     """
     if rounds is None:
         rounds = int(os.environ.get("JETLOOP_TRIALS", "10"))
@@ -950,7 +1135,23 @@ def main(
         out = []
         for i, mode in enumerate(modes):
             wd = work_dir / mode if work_dir is not None else None
-            out.append(await run_trials(mode, rounds, seed + i, None, work_dir=wd, load=load))
+            out.append(
+                await run_trials(mode, rounds, seed + i, None, work_dir=wd, load=load, sync=sync)
+            )
+            if mode in POWER_MODES and sync == durability.ALWAYS and control_rounds > 0:
+                wd = work_dir / f"{mode}-control" if work_dir is not None else None
+                out.append(
+                    await run_trials(
+                        mode,
+                        control_rounds,
+                        seed + i,
+                        None,
+                        work_dir=wd,
+                        load=load,
+                        sync=durability.SERVER_DEFAULT,
+                        control=True,
+                    )
+                )
         return out
 
     configure("console", "warning")  # the client's own log lines would drown the table

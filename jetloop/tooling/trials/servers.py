@@ -152,8 +152,8 @@ class SingleServer:
 
     replicas = 1
 
-    def __init__(self, base: Path) -> None:
-        config, self.watch_password, self.auth_store = write_namespaced_config(base)
+    def __init__(self, base: Path, sync: str = durability.ALWAYS) -> None:
+        config, self.watch_password, self.auth_store = write_namespaced_config(base, sync=sync)
         self.server = EmbeddedServer(
             base / "store", port=0, log_file=base / "nats.log", config_file=config
         )
@@ -200,8 +200,8 @@ class Cluster:
 
     replicas = 3
 
-    def __init__(self, base: Path) -> None:
-        config, self.watch_password, self.auth_store = write_namespaced_config(base)
+    def __init__(self, base: Path, sync: str = durability.ALWAYS) -> None:
+        config, self.watch_password, self.auth_store = write_namespaced_config(base, sync=sync)
         self.cluster = LocalCluster(base / "cluster", "jl-trials", config_file=config)
         self._healing: asyncio.Task[Elections | None] | None = None
 

@@ -1,0 +1,170 @@
+"""Power cuts for the trials: servers whose stores lose what was not on disk.
+
+Every store lives on a power-cut filesystem (``jetloop.tooling.powercut.lazyfs``): what a
+server wrote but did not fsync is discarded by a cut, as a power failure or an OS crash
+discards the page cache. The failures:
+
+- ``power_cut`` (``PowerServer``, one nats-server): the machine loses power. nats-server and
+  every worker are SIGKILLed at once (the trial kills the workers, ``kills_workers``), the
+  store loses what was not synced, the server restarts on what is left, new workers start.
+- ``cluster_power_cut`` (``PowerCluster``, three nodes, R3): the three machines lose power
+  together (a rack, a zone): every node and every worker, every store cut, all restarted.
+- ``node_crash+pause`` (``PowerCluster``): one node's OS crashes (killed, its store cut,
+  restarted) while another node is paused (SIGSTOP) for ``PAUSE_SECONDS``: for a while the
+  cluster has only the crashed node's remains and one healthy node to agree with. The
+  workers run on; the paused node is resumed after the crashed one is back.
+
+The clients (the trial's harness) run elsewhere and keep running: they ride out the outage
+and send again what they heard no answer for, as the docs allow.
+
+Both take the sync policy the servers run with (``jetloop.services.durability``): the
+trials run the default (``always``) and, as a control that shows the harness bites, the
+lazy interval nats-server has by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.tooling.powercut.lazyfs import LazyFS, unavailable
+from jetloop.tooling.trials.cluster import LocalCluster
+from jetloop.tooling.trials.harness import WorkerProcess
+from jetloop.tooling.trials.servers import (
+    Cluster,
+    Elections,
+    Kill,
+    urls_as,
+    write_namespaced_config,
+)
+
+# The failures that take every worker with the servers: the trial kills them at the cut and
+# starts new ones once the servers are back.
+KILLS_WORKERS = ("power_cut", "cluster_power_cut")
+PAUSE_SECONDS = 3.0
+
+
+class PowerCutUnavailable(RuntimeError):
+    """The power-cut filesystem cannot be mounted here (the reason says why)."""
+
+
+def _require_fuse() -> None:
+    reason = unavailable()
+    if reason is not None:
+        raise PowerCutUnavailable(f"power-cut trials need FUSE: {reason}")
+
+
+class PowerServer:
+    """One nats-server on a power-cut filesystem: ``power_cut``."""
+
+    replicas = 1
+
+    def __init__(self, base: Path, sync: str) -> None:
+        _require_fuse()
+        self.sync = sync
+        config, self.watch_password, self.auth_store = write_namespaced_config(base, sync=sync)
+        self.disk = LazyFS(base / "disk")
+        self.server = EmbeddedServer(
+            self.disk.mountpoint, port=0, log_file=base / "nats.log", config_file=config
+        )
+
+    def urls_as(self, namespace: str) -> list[str]:
+        return urls_as(self.url, self.auth_store, namespace)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.disk.mount)
+        await asyncio.to_thread(self.server.start)
+        await self.server.wait_jetstream()
+
+    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> Kill:
+        if failure != "power_cut":
+            raise ValueError(f"a power-cut server cannot take the failure {failure!r}")
+        kill = Kill.now()
+        self.server.kill()  # the workers went with it (the trial killed them)
+        await asyncio.to_thread(self.disk.cut, rng.random() < 0.5, rng)
+        await asyncio.to_thread(self.disk.mount)
+        await asyncio.to_thread(self.server.start, 30.0)
+        return Kill(kill.at, kill.wall, restart=time.monotonic() - kill.at)
+
+    async def heal(self) -> Elections | None:
+        await self.server.wait_jetstream(timeout=30)
+        return None
+
+    def close(self) -> None:
+        self.server.kill()
+        self.disk.unmount()
+
+
+class PowerCluster(Cluster):
+    """Three nodes, each on a power-cut filesystem: ``cluster_power_cut`` and
+    ``node_crash+pause``."""
+
+    def __init__(self, base: Path, sync: str) -> None:
+        _require_fuse()
+        self.sync = sync
+        config, self.watch_password, self.auth_store = write_namespaced_config(base, sync=sync)
+        self.disks = [LazyFS(base / f"disk{i + 1}") for i in range(3)]
+        self.cluster = LocalCluster(
+            base / "cluster",
+            "jl-trials",
+            config_file=config,
+            store_dirs=[d.mountpoint for d in self.disks],
+        )
+        self._healing: asyncio.Task[Elections | None] | None = None
+        self._paused: int | None = None
+
+    async def start(self) -> None:
+        for d in self.disks:
+            await asyncio.to_thread(d.mount)
+        await super().start()
+
+    async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> Kill:
+        nodes = range(len(self.cluster.nodes))
+        if failure == "cluster_power_cut":
+            kill = Kill.now()
+            for i in nodes:
+                self.cluster.kill(i)
+            for d in self.disks:
+                await asyncio.to_thread(d.cut, rng.random() < 0.5, rng)
+            for d in self.disks:
+                await asyncio.to_thread(d.mount)
+            self.cluster.start()
+            await self.cluster.wait_ready(timeout=90)
+            return Kill(kill.at, kill.wall, restart=time.monotonic() - kill.at)
+        if failure == "node_crash+pause":
+            crashed, paused = rng.sample(list(nodes), 2)
+            self.cluster.pause(paused)
+            self._paused = paused
+            kill = Kill.now()
+            self.cluster.kill(crashed)
+            await asyncio.to_thread(self.disks[crashed].cut, rng.random() < 0.5, rng)
+            await asyncio.to_thread(self.disks[crashed].mount)
+            self.cluster.start_node(crashed)
+            self._healing = asyncio.create_task(self._resume_later(crashed, paused))
+            return kill
+        raise ValueError(f"a power-cut cluster cannot take the failure {failure!r}")
+
+    async def _resume_later(self, crashed: int, paused: int) -> Elections | None:
+        """Resume the paused node ``PAUSE_SECONDS`` after the crashed one is back."""
+        try:
+            await self.cluster.wait_node(crashed, timeout=60)
+            await asyncio.sleep(PAUSE_SECONDS)  # the stall is the fault, not a wait
+        finally:
+            self.cluster.resume(paused)
+            self._paused = None
+        await self.cluster.wait_node(paused, timeout=60)
+        return None
+
+    def close(self) -> None:
+        if self._paused is not None:
+            self.cluster.resume(self._paused)
+        super().close()
+        for d in self.disks:
+            d.unmount()

@@ -87,6 +87,19 @@ async def once(args: Named, ctx: ToolContext) -> dict[str, Any]:
     return await vendor().write("once", ctx.idempotency_key, {"name": args.name}, dedupe=False)
 
 
+@tool(effect=Effect.NON_IDEMPOTENT_WRITE)
+async def once_held(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """A single-attempt write held after the vendor made it: with ``TEST_HELD_LATCH`` set (a
+    file path) the tool returns only once that file exists, so a test can fail the machine
+    while the write is made and its outcome not yet committed (tests/test_power_loss.py)."""
+    done = await vendor().write("once_held", ctx.idempotency_key, {"name": args.name}, dedupe=False)
+    path = os.environ.get("TEST_HELD_LATCH")
+    # Polls a file the test process creates, as ``latch`` does.
+    while path and not Path(path).exists():  # noqa: ASYNC110, ASYNC240
+        await asyncio.sleep(0.02)
+    return done
+
+
 @tool(effect=Effect.READ)
 async def read(args: Named, ctx: ToolContext) -> dict[str, Any]:
     """A read: logged, changes nothing."""
@@ -297,6 +310,7 @@ TOOLS = (
     whoami,
     write,
     once,
+    once_held,
     read,
     big,
     slow,

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 
 import nats
+import pytest
+from nats.js.errors import APIError
 
 from jetloop.schemas import turn_id_for
 from jetloop.services.client import Client
+from jetloop.streams.connection import MSG_ID_IN_PROCESS, retrying
 from tests.conftest import WorkerFactory, script, until
 
 
@@ -67,3 +70,26 @@ async def test_same_request_id_in_two_sessions_runs_twice_and_unscoped_ids_are_r
     [(bare, _), (mismatch, _)] = letters
     assert "'r-1' is not 'rc.<request id>'" in bare, bare
     assert "'Nats-Msg-Id: rc.y'" in mismatch, mismatch
+
+
+async def test_a_send_whose_id_is_in_process_is_asked_again() -> None:
+    """JetStream answers a publish whose ``Nats-Msg-Id`` another publish is storing at that
+    moment with error 10158 ("duplicate message id is in process"): a client that sends a
+    request again beside its own retry after an outage met it. ``retrying`` asks again (the
+    server then answers "duplicate"), and still raises any other API error at once."""
+    calls: list[int] = []
+
+    async def in_process_once() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise APIError(code=409, err_code=MSG_ID_IN_PROCESS, description="in process")
+        return "duplicate"
+
+    assert await retrying(in_process_once, 5.0, "send") == "duplicate"
+    assert len(calls) == 2
+
+    async def refused() -> str:
+        raise APIError(code=400, err_code=10071, description="wrong last sequence")
+
+    with pytest.raises(APIError):
+        await retrying(refused, 5.0, "send")

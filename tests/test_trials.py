@@ -3,7 +3,8 @@ lose no turn and double no write, and take no claim from a live worker — also 
 processes beside the workers.
 
 Marked ``slow``; CI runs two rounds of each single-server mode (a deploy too), one round of a
-rolling upgrade from the previous release, and one round of
+rolling upgrade from the previous release, one round of each power-cut mode (and of its lazy
+control), and one round of
 a worker killed with the server while two busy processes load the machine
 (``JETLOOP_TRIALS`` sets more, ``JETLOOP_KILL_SEED`` fixes the kill moments). The timing
 targets (detection, completion) are reported by ``jetloop trials``, not asserted here: on a
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from jetloop.tooling.powercut.lazyfs import unavailable
 from jetloop.tooling.trials.measures import (
     SeenEvent,
     engine_detection,
@@ -28,6 +30,8 @@ from jetloop.tooling.trials.measures import (
 )
 from jetloop.tooling.trials.run import format_reports, percentile, run_trials
 from tests.test_upgrade import build_previous
+
+FUSE = unavailable()
 
 ROUNDS = int(os.environ.get("JETLOOP_TRIALS", "2"))
 SEED = int(os.environ.get("JETLOOP_KILL_SEED", str(random.randrange(1 << 30))))
@@ -159,3 +163,31 @@ async def test_kill_trials(mode: str, load: int, rounds: int, tmp_path: Path) ->
     assert saved["mode"] == mode and saved["rounds"] == rounds and saved["load"] == load
     assert len(saved["trials"]) == rounds
     assert {t["measure"] for t in saved["targets"]} >= {"false takeovers"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(FUSE is not None, reason=f"power cuts need FUSE: {FUSE}")
+@pytest.mark.parametrize("mode", ["power_loss", "cluster_power_loss"])
+async def test_power_cut_trials(mode: str, tmp_path: Path) -> None:
+    """A power cut (every server's disk loses what it had not synced; on one server, every
+    worker dies with it) under turns in flight: with the default sync (``always``) no
+    acknowledged turn is lost, no single-attempt write is made twice and no granted approval
+    is asked again, even though the client sends again every turn it heard no answer for.
+    The control, the same round on nats-server's lazy default, shows the harm: the harness
+    can fail."""
+    print(f"JETLOOP_KILL_SEED={SEED}")
+    report = await run_trials(mode, 1, SEED, None, work_dir=tmp_path / "run")
+    control = await run_trials(
+        mode, 1, SEED, None, work_dir=tmp_path / "control", sync="2m", control=True
+    )
+    print(format_reports([report, control]))
+    assert report.sync == "always" and control.sync == "2m"
+    assert report.in_flight >= 1, "no turn was in flight at the cut"
+    assert report.lost == [], report.lost
+    assert report.duplicates == [], report.duplicates
+    assert report.reverted == [], report.reverted
+    assert report.stray_keys == [], "a write reached the vendor under a key no call owns"
+    assert report.false_takeovers == [], report.false_takeovers
+    assert report.ok
+    assert control.harmed and control.ok, "the lazy control lost nothing: the cut did not bite"

@@ -13,6 +13,7 @@ thread (a server started in a worker thread dies when that thread ends).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import os
@@ -25,8 +26,10 @@ import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
+from nats.aio.client import Client as NatsClient
 
 from jetloop.services.lifecycle import Service
 
@@ -244,14 +247,12 @@ class EmbeddedServer:
 
     async def wait_jetstream(self, timeout: float = 10.0) -> None:
         """Wait until JetStream answers (it needs a moment after the port opens)."""
-        import nats
-
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         while time.monotonic() < deadline:
             try:
                 user, password = self.auth or (None, None)
-                nc = await nats.connect(
+                nc = await connect_or_close(
                     self.url,
                     user=user,
                     password=password,
@@ -267,6 +268,20 @@ class EmbeddedServer:
                 last = exc
                 await asyncio.sleep(0.05)
         raise TimeoutError(f"JetStream not ready on {self.url}: {last}")
+
+
+async def connect_or_close(servers: str | list[str], **options: Any) -> NatsClient:
+    """``nats.connect``, but a connect that fails closes what it opened: nats-py leaves the
+    socket of a handshake that failed (a server still starting) to the garbage collector,
+    which closes it after the event loop is gone ("Exception ignored in StreamWriter.__del__")."""
+    nc = NatsClient()
+    try:
+        await nc.connect(servers, **options)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise
+    return nc
 
 
 class ServerExited(RuntimeError):

@@ -23,7 +23,7 @@ from nats.errors import (
     OutboundBufferLimitError,
 )
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from jetloop.schemas.errors import NotAuthorized
 from jetloop.streams.headers import parse_header_lines, read_header_block
@@ -514,18 +514,32 @@ TRANSIENT: tuple[type[BaseException], ...] = (
 )
 
 
+# JetStream's answer to a publish whose Nats-Msg-Id another publish is storing at this moment
+# (the same request sent again by a client that heard nothing, beside its own retry): that one
+# lands or fails, and asked again the server answers "duplicate" or stores this one.
+MSG_ID_IN_PROCESS = 10158
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether asking again may succeed: no leader yet, or the same message id in process."""
+    if isinstance(exc, TRANSIENT):
+        return True
+    return isinstance(exc, APIError) and exc.err_code == MSG_ID_IN_PROCESS
+
+
 RETRY_DELAY_CAP = 0.5
 
 
 async def retrying(op: Callable[[], Awaitable[T]], seconds: float, what: str = "request") -> T:
-    """Run an idempotent operation again while the servers are between leaders."""
+    """Run an idempotent operation again while the servers are between leaders (or while
+    another publish of the same message id is being stored)."""
     deadline = time.monotonic() + seconds
     delay = 0.1
     while True:
         try:
             return await op()
-        except TRANSIENT as exc:
-            if time.monotonic() + delay > deadline:
+        except Exception as exc:
+            if not transient(exc) or time.monotonic() + delay > deadline:
                 raise
             log.info("nats.retry", what=what, error=type(exc).__name__, retry_in=delay)
             await asyncio.sleep(delay)

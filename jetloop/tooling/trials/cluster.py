@@ -32,11 +32,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-import nats
 from nats.aio.client import Client
 from nats.js import JetStreamManager
 
-from jetloop.services.embedded import free_port, server_binary
+from jetloop.services.embedded import connect_or_close, free_port, server_binary
 
 # How often the wait loops look again: well under an election (seconds), so a waiter
 # notices a new leader promptly without hammering the JetStream API.
@@ -297,8 +296,8 @@ class LocalCluster:
         servers = urls if urls is not None else [n.url for n in self.nodes if n.running]
         if not servers:
             raise ConnectionError(f"no node of {self.cluster_name} is running")
-        nc: Client = await nats.connect(
-            servers=servers,
+        nc: Client = await connect_or_close(
+            servers,
             name="jetloop-cluster-harness",
             connect_timeout=1,
             # Bounded: each server is tried at most twice, then NoServersError.

@@ -29,7 +29,6 @@ import random
 import time
 from pathlib import Path
 
-from jetloop.services.embedded import EmbeddedServer
 from jetloop.tooling.powercut.lazyfs import LazyFS, unavailable
 from jetloop.tooling.trials.cluster import LocalCluster
 from jetloop.tooling.trials.harness import WorkerProcess
@@ -37,7 +36,7 @@ from jetloop.tooling.trials.servers import (
     Cluster,
     Elections,
     Kill,
-    urls_as,
+    SingleServer,
     write_namespaced_config,
 )
 
@@ -57,31 +56,17 @@ def _require_fuse() -> None:
         raise PowerCutUnavailable(f"power-cut trials need FUSE: {reason}")
 
 
-class PowerServer:
+class PowerServer(SingleServer):
     """One nats-server on a power-cut filesystem: ``power_cut``."""
-
-    replicas = 1
 
     def __init__(self, base: Path, sync: str) -> None:
         _require_fuse()
-        self.sync = sync
-        config, self.watch_password, self.auth_store = write_namespaced_config(base, sync=sync)
         self.disk = LazyFS(base / "disk")
-        self.server = EmbeddedServer(
-            self.disk.mountpoint, port=0, log_file=base / "nats.log", config_file=config
-        )
-
-    def urls_as(self, namespace: str) -> list[str]:
-        return urls_as(self.url, self.auth_store, namespace)
-
-    @property
-    def url(self) -> str:
-        return self.server.url
+        super().__init__(base, sync, store=self.disk.mountpoint)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.disk.mount)
-        await asyncio.to_thread(self.server.start)
-        await self.server.wait_jetstream()
+        await super().start()
 
     async def fail(self, failure: str, victim: WorkerProcess, rng: random.Random) -> Kill:
         if failure != "power_cut":
@@ -93,12 +78,8 @@ class PowerServer:
         await asyncio.to_thread(self.server.start, 30.0)
         return Kill(kill.at, kill.wall, restart=time.monotonic() - kill.at)
 
-    async def heal(self) -> Elections | None:
-        await self.server.wait_jetstream(timeout=30)
-        return None
-
     def close(self) -> None:
-        self.server.kill()
+        super().close()
         self.disk.unmount()
 
 

@@ -152,10 +152,13 @@ class SingleServer:
 
     replicas = 1
 
-    def __init__(self, base: Path, sync: str = durability.ALWAYS) -> None:
+    def __init__(
+        self, base: Path, sync: str = durability.ALWAYS, store: Path | None = None
+    ) -> None:
+        """``store``: the server's store directory (default ``<base>/store``)."""
         config, self.watch_password, self.auth_store = write_namespaced_config(base, sync=sync)
         self.server = EmbeddedServer(
-            base / "store", port=0, log_file=base / "nats.log", config_file=config
+            store or base / "store", port=0, log_file=base / "nats.log", config_file=config
         )
 
     def urls_as(self, namespace: str) -> list[str]:

@@ -21,10 +21,12 @@ naming a system account) is given to every node; the command-line flags override
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -99,9 +101,11 @@ class LocalCluster:
         size: int = 3,
         config_file: Path | None = None,
         store_dirs: Sequence[Path] | None = None,
+        monitor: bool = False,
     ) -> None:
         """``store_dirs``: each node's store directory (default ``<base_dir>/n<i>``), e.g. one
-        power-cut filesystem per node (``jetloop.tooling.powercut``)."""
+        power-cut filesystem per node (``jetloop.tooling.powercut``); ``monitor``: each node
+        serves its monitoring endpoint (``connection_names``)."""
         if size < 1:
             raise ValueError("a cluster needs at least one node")
         if store_dirs is not None and len(store_dirs) != size:
@@ -109,7 +113,8 @@ class LocalCluster:
         self.base_dir = Path(base_dir)
         self.cluster_name = cluster_name
         self.config_file = config_file
-        ports = _distinct_free_ports(2 * size)
+        ports = _distinct_free_ports(3 * size if monitor else 2 * size)
+        self.monitor_ports = ports[2 * size :]
         self.nodes = [
             ClusterNode(
                 index=i,
@@ -172,7 +177,17 @@ class LocalCluster:
         ]
         if routes:
             args += ["--routes", routes]
+        if self.monitor_ports:
+            args += ["--http_port", str(self.monitor_ports[node.index])]
         return args
+
+    def connection_names(self, i: int) -> list[str]:
+        """The names of the client connections node ``i`` holds now, every account's (its
+        monitoring endpoint's ``/connz``; the cluster must be made with ``monitor``)."""
+        url = f"http://127.0.0.1:{self.monitor_ports[i]}/connz?limit=4096"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            conns = json.load(reply).get("connections") or []
+        return [str(c.get("name") or "") for c in conns]
 
     def start(self) -> None:
         """Launch every node that is not running; ``wait_ready`` tells when the cluster serves.

@@ -29,6 +29,7 @@ import random
 import time
 from pathlib import Path
 
+from jetloop.services.rescue import CONNECTION_PREFIX
 from jetloop.tooling.powercut.lazyfs import LazyFS, unavailable
 from jetloop.tooling.trials.cluster import LocalCluster
 from jetloop.tooling.trials.harness import WorkerProcess
@@ -44,6 +45,15 @@ from jetloop.tooling.trials.servers import (
 # starts new ones once the servers are back.
 KILLS_WORKERS = ("power_cut", "cluster_power_cut")
 PAUSE_SECONDS = 3.0
+
+
+def worker_ids(connection_names: list[str]) -> frozenset[str]:
+    """The workers among connection names (``jetloop-worker-<id>#<incarnation>``)."""
+    return frozenset(
+        n.removeprefix(CONNECTION_PREFIX).partition("#")[0]
+        for n in connection_names
+        if n.startswith(CONNECTION_PREFIX)
+    )
 
 
 class PowerCutUnavailable(RuntimeError):
@@ -97,6 +107,7 @@ class PowerCluster(Cluster):
             "jl-trials",
             config_file=config,
             store_dirs=[d.mountpoint for d in self.disks],
+            monitor=True,  # which workers a paused node cuts off (``fail``)
         )
         self._healing: asyncio.Task[Elections | None] | None = None
         self._paused: int | None = None
@@ -121,9 +132,11 @@ class PowerCluster(Cluster):
             return Kill(kill.at, kill.wall, restart=time.monotonic() - kill.at)
         if failure == "node_crash+pause":
             crashed, paused = rng.sample(list(nodes), 2)
+            names = await asyncio.to_thread(self.cluster.connection_names, paused)
             self.cluster.pause(paused)
             self._paused = paused
             kill = Kill.now()
+            kill = Kill(kill.at, kill.wall, cut_off=worker_ids(names))
             self.cluster.kill(crashed)
             await asyncio.to_thread(self.disks[crashed].cut, rng.random() < 0.5, rng)
             await asyncio.to_thread(self.disks[crashed].mount)

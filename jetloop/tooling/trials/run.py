@@ -223,6 +223,9 @@ class RoundTrial:
     false_takeovers: list[str] = field(default_factory=list)
     drained_resumes: int = 0  # steps taken over from a worker whose drain ran out
     survivor: str | None = None  # the worker started after a power cut took every worker
+    # Workers on a node the failure paused: cut off past their lease, taken for dead by
+    # design; their steps taken over are not counted false (docs/design.md).
+    cut_off: list[str] = field(default_factory=list)
     turns: list[TurnTrial] = field(default_factory=list)
 
     @property
@@ -536,6 +539,7 @@ class Trials:
             trial.kill_at = kill.at - start
             trial.kill_wall = kill.wall
             trial.restart = kill.restart
+            trial.cut_off = sorted(kill.cut_off)
             deadline.append(kill.at + DEADLINES[failure])
         elected = await self.servers.heal()
         if elected is not None:
@@ -672,6 +676,7 @@ class Trials:
         alive = {self.survivor.worker_id} | ({trial.victim} if killed is None else set())
         if power:  # every worker died: the one started after is the only one alive since
             alive = {self.survivor.worker_id}
+        alive -= set(trial.cut_off)
         if trial.replacement is not None:
             alive.add(trial.replacement)
         if trial.failure == "worker_drain":
@@ -1112,6 +1117,7 @@ def format_reports(reports: Sequence[Report]) -> str:
                 f"  completion max {_s(max(rec) if rec else None)}"
                 f"  false {len(rnd.false_takeovers)}{server}"
                 + (f"  drained resumes {rnd.drained_resumes}" if rnd.drained_resumes else "")
+                + (f"  cut off (paused node) {','.join(rnd.cut_off)}" if rnd.cut_off else "")
             )
         for what in rep.lost:
             lines.append(f"  LOST {what}")

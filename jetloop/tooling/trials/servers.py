@@ -46,6 +46,10 @@ class Kill:
     at: float  # time.monotonic() of the kill
     wall: float  # time.time() of the same moment: workers stamp events with this clock
     restart: float | None = None  # seconds until a killed server accepted connections again
+    # Workers whose link went silent with the failure (their node paused): cut off from the
+    # servers past their lease, they are taken for dead by design (docs/design.md, "What is
+    # not promised"), so a takeover of their steps is no false one.
+    cut_off: frozenset[str] = frozenset()
 
     @classmethod
     def now(cls) -> Kill:

@@ -93,6 +93,7 @@ import random
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -133,7 +134,12 @@ from jetloop.tooling.trials.measures import (
     targets,
     worker_detection,
 )
-from jetloop.tooling.trials.power import KILLS_WORKERS, PowerCluster, PowerServer
+from jetloop.tooling.trials.power import (
+    KILLS_WORKERS,
+    PowerCluster,
+    PowerCutUnavailable,
+    PowerServer,
+)
 from jetloop.tooling.trials.servers import NAMESPACES, Cluster, Kill, Servers, SingleServer
 
 MIXED_FAILURES = ("worker_kill", "node_restart", "takeover", "worker_kill+takeover")
@@ -1180,7 +1186,11 @@ def main(
         return out
 
     configure("console", "warning")  # the client's own log lines would drown the table
-    reports = asyncio.run(go())
+    try:
+        reports = asyncio.run(go())
+    except PowerCutUnavailable as exc:
+        print(f"jetloop trials: {exc}", file=sys.stderr)
+        return 2
     print(format_reports(reports))
     if out_json is not None:
         body: Any = [r.to_json() for r in reports]

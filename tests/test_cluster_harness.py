@@ -33,6 +33,11 @@ async def test_publish_and_kv_survive_stream_leader_kill(cluster: LocalCluster) 
     try:
         js = nc.jetstream()
         await topology.apply(js, topology.TopologyConfig(replicas=3, lease_seconds=2.0))
+        # Every stream of the topology is there, each with a leader: none is named leaderless
+        # (a worker names those it waits for: docs/design.md, "What is not promised").
+        made = {info.config.name for info in await js.streams_info()}
+        assert set(topology.stream_names()) <= made, set(topology.stream_names()) - made
+        assert await topology.leaderless(js) == []
 
         victim = await cluster.stream_leader(topology.STEPS_STREAM)
         kv_before = await cluster.kv_leader(topology.STATE_BUCKET)

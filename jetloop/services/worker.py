@@ -16,6 +16,7 @@ once (``worker.clock_off``, with the offset), and once again when the clock is b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -61,6 +62,14 @@ from jetloop.streams.topology import alive_subject
 from jetloop.streams.windows import Windows
 
 log = structlog.get_logger("jetloop.worker")
+# What to do about a stream nats-server left without a leader (docs/design.md, "What is not
+# promised"): the presence bucket holds nothing durable; any other needs NATS's own recovery.
+LEADERLESS_HINT = (
+    "nats-server left these streams without a leader; KV_jl_workers holds only presences: "
+    "delete it (nats stream rm KV_jl_workers, as this namespace's account) and a worker makes "
+    "it again; for any other stream see NATS's recovery docs (docs/design.md, What is not "
+    "promised)"
+)
 
 # Once every live worker runs the newest step kinds, the presences are read again only with
 # every this-many-th refresh of this worker's own (every 30 s), not every 5 s.
@@ -464,7 +473,15 @@ class Worker(Service):
             except Exception as exc:
                 if self._stopping.is_set():
                     raise
-                log.warning("worker.topology_not_ready", error=str(exc), retry_in=delay)
+                said: dict[str, object] = {}
+                if delay >= 5.0:
+                    # Waited a while: a stream nats-server left without a leader (after a power
+                    # cut of every node) is named, so an operator knows what to mend.
+                    with contextlib.suppress(Exception):
+                        stuck = await topology.leaderless(js)
+                        if stuck:
+                            said = {"leaderless": stuck, "hint": LEADERLESS_HINT}
+                log.warning("worker.topology_not_ready", error=str(exc), retry_in=delay, **said)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 

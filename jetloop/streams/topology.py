@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext, api
 from nats.js.errors import BadRequestError, NotFoundError
 
@@ -374,3 +375,26 @@ async def present(js: JetStreamContext) -> list[str]:
         except NotFoundError:
             missing.append(sc.name)
     return missing
+
+
+def stream_names(cfg: TopologyConfig | None = None) -> list[str]:
+    """Every stream of the topology, the buckets' and the object store's included."""
+    names = [sc.name for sc in stream_configs(cfg or TopologyConfig()) if sc.name is not None]
+    buckets = (STATE_BUCKET, AGENTS_BUCKET, WORKERS_BUCKET, LIMITS_BUCKET)
+    return names + [f"KV_{b}" for b in buckets] + [f"OBJ_{BLOB_BUCKET}"]
+
+
+async def leaderless(js: JetStreamContext, timeout: float = 2.0) -> list[str]:
+    """The topology's streams that exist on a cluster but have no leader now (after some
+    power cuts of every node nats-server leaves one so: docs/design.md, "What is not
+    promised"). One that does not answer, or a single server, names nothing."""
+    out: list[str] = []
+    for name in stream_names():
+        try:
+            info = await asyncio.wait_for(js.stream_info(name), timeout)
+        except (NatsError, TimeoutError):
+            continue
+        cluster = info.cluster
+        if cluster is not None and cluster.name and not cluster.leader:
+            out.append(name)
+    return out

@@ -12,6 +12,7 @@ detail, never answered as if it had been applied.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
@@ -55,6 +56,15 @@ from jetloop.streams.state import (
 log = structlog.get_logger("jetloop.control")
 
 CAS_TRIES = 20
+# Between two tries of a decision's CAS: a key written by someone else meanwhile is read again
+# at once, then less and less often (about 14 s over the 20 tries), so that a decision rides
+# out a cluster still settling after a failure (seen: 20 conflicts in a row within
+# milliseconds while a node recovered) instead of failing with "kept changing".
+BACKOFF_FIRST, BACKOFF_CAP = 0.02, 1.0
+
+
+async def backoff(attempt: int) -> None:
+    await asyncio.sleep(min(BACKOFF_FIRST * 2**attempt, BACKOFF_CAP))
 
 
 P = ParamSpec("P")
@@ -93,7 +103,7 @@ class Control:
         """Approve or reject a held call; a repeat returns the decision already recorded,
         and the other decision on a decided call is refused (409)."""
         wanted = Decision.APPROVED if approve else Decision.REJECTED
-        for _ in range(CAS_TRIES):
+        for attempt in range(CAS_TRIES):
             found = await self.state.approval(session_id, approval_id)
             if found is None:
                 raise ControlError(404, "no such approval", f"{session_id}/{approval_id}")
@@ -112,6 +122,7 @@ class Control:
                         approval_key(session_id, approval_id), ap, found.revision
                     )
                 except Conflict:
+                    await backoff(attempt)
                     continue
                 log.info("approval.decided", approval_id=approval_id, status=ap.status.value, by=by)
             await self._wake(
@@ -151,7 +162,7 @@ class Control:
     ) -> QuestionRecord:
         """Answer the model's question; the first answer wins, a repeat of it returns it,
         and another answer is refused (409)."""
-        for _ in range(CAS_TRIES):
+        for attempt in range(CAS_TRIES):
             found = await self.state.question(session_id, question_id)
             if found is None:
                 raise ControlError(404, "no such question", f"{session_id}/{question_id}")
@@ -163,6 +174,7 @@ class Control:
                 try:
                     await self.state.write(question_key(session_id, question_id), q, found.revision)
                 except Conflict:
+                    await backoff(attempt)
                     continue
             await self._wake(
                 q.session_id,
@@ -238,7 +250,7 @@ class Control:
     ) -> CallRecord:
         """Settle an ``outcome_unknown`` call as succeeded or failed; audited, and the
         session's next turn sees it."""
-        for _ in range(CAS_TRIES):
+        for attempt in range(CAS_TRIES):
             found = await self.state.call(call_key)
             if found is None:
                 raise ControlError(404, "no such call", call_key)
@@ -266,6 +278,7 @@ class Control:
             try:
                 await self.state.write(call_state_key(call_key), done, found.revision)
             except Conflict:
+                await backoff(attempt)
                 continue
             sid, tid = call_key.split(".")[:2]
             what = f"succeeded with result {result!r}" if succeeded else f"failed: {error}"
@@ -325,7 +338,7 @@ class Control:
     ) -> SessionRecord:
         """Override a tool's approval policy in one session (None removes the override)."""
         validate_name("session id", session_id)
-        for _ in range(CAS_TRIES):
+        for attempt in range(CAS_TRIES):
             found = await self.state.session(session_id)
             if found is None:
                 if agent is None:
@@ -344,6 +357,7 @@ class Control:
                     session_key(session_id), session, found.revision if found else None
                 )
             except Conflict:
+                await backoff(attempt)
                 continue
             return session
         raise ControlError(409, "session kept changing", session_id)

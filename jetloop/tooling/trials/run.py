@@ -111,6 +111,7 @@ from jetloop.schemas import (
     call_key,
     idempotency_key,
 )
+from jetloop.schemas.errors import ControlError
 from jetloop.schemas.log import events_in
 from jetloop.services import durability
 from jetloop.services.client import Client
@@ -766,8 +767,10 @@ class Trials:
                     return
                 if turn is not None and turn.phase == TurnPhase.CALLS:
                     await asyncio.wait_for(self._approve(t, turn.model_step, steps, approved), 2.0)
-            except (NatsError, TimeoutError, OSError):
-                pass  # an outage: the client rides it out; look again
+            except (NatsError, TimeoutError, OSError, ControlError):
+                # An outage (or a decision that met a cluster still settling): the client
+                # rides it out; look again.
+                pass
             await asyncio.sleep(POLL_SECONDS)
 
     async def _end_time(self, t: TurnTrial, status: str, start: float) -> float:

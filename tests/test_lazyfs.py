@@ -223,6 +223,14 @@ class Store:
         self.server.start()
         await self.server.wait_jetstream()
 
+    async def power_cut(self, lazy: LazyFS) -> None:
+        """SIGKILL the server, cut the power, mount the disk again and start the server on
+        what it kept."""
+        self.server.kill()
+        lazy.cut()
+        lazy.mount()
+        await self.start("after the cut")
+
     async def messages(self) -> int | None:
         """How many messages the stream holds (None: there is no stream)."""
         nc = await nats.connect(self.server.url)
@@ -264,10 +272,7 @@ async def _messages_after_a_cut(lazy: LazyFS, tmp_path: Path, jetstream: dict[st
         lazy.mount()
         await store.start("publish")
         await publish(store, create=False)
-        store.server.kill()
-        lazy.cut()
-        lazy.mount()
-        await store.start("after the cut")
+        await store.power_cut(lazy)
         count = await store.messages()
         assert count is not None
         assert store.server.alive()
@@ -303,10 +308,7 @@ async def test_a_stream_created_just_before_a_cut_with_lazy_sync_is_lost(
     try:
         await store.start("create and publish")
         await publish(store, create=True, count=10)
-        store.server.kill()
-        lazy.cut()
-        lazy.mount()
-        await store.start("after the cut")
+        await store.power_cut(lazy)
         assert await store.messages() is None
         assert any("checksums do not match" in w for w in store.warnings())
     finally:

@@ -265,7 +265,6 @@ async def peer_side_by_side(
     workers: int = 1,
     floor: bool = True,
     event_log: str = "separate",
-    nats_sync: str = durability.ALWAYS,
 ) -> PeerResult:
     """The 7-step turn on jetloop (``workers`` worker processes) and on each installed peer
     (Restate, DBOS),
@@ -376,7 +375,7 @@ async def peer_side_by_side(
         workers=workers,
         costs=costs,
         event_log=event_log,
-        nats_sync=nats_sync,
+        nats_sync=r.sync,
     )
 
 

@@ -588,7 +588,6 @@ async def _run_one(
                 skipped=skipped,
                 workers=sizes.peer_workers,
                 event_log=sizes.event_log,
-                nats_sync=sizes.nats_sync,
             )
         else:
             # Kept after the run (the report names it): the text tree and pstats.

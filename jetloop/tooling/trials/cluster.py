@@ -218,25 +218,27 @@ class LocalCluster:
 
     def kill(self, i: int) -> None:
         """SIGKILL node ``i`` (a crash: no flush, no leadership hand-off) and reap it."""
-        node = self.nodes[i]
-        if node.proc is not None and node.proc.poll() is None:
-            os.kill(node.proc.pid, signal.SIGKILL)
-            node.proc.wait()
+        if self._signal(i, signal.SIGKILL):
+            proc = self.nodes[i].proc
+            assert proc is not None
+            proc.wait()
 
     def pause(self, i: int) -> None:
         """SIGSTOP node ``i``: alive to the kernel (its connections stay open) but silent, as a
         process stalled by its machine."""
-        node = self.nodes[i]
-        if node.running:
-            assert node.proc is not None
-            os.kill(node.proc.pid, signal.SIGSTOP)
+        self._signal(i, signal.SIGSTOP)
 
     def resume(self, i: int) -> None:
         """SIGCONT node ``i`` after ``pause``."""
+        self._signal(i, signal.SIGCONT)
+
+    def _signal(self, i: int, sig: signal.Signals) -> bool:
+        """Send ``sig`` to node ``i`` if it runs (False: it does not)."""
         node = self.nodes[i]
-        if node.running:
-            assert node.proc is not None
-            os.kill(node.proc.pid, signal.SIGCONT)
+        if node.proc is None or node.proc.poll() is not None:
+            return False
+        os.kill(node.proc.pid, sig)
+        return True
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every node, then SIGKILL whatever is still alive after ``timeout``."""

@@ -31,14 +31,12 @@ from pathlib import Path
 
 from jetloop.services.rescue import CONNECTION_PREFIX
 from jetloop.tooling.powercut.lazyfs import LazyFS, unavailable
-from jetloop.tooling.trials.cluster import LocalCluster
 from jetloop.tooling.trials.harness import WorkerProcess
 from jetloop.tooling.trials.servers import (
     Cluster,
     Elections,
     Kill,
     SingleServer,
-    write_namespaced_config,
 )
 
 # The failures that take every worker with the servers: the trial kills them at the cut and
@@ -54,6 +52,13 @@ def worker_ids(connection_names: list[str]) -> frozenset[str]:
         for n in connection_names
         if n.startswith(CONNECTION_PREFIX)
     )
+
+
+async def cut_and_mount(disk: LazyFS, rng: random.Random) -> None:
+    """The power goes (half the time tearing an unsynced write) and comes back: the disk
+    holds what was synced, mounted again for the server's restart."""
+    await asyncio.to_thread(disk.cut, rng.random() < 0.5, rng)
+    await asyncio.to_thread(disk.mount)
 
 
 class PowerCutUnavailable(RuntimeError):
@@ -83,8 +88,7 @@ class PowerServer(SingleServer):
             raise ValueError(f"a power-cut server cannot take the failure {failure!r}")
         kill = Kill.now()
         self.server.kill()  # the workers went with it (the trial killed them)
-        await asyncio.to_thread(self.disk.cut, rng.random() < 0.5, rng)
-        await asyncio.to_thread(self.disk.mount)
+        await cut_and_mount(self.disk, rng)
         await asyncio.to_thread(self.server.start, 30.0)
         return Kill(kill.at, kill.wall, restart=time.monotonic() - kill.at)
 
@@ -99,17 +103,13 @@ class PowerCluster(Cluster):
 
     def __init__(self, base: Path, sync: str) -> None:
         _require_fuse()
-        self.sync = sync
-        config, self.watch_password, self.auth_store = write_namespaced_config(base, sync=sync)
         self.disks = [LazyFS(base / f"disk{i + 1}") for i in range(3)]
-        self.cluster = LocalCluster(
-            base / "cluster",
-            "jl-trials",
-            config_file=config,
+        super().__init__(
+            base,
+            sync,
             store_dirs=[d.mountpoint for d in self.disks],
             monitor=True,  # which workers a paused node cuts off (``fail``)
         )
-        self._healing: asyncio.Task[Elections | None] | None = None
         self._paused: int | None = None
 
     async def start(self) -> None:
@@ -124,9 +124,7 @@ class PowerCluster(Cluster):
             for i in nodes:
                 self.cluster.kill(i)
             for d in self.disks:
-                await asyncio.to_thread(d.cut, rng.random() < 0.5, rng)
-            for d in self.disks:
-                await asyncio.to_thread(d.mount)
+                await cut_and_mount(d, rng)
             self.cluster.start()
             await self.cluster.wait_ready(timeout=90)
             return Kill(kill.at, kill.wall, restart=time.monotonic() - kill.at)
@@ -135,11 +133,9 @@ class PowerCluster(Cluster):
             names = await asyncio.to_thread(self.cluster.connection_names, paused)
             self.cluster.pause(paused)
             self._paused = paused
-            kill = Kill.now()
-            kill = Kill(kill.at, kill.wall, cut_off=worker_ids(names))
+            kill = Kill.now(cut_off=worker_ids(names))
             self.cluster.kill(crashed)
-            await asyncio.to_thread(self.disks[crashed].cut, rng.random() < 0.5, rng)
-            await asyncio.to_thread(self.disks[crashed].mount)
+            await cut_and_mount(self.disks[crashed], rng)
             self.cluster.start_node(crashed)
             self._healing = asyncio.create_task(self._resume_later(crashed, paused))
             return kill

@@ -114,7 +114,7 @@ from jetloop.schemas import (
 from jetloop.schemas.errors import ControlError
 from jetloop.schemas.log import events_in
 from jetloop.services import durability
-from jetloop.services.client import Client
+from jetloop.services.client import Client, TurnHandle
 from jetloop.services.embedded import server_binary
 from jetloop.services.logs import configure
 from jetloop.streams import topology
@@ -234,6 +234,11 @@ class RoundTrial:
     # design; their steps taken over are not counted false (docs/design.md).
     cut_off: list[str] = field(default_factory=list)
     turns: list[TurnTrial] = field(default_factory=list)
+
+    @property
+    def lost_turns(self) -> list[TurnTrial]:
+        """Turns that did not complete, or completed and were gone after a power cut."""
+        return [t for t in self.turns if t.status != "completed" or t.vanished is not None]
 
     @property
     def in_flight(self) -> list[TurnTrial]:
@@ -587,25 +592,25 @@ class Trials:
         for t in trial.turns:
             if t.ended_at is not None:
                 continue
-            client = self._client(t.session_id)
-            deadline = time.monotonic() + 30.0
-            while True:
-                try:
-                    handle = await client.send(
-                        AGENT,
-                        t.session_id,
-                        self.texts[t.request_id],
-                        request_id=t.request_id,
-                        will_wait=False,
-                    )
-                    break
-                except (NatsError, TimeoutError, OSError):
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.2)  # the servers are coming back: try again
+            handle = await self._send(t.session_id, t.request_id, [time.monotonic() + 30.0])
             t.resent = True
             if handle.turn_id != t.turn_id:
                 t.error = f"sent again as another turn {handle.turn_id}"
+
+    async def _send(self, sid: str, rid: str, deadline: Sequence[float]) -> TurnHandle:
+        """Send the turn of request ``rid`` (its text from ``texts``); one that meets a failure
+        is sent again with the same request id, as a client that heard nothing does, until it
+        is heard or ``deadline[0]`` (monotonic) passes. ``deadline`` is set once a failure
+        struck (a round's list, filled at the kill): empty, an error is the harness's own."""
+        while True:
+            try:
+                return await self._client(sid).send(
+                    AGENT, sid, self.texts[rid], request_id=rid, will_wait=False
+                )
+            except (NatsError, TimeoutError, OSError):
+                if not deadline or time.monotonic() > deadline[0]:
+                    raise
+                await asyncio.sleep(0.2)  # the servers are coming back: try again
 
     async def read_back(self, rounds: Sequence[RoundTrial]) -> None:
         """After power cuts: every turn seen completed must still be completed, with the
@@ -702,7 +707,6 @@ class Trials:
         out: list[TurnTrial],
     ) -> None:
         """Send turns one after the other until the kill; follow each to its end."""
-        client = self._client(sid)
         for k, steps in enumerate(plans):
             if stop_sending.is_set():
                 return
@@ -710,18 +714,7 @@ class Trials:
             self.texts[rid] = script_text(steps)
             sent = time.monotonic() - start
             # Followed by reading its record (``_follow``), not ``Client.wait``.
-            while True:
-                try:
-                    handle = await client.send(
-                        AGENT, sid, script_text(steps), request_id=rid, will_wait=False
-                    )
-                    break
-                except (NatsError, TimeoutError, OSError):
-                    # Sent as the failure struck: sent again, as a client that heard nothing
-                    # does (the same request id), until it is heard or the deadline passes.
-                    if not deadline or time.monotonic() > deadline[0]:
-                        raise
-                    await asyncio.sleep(0.2)
+            handle = await self._send(sid, rid, deadline)
             for n, group in enumerate(steps):
                 for i, c in enumerate(group):
                     key = idempotency_key(sid, handle.turn_id, n, i)
@@ -1013,12 +1006,7 @@ def summarize(rounds: Sequence[RoundTrial]) -> dict[str, Any]:
     return {
         "rounds": len(rounds),
         "in_flight": sum(len(rnd.in_flight) for rnd in rounds),
-        "lost": sum(
-            1
-            for rnd in rounds
-            for t in rnd.turns
-            if t.status != "completed" or t.vanished is not None
-        ),
+        "lost": sum(len(rnd.lost_turns) for rnd in rounds),
         **_spread("detection", detections),
         "detection_na": len(rounds) - len(detections),
         **_spread("completion", completions),

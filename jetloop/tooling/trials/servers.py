@@ -52,8 +52,8 @@ class Kill:
     cut_off: frozenset[str] = frozenset()
 
     @classmethod
-    def now(cls) -> Kill:
-        return cls(at=time.monotonic(), wall=time.time())
+    def now(cls, cut_off: frozenset[str] = frozenset()) -> Kill:
+        return cls(at=time.monotonic(), wall=time.time(), cut_off=cut_off)
 
 
 def write_server_config(path: Path, watch_password: str) -> Path:
@@ -207,9 +207,22 @@ class Cluster:
 
     replicas = 3
 
-    def __init__(self, base: Path, sync: str = durability.ALWAYS) -> None:
+    def __init__(
+        self,
+        base: Path,
+        sync: str = durability.ALWAYS,
+        store_dirs: Sequence[Path] | None = None,
+        monitor: bool = False,
+    ) -> None:
+        """``store_dirs`` and ``monitor``: as ``LocalCluster`` takes them."""
         config, self.watch_password, self.auth_store = write_namespaced_config(base, sync=sync)
-        self.cluster = LocalCluster(base / "cluster", "jl-trials", config_file=config)
+        self.cluster = LocalCluster(
+            base / "cluster",
+            "jl-trials",
+            config_file=config,
+            store_dirs=store_dirs,
+            monitor=monitor,
+        )
         self._healing: asyncio.Task[Elections | None] | None = None
 
     def urls_as(self, namespace: str) -> list[str]:

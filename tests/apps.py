@@ -396,3 +396,26 @@ changed_app = App(
         )
     ]
 )
+
+
+@tool(effect=Effect.IDEMPOTENT_WRITE)
+async def tenant_write(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """A keyed write to a vendor every namespace shares (it dedupes on the key), with the
+    namespace the tool was told it runs in."""
+    return await vendor().write(
+        "tenant_write", ctx.idempotency_key, {"name": args.name, "namespace": ctx.namespace}
+    )
+
+
+# An app a namespace is served by instead of the default one (JETLOOP_NAMESPACE_APPS): the
+# tester's script, as an agent named `tenant`.
+tenant_app = App(
+    [
+        Agent(
+            name="tenant",
+            instructions="Follow the script.",
+            model=ScriptedModel(script),
+            tools=(tenant_write,),
+        )
+    ]
+)

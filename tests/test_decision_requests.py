@@ -36,7 +36,7 @@ CLIENT_CALLS: dict[str, Callable[[Client], Awaitable[Any]]] = {
     "answer": lambda c: c.answer("s1", "q1", "blue", by="ann"),
     "cancel": lambda c: c.cancel("s1", "t1", by="ann"),
     "reconcile": lambda c: c.reconcile("s1.t1.0.0", True, by="ann", result={"n": 1}),
-    "approval_policy": lambda c: c.set_approval("s1", "refund", None, agent="demo"),
+    "approval_policy": lambda c: c.set_approval("s1", "refund", None, agent="demo", by="ann"),
 }
 
 # What the gateway is sent, per op it serves: (path, body).

@@ -308,7 +308,7 @@ async def test_mcp_servers_are_served_by_jetloops_mcp_client(tmp_path: Path) -> 
         assert c.name == "transfer" and not isinstance(c, MalformedToolCall)
 
         class Ctx:
-            idempotency_key, call_id, attempt = "key-1", "t1-0-0", 1
+            idempotency_key, call_id, attempt, namespace = "key-1", "t1-0-0", 1, "default"
 
         tool = tools["transfer"]
         out = await tool.fn(tool.args_model.model_validate(c.arguments), Ctx())  # type: ignore[arg-type]

@@ -146,6 +146,7 @@ def shouting(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
 class Call:
     """A ToolContext as the engine gives one, for a tool run without the engine."""
 
+    namespace: str = "default"
     session_id: str = "s"
     turn_id: str = "t1"
     model_step: int = 0

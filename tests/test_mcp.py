@@ -45,6 +45,7 @@ class _Ctx:
         self.idempotency_key = key
         self.call_id = f"{key}-call"
         self.attempt = 1
+        self.namespace = "default"
 
 
 async def test_effects_come_from_annotations_and_the_key_travels(ledger: Ledger) -> None:

@@ -258,10 +258,34 @@ def test_namespace_names_and_credentials(tmp_path: Path) -> None:
     assert namespaces.names(store) == ["default", "acme"]
     assert namespaces.identities(store, "acme") == ["alice", "client"]
     listed = json.loads(cli(tmp_path, "namespace", "list", "--json").stdout)
-    assert listed["acme"] == ["acme.alice", "acme.client"]
+    assert listed["acme"]["users"] == ["acme.alice", "acme.client"]
     # The CLI refuses a namespace that is not one before it connects anywhere.
     out = cli(tmp_path, "--namespace", "Bad!", "snapshot", "s1")
     assert out.returncode == 2 and "is not a name" in out.stderr, out
+
+
+def test_a_name_with_a_trailing_newline_is_refused(tmp_path: Path) -> None:
+    """A name followed by a newline is no name (a regex's ``$`` matches before one): refused
+    as a namespace, an identity and by the CLI, and a file named so is no namespace; `up`
+    would otherwise meet an account it cannot start with."""
+    store = tmp_path / ".jetloop"
+    for bad in ("a\n", "a\r\n", "\na"):
+        with pytest.raises(namespaces.NamespaceError, match="is not a name"):
+            namespaces.check_name(bad)
+        with pytest.raises(namespaces.NamespaceError, match="is not a name"):
+            namespaces.create(store, bad)
+    with pytest.raises(namespaces.NamespaceError, match="is not a name"):
+        namespaces.check_identity("bob\n")
+    out = cli(tmp_path, "namespace", "create", "a\n")
+    assert out.returncode == 1 and "is not a name" in out.stderr, out
+    assert namespaces.create(store, "a").user == "a.client"
+    with pytest.raises(namespaces.NamespaceError, match="is not a name"):
+        namespaces.add_identity(store, "a", "bob\n")
+    # Made by hand: neither a namespace nor an identity.
+    (store / "namespaces" / "x\n.worker.json").write_text("{}")
+    (store / "namespaces" / "a.bob\n.json").write_text("{}")
+    assert namespaces.names(store) == ["default", "a"]
+    assert namespaces.identities(store, "a") == ["client"]
 
 
 def test_deleting_a_namespace_says_what_it_removes(tmp_path: Path) -> None:

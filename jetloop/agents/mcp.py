@@ -17,8 +17,9 @@ died or restarted, the network) is made again on the next use, without user code
   destructive). ``effects={"tool": Effect...}`` overrides per tool. The effect a call was
   planned with is written ahead with it and never read again from the server.
 - **The idempotency key travels**: every call sends the step's key in the request's ``_meta``
-  under ``dev.jetloop/idempotency-key`` (with ``dev.jetloop/call-id`` and
-  ``dev.jetloop/attempt``), the same key on every attempt, for a server that dedupes.
+  under ``dev.jetloop/idempotency-key`` (with ``dev.jetloop/call-id``,
+  ``dev.jetloop/attempt`` and ``dev.jetloop/namespace``), the same key on every attempt, for a
+  server that dedupes.
 - **Failures**: a call that could not be sent (no connection) is tried again whatever its
   effect; one that was sent and whose answer never came (the server died, the connection
   broke, the timeout) is in doubt and settled by its effect (made again, made again with the
@@ -56,6 +57,7 @@ log = structlog.get_logger("jetloop.mcp")
 META_IDEMPOTENCY_KEY = "dev.jetloop/idempotency-key"
 META_CALL_ID = "dev.jetloop/call-id"
 META_ATTEMPT = "dev.jetloop/attempt"
+META_NAMESPACE = "dev.jetloop/namespace"
 
 # The tool names every model provider accepts (OpenAI's and Anthropic's rule).
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -285,6 +287,9 @@ class MCPServer:
             META_IDEMPOTENCY_KEY: ctx.idempotency_key,
             META_CALL_ID: ctx.call_id,
             META_ATTEMPT: ctx.attempt,
+            # Call ids are unique only within a namespace: a server that keeps records keys
+            # them by it too.
+            META_NAMESPACE: ctx.namespace,
         }
         try:
             result = await client.call_tool(
@@ -450,6 +455,7 @@ __all__ = [
     "META_ATTEMPT",
     "META_CALL_ID",
     "META_IDEMPOTENCY_KEY",
+    "META_NAMESPACE",
     "MCPServer",
     "MCPUnreachable",
     "effect_of",

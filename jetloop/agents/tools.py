@@ -44,8 +44,17 @@ class ToolContext(Protocol):
     """What a tool gets besides its arguments: which call it is, and the hooks of its run.
 
     The ids are those of the wire protocol (docs/protocol.md): a tool that records or logs
-    what it did can name the session, the turn and the call it did it for.
+    what it did can name the session, the turn and the call it did it for. They are unique
+    only within a namespace (two tenants may use the same session and request ids, and so
+    have the same turn and call ids): a tool that keeps records keys them by
+    ``(namespace, ...)``.
     """
+
+    @property
+    def namespace(self) -> str:
+        """The namespace the call's session lives in (``default`` unless the deployment
+        names others: docs/design.md, Namespaces)."""
+        ...
 
     @property
     def session_id(self) -> str:
@@ -71,7 +80,8 @@ class ToolContext(Protocol):
 
     @property
     def idempotency_key(self) -> str:
-        """Identical on every attempt of this call: hand it to the vendor."""
+        """Identical on every attempt of this call: hand it to the vendor. Distinct across
+        namespaces (it is derived from the namespace too, outside ``default``)."""
         ...
 
     @property

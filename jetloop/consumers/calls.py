@@ -84,6 +84,10 @@ class ToolCtx:
         self._attempt = attempt
 
     @property
+    def namespace(self) -> str:
+        return self._d.rt.namespace
+
+    @property
     def session_id(self) -> str:
         return self._turn.session_id
 

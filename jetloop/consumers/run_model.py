@@ -411,7 +411,8 @@ async def _plan(
 ) -> TurnRecord:
     """The write-ahead checkpoint: the answer and every call it asks for (of the tools the
     model was offered), not yet made, and what the turn's model calls have used with this
-    one. Each call's effect is written here, and never read again from the tool."""
+    one. Each call's effect is written here, and never read again from the tool; so is its
+    idempotency key (of this worker's namespace), which the call keeps across upgrades."""
     offered = {t.name: t for t in tools}
     sid, tid, n = turn.session_id, turn.turn_id, turn.model_step
     assert turn.attempt is not None
@@ -445,7 +446,7 @@ async def _plan(
                 tool=c.name,
                 args=c.arguments,
                 effect=effect,
-                idempotency_key=idempotency_key(sid, tid, n, i),
+                idempotency_key=idempotency_key(sid, tid, n, i, rt.namespace),
                 invalid=invalid,
             )
         )

@@ -33,6 +33,7 @@ from jetloop.consumers.faults import Faults
 from jetloop.consumers.slots import CallSlots
 from jetloop.consumers.tracing import Tracing
 from jetloop.schemas import Attempt, CallRecord
+from jetloop.schemas.ids import DEFAULT_NAMESPACE
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import H_HOLDER_LOST, Bus
 from jetloop.streams.connection import linked_for
@@ -65,6 +66,9 @@ class Runtime:
     app: App
     worker_id: str
     lease_seconds: float
+    # The namespace this worker serves (JETLOOP_NAMESPACE): ids are unique only within one,
+    # so the idempotency keys it makes and the tool context it gives carry it.
+    namespace: str = DEFAULT_NAMESPACE
     faults: Faults = field(default_factory=Faults)
     max_losses: int = 2
     # How long a step a newer jetloop wrote is handed back before it is dead-lettered.

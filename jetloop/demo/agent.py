@@ -12,6 +12,10 @@ The model reads the user's message as clauses separated by ";" or " and then ":
 
 All the calls of one message run in parallel; when their results are back the model
 answers with a summary. Anything else is answered directly.
+
+Each namespace has a ticketing vendor of its own (``vendor(ctx.namespace)``): one `jetloop
+up` serves every namespace with this app, and a tenant must never list, read or comment on
+another's tickets.
 """
 
 from __future__ import annotations
@@ -42,12 +46,15 @@ from jetloop.agents import (
     tool,
     wait,
 )
-from jetloop.demo.vendor import Vendor
+from jetloop.demo.vendor import Vendor, namespaced
 from jetloop.schemas.errors import ToolError
+from jetloop.schemas.ids import DEFAULT_NAMESPACE
 
 
-def vendor() -> Vendor:
-    return Vendor(Path(os.environ.get("JETLOOP_VENDOR_DB", ".jetloop/vendor.sqlite")))
+def vendor(namespace: str = DEFAULT_NAMESPACE) -> Vendor:
+    """The ticketing vendor of ``namespace``: its own database beside the default one's."""
+    base = Path(os.environ.get("JETLOOP_VENDOR_DB", ".jetloop/vendor.sqlite"))
+    return Vendor(namespaced(base, namespace))
 
 
 class TicketRef(BaseModel):
@@ -70,7 +77,7 @@ class NoArgs(BaseModel):
 @tool(effect=Effect.READ)
 async def get_ticket(args: TicketRef, ctx: ToolContext) -> dict[str, Any]:
     """Read one ticket with its comments."""
-    found = await vendor().read_ticket(args.ticket)
+    found = await vendor(ctx.namespace).read_ticket(args.ticket)
     if found is None:
         raise ToolError(f"no ticket {args.ticket}")
     return found
@@ -79,25 +86,27 @@ async def get_ticket(args: TicketRef, ctx: ToolContext) -> dict[str, Any]:
 @tool(effect=Effect.READ)
 async def list_tickets(args: NoArgs, ctx: ToolContext) -> list[dict[str, Any]]:
     """List every ticket."""
-    return await vendor().list_tickets()
+    return await vendor(ctx.namespace).list_tickets()
 
 
 @tool(effect=Effect.IDEMPOTENT_WRITE)
 async def create_ticket(args: NewTicket, ctx: ToolContext) -> dict[str, Any]:
     """Open a ticket."""
-    return await vendor().write("create_ticket", ctx.idempotency_key, args.model_dump())
+    return await vendor(ctx.namespace).write(
+        "create_ticket", ctx.idempotency_key, args.model_dump()
+    )
 
 
 @tool(effect=Effect.IDEMPOTENT_WRITE)
 async def add_comment(args: NewComment, ctx: ToolContext) -> dict[str, Any]:
     """Comment on a ticket."""
-    return await vendor().write("add_comment", ctx.idempotency_key, args.model_dump())
+    return await vendor(ctx.namespace).write("add_comment", ctx.idempotency_key, args.model_dump())
 
 
 @tool(effect=Effect.IDEMPOTENT_WRITE, approval=True)
 async def close_ticket(args: TicketRef, ctx: ToolContext) -> dict[str, Any]:
     """Close a ticket."""
-    return await vendor().write("close_ticket", ctx.idempotency_key, args.model_dump())
+    return await vendor(ctx.namespace).write("close_ticket", ctx.idempotency_key, args.model_dump())
 
 
 PATTERNS: list[tuple[re.Pattern[str], str]] = [

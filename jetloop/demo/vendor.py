@@ -16,6 +16,8 @@ from typing import Any
 
 import aiosqlite
 
+from jetloop.schemas.ids import DEFAULT_NAMESPACE
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tickets (
     id TEXT PRIMARY KEY, title TEXT NOT NULL, status TEXT NOT NULL DEFAULT 'open'
@@ -31,6 +33,15 @@ CREATE TABLE IF NOT EXISTS effects (
     idem_key TEXT PRIMARY KEY, op TEXT NOT NULL, result TEXT NOT NULL
 );
 """
+
+
+def namespaced(path: Path, namespace: str) -> Path:
+    """The database of ``namespace``'s vendor: ``path`` for the default namespace (where the
+    demo always kept it), else ``<stem>.<namespace><suffix>`` beside it. A tenant's tickets,
+    comments and idempotency keys are then in its own file, never in another's."""
+    if namespace == DEFAULT_NAMESPACE:
+        return path
+    return path.with_name(f"{path.stem}.{namespace}{path.suffix}")
 
 
 _READY: set[Path] = set()

@@ -29,6 +29,7 @@ class EventType(StrEnum):
     STEP_DEAD_LETTERED = "agent.run.step_dead_lettered"
     APPROVAL_REQUESTED = "approval.requested"
     APPROVAL_DECIDED = "approval.decided"
+    APPROVAL_POLICY_CHANGED = "approval.policy_changed"
     QUESTION_ASKED = "question.asked"
     QUESTION_ANSWERED = "question.answered"
     TIMER_SET = "timer.set"
@@ -217,6 +218,17 @@ class ApprovalDecidedData(EventData):
     call_key: str
 
 
+class ApprovalPolicyChangedData(EventData):
+    """A tool's approval override in the session was changed: ``required`` is the new one
+    (null: removed, the tool's own policy applies), ``previous`` the one before, ``by`` who
+    changed it (the event's ``at`` says when)."""
+
+    tool: str
+    required: bool | None = None
+    previous: bool | None = None
+    by: str
+
+
 class QuestionAskedData(EventData):
     question_id: str
     question: str
@@ -283,6 +295,7 @@ EVENT_DATA: dict[EventType, type[EventData]] = {
     EventType.STEP_DEAD_LETTERED: StepDeadLetteredData,
     EventType.APPROVAL_REQUESTED: ApprovalRequestedData,
     EventType.APPROVAL_DECIDED: ApprovalDecidedData,
+    EventType.APPROVAL_POLICY_CHANGED: ApprovalPolicyChangedData,
     EventType.QUESTION_ASKED: QuestionAskedData,
     EventType.QUESTION_ANSWERED: QuestionAnsweredData,
     EventType.TIMER_SET: TimerSetData,

@@ -13,6 +13,9 @@ from jetloop.schemas.errors import InvalidName
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
+# The namespace of a deployment that names none (docs/design.md, Namespaces).
+DEFAULT_NAMESPACE = "default"
+
 
 def validate_name(kind: str, value: str) -> str:
     # fullmatch: with match, `$` also matches before a trailing newline ("abc\n" passed, and
@@ -59,9 +62,23 @@ def call_id(turn_id: str, model_step: int, index: int) -> str:
     return f"{turn_id}-{model_step}-{index}"
 
 
-def idempotency_key(session_id: str, turn_id: str, model_step: int, index: int) -> str:
-    """The key handed to a tool: identical on every attempt of the checkpointed call."""
-    return "jl-" + _digest(call_key(session_id, turn_id, model_step, index), size=16)
+def idempotency_key(
+    session_id: str,
+    turn_id: str,
+    model_step: int,
+    index: int,
+    namespace: str = DEFAULT_NAMESPACE,
+) -> str:
+    """The key handed to a tool: identical on every attempt of the checkpointed call.
+
+    A turn id is derived from the session id and the request id alone, and two namespaces
+    may use the same ones; so the key of a call in any namespace but ``default`` is derived
+    from the namespace too, or a vendor that dedupes by key would take one tenant's write
+    for another's. The default namespace's keys are those jetloop always made."""
+    key = call_key(session_id, turn_id, model_step, index)
+    if namespace == DEFAULT_NAMESPACE:
+        return "jl-" + _digest(key, size=16)
+    return "jl-" + _digest("namespace", namespace, key, size=16)
 
 
 def approval_id_for(call_key_: str) -> str:

@@ -70,6 +70,17 @@ class Spent(BaseModel):
         )
 
 
+class PolicyChange(BaseModel):
+    """The last change of one tool's approval override in a session: who made it (a name the
+    credential, the gateway token or the local user gives, never the request's word), when,
+    and from what to what (``None``: no override, the tool's own policy)."""
+
+    required: bool | None = None
+    previous: bool | None = None
+    by: str
+    at: float
+
+
 class SessionRecord(BaseModel):
     v: int = SCHEMA_VERSION
     session_id: str
@@ -80,6 +91,9 @@ class SessionRecord(BaseModel):
     last_turn: str | None = None
     # tool name -> approval required, overriding the tool's own policy in this session
     approval_overrides: dict[str, bool] = Field(default_factory=dict)
+    # tool name -> who last changed its override, and when (each change is also an
+    # ``approval.policy_changed`` event in the session's log)
+    approval_changes: dict[str, PolicyChange] = Field(default_factory=dict)
     summary: Summary | None = None
     # The model calls of the session's ended turns (a budget per session counts from it).
     spent: Spent = Field(default_factory=Spent)

@@ -7,7 +7,8 @@ for a person (approve, reject, answer, cancel, reconcile).
         result = await jl.wait(turn)
 
 State read from ``jl_state`` is verified with the workers' seal key (``JETLOOP_SEAL_KEY``);
-without the key a read raises ``SealKeyMissing`` unless the caller chose to read unverified
+without the key a snapshot is asked of the workers, who verify it (``jl.control.snapshot``),
+and another read raises ``SealKeyMissing`` unless the caller chose to read unverified
 (``verify=False``, or ``JETLOOP_READ_UNVERIFIED=true`` for ``Client.connect``). Errors are
 the ``jetloop.JetloopError`` tree (``jetloop.schemas.errors``); NATS errors pass through once an
 outage lasts longer than ``retry_for``. The client logs (never prints) through the
@@ -30,7 +31,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError
 
@@ -68,6 +69,7 @@ from jetloop.schemas.ids import parse_traceparent
 from jetloop.schemas.log import FOLDED_INTO, carrier_roles, events_in
 from jetloop.services import namespaces
 from jetloop.services.control import PREFIX as CONTROL_PREFIX
+from jetloop.services.control import SnapshotReq
 from jetloop.services.control import subject as control_subject
 from jetloop.services.turnends import RECHECK_SECONDS, TurnEnds
 from jetloop.sessions.decisions import Control
@@ -79,6 +81,7 @@ from jetloop.sessions.requests import (
     DecisionRequest,
     ReconcileRequest,
     RejectRequest,
+    refused,
 )
 from jetloop.sessions.snapshot import MOST_CALLS, SessionSnapshot, snapshot, with_workers
 from jetloop.sessions.turns import TurnDetail, TurnPage, list_turns, turn_detail
@@ -97,8 +100,21 @@ from jetloop.streams.state import StateStore
 T = TypeVar("T")
 R = TypeVar("R", bound=BaseModel)
 
+# JetStream's answers to a write that cannot be stored: past the namespace's storage limit
+# (its account's ``max_file``: ``jetloop.services.namespaces.Limits``), and past what the
+# server's disk holds. Either is a ``ControlError`` 507 that says what to do.
+ACCOUNT_LIMIT_REACHED = 10002
+SERVER_STORAGE_FULL = 10047
+STORAGE_FULL_STATUS = 507  # Insufficient Storage (RFC 4918)
+
 # How long one control request over NATS waits for a worker's reply before it is repeated.
 CONTROL_TIMEOUT = 5.0
+# The title of the ``ControlError`` (503) raised when no worker answers a control request.
+NO_WORKER = "no worker serves the control API"
+
+
+def _mib(n: int | None) -> str:
+    return "?" if n is None or n < 0 else f"{n / (1024 * 1024):.1f} MiB"
 
 
 def control_reply(subject: str, data: bytes) -> Any:
@@ -168,8 +184,9 @@ class Client:
     seal key (``Client.connect`` takes it from ``JETLOOP_SEAL_KEY``): with it, state is
     verified when read and decisions are written sealed, as a worker writes them; without
     it decisions are asked of the workers over NATS (``jl.control.*``), which is all the
-    ``client`` NATS role may do, and reading state raises ``SealKeyMissing`` unless
-    ``verify=False`` says to read records without checking them. ``retry_for`` is how long
+    ``client`` NATS role may do, a snapshot is asked of them too, and reading other state
+    raises ``SealKeyMissing`` unless ``verify=False`` says to read records without checking
+    them. ``retry_for`` is how long
     a call rides out a server restart or a leader election before it gives up.
     """
 
@@ -348,8 +365,10 @@ class Client:
         if len(data) > self.inline_text_limit:
             # Too large to travel inline: the text goes to jl_blobs, the request names it.
             blobs = await self._blobs()
-            ref = await retrying(
-                lambda: blobs.put(f"request.{session_id}.{rid}", data), self.retry_for, "blob"
+            ref = await self._stored(
+                lambda: retrying(
+                    lambda: blobs.put(f"request.{session_id}.{rid}", data), self.retry_for, "blob"
+                )
             )
             body = TurnRequest(text="", text_ref=ref)
         headers = {
@@ -366,17 +385,48 @@ class Client:
         if will_wait:
             await ends.before_send(session_id, tid)
         try:
-            ack = await retrying(
-                lambda: self.js.publish(
-                    topology.turn_subject(agent, session_id), encode(body), headers=dict(headers)
-                ),
-                self.retry_for,
-                "send",
+            ack = await self._stored(
+                lambda: retrying(
+                    lambda: self.js.publish(
+                        topology.turn_subject(agent, session_id),
+                        encode(body),
+                        headers=dict(headers),
+                    ),
+                    self.retry_for,
+                    "send",
+                )
             )
         except BaseException:
             ends.not_sent(session_id, tid)
             raise
         return TurnHandle(agent, session_id, rid, tid, bool(ack.duplicate))
+
+    async def _stored(self, write: Callable[[], Awaitable[T]]) -> T:
+        """``write``, with a refusal for want of storage told as a ``ControlError`` 507 that
+        names the namespace's limit and what to do."""
+        try:
+            return await write()
+        except APIError as exc:
+            if exc.err_code == SERVER_STORAGE_FULL:
+                raise ControlError(
+                    STORAGE_FULL_STATUS,
+                    "server storage full",
+                    "the NATS server's disk holds no more: free space on it, or give it more",
+                ) from None
+            if exc.err_code != ACCOUNT_LIMIT_REACHED:
+                raise
+        ns = self.namespace
+        used = ""
+        with contextlib.suppress(Exception):  # the numbers are a help, not the answer
+            info = await self.js.account_info()
+            used = f" ({_mib(info.storage)} of {_mib(info.limits.max_storage)} used)"
+        raise ControlError(
+            STORAGE_FULL_STATUS,
+            "namespace storage limit reached",
+            f"namespace {ns!r} is at its storage limit (max_file){used}: it takes no more "
+            "turns until its workers finish what is queued or an operator raises the limit "
+            f"(jetloop namespace limits {ns} --max-file SIZE)",
+        )
 
     async def add_trigger(self, agent: str, trigger: Trigger) -> None:
         """Start (or replace) a cron trigger: a message schedule on jl.cron.<agent>.<name>."""
@@ -445,7 +495,9 @@ class Client:
         limit, _ = _bounded(limit, 0)
         state, blobs = await self._reader(f"turn {session_id}/{turn_id}"), await self._blobs()
         detail = await retrying(
-            lambda: turn_detail(state, blobs, session_id, turn_id, limit), self.retry_for, "read"
+            lambda: turn_detail(state, blobs, session_id, turn_id, limit, self.namespace),
+            self.retry_for,
+            "read",
         )
         if detail is None:
             raise UnknownTurn(session_id, turn_id)
@@ -464,8 +516,15 @@ class Client:
         ``waiting``, ``waiting_for_worker``), the current (or last) turn and its calls, pending
         approvals and questions, timers, tasks, queued messages, and a page of its history
         (``history_offset``, ``history_limit``). None when the session does not exist.
-        Records whose seal does not verify are shown and named in ``untrusted``."""
+        Records whose seal does not verify are shown and named in ``untrusted``.
+
+        Without the seal key (and unless ``verify=False``) the workers, who hold it, read and
+        verify it (``jl.control.snapshot.<who>``): a credential of the ``client`` role or a
+        named identity is enough. Large call results then stay references (``{blob, size}``);
+        no worker answering raises ``ControlError`` (503, ``NO_WORKER``)."""
         validate_name("session id", session_id)
+        if self.verify and self.sealer is None:
+            return await self._workers_snapshot(session_id, history_offset, history_limit)
         state = await self._reader(f"the snapshot of session {session_id}")
         blobs = await self._blobs()
 
@@ -473,7 +532,15 @@ class Client:
 
         async def read() -> SessionSnapshot | None:
             history = await HistoryReader.for_stream(self.nc)
-            snap = await snapshot(state, history, blobs, session_id, history_offset, history_limit)
+            snap = await snapshot(
+                state,
+                history,
+                blobs,
+                session_id,
+                history_offset,
+                history_limit,
+                namespace=self.namespace,
+            )
             return await with_workers(snap, self.js, registry, session_id)
 
         return await retrying(
@@ -481,6 +548,23 @@ class Client:
             self.retry_for,
             "snapshot",
         )
+
+    async def _workers_snapshot(
+        self, session_id: str, history_offset: int, history_limit: int
+    ) -> SessionSnapshot | None:
+        """The snapshot as the workers read and verify it (``jetloop.services.control``)."""
+        body = SnapshotReq(
+            session_id=session_id, history_offset=history_offset, history_limit=history_limit
+        )
+        try:
+            result = await self._ask(
+                self._control_subject("snapshot"), body.model_dump_json().encode()
+            )
+        except ControlError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return SessionSnapshot.model_validate(result)
 
     async def _blobs(self) -> BlobStore:
         if self._blob_store is None:
@@ -518,6 +602,13 @@ class Client:
             except Exception:  # an outage: the decision itself meets it, and says so
                 pass
 
+    @property
+    def namespace(self) -> str:
+        """The namespace this client acts in: its connection's user's (a credential acts in
+        one namespace alone), ``default`` for a connection without one."""
+        user = getattr(self.nc, "user", None)
+        return namespaces.identity(user)[0] if user else namespaces.DEFAULT
+
     def _control_subject(self, op: str) -> str:
         """Made as the identity this client connected as (``jl.control.<op>.<who>``): the
         workers record it as who decided. The workers' role (or an unnamed connection) uses
@@ -538,6 +629,15 @@ class Client:
         except (PydanticSerializationError, TypeError, ValueError) as exc:
             raise ControlError(422, "invalid request", f"not JSON: {exc}") from None
         subject = self._control_subject(request.op)
+        if request.privileged and subject != f"{CONTROL_PREFIX}.{request.op}":
+            # The server would not let this identity publish it: say who may, at once.
+            raise refused(request.op, subject.rsplit(".", 1)[1])
+        return await self._ask(subject, data)
+
+    async def _ask(self, subject: str, data: bytes) -> Any:
+        """Ask the workers' control API (``subject``, a JSON ``data``) until one answers or
+        ``retry_for`` ends; its refusal is a ``ControlError``, and nobody answering is one,
+        too (503, ``NO_WORKER``)."""
         timeout = min(CONTROL_TIMEOUT, self.retry_for)
         unavailable: list[ControlError] = []
 
@@ -561,7 +661,7 @@ class Client:
         except (NoRespondersError, NatsTimeoutError, TimeoutError):
             raise ControlError(
                 503,
-                "no worker serves the control API",
+                NO_WORKER,
                 f"start one (jetloop up, or jetloop worker with the session pool); "
                 f"nobody answered {subject}",
             ) from None
@@ -615,11 +715,21 @@ class Client:
         )
 
     async def set_approval(
-        self, session_id: str, tool: str, required: bool | None, agent: str | None = None
+        self,
+        session_id: str,
+        tool: str,
+        required: bool | None,
+        agent: str | None = None,
+        by: str = "python",
     ) -> SessionRecord:
-        """Require (True) or waive (False) approval of a tool in one session; None resets."""
+        """Require (True) or waive (False) approval of a tool in one session; None resets.
+        Recorded with ``by`` and the time (``SessionRecord.approval_changes``, an
+        ``approval.policy_changed`` event). Only the workers' role may: with the ``client``
+        role or a named identity this raises ``ControlError`` (403)."""
         return await self.decide(
-            ApprovalPolicyRequest(session_id=session_id, tool=tool, required=required, agent=agent)
+            ApprovalPolicyRequest(
+                session_id=session_id, tool=tool, required=required, agent=agent, by=by
+            )
         )
 
     async def call(

@@ -11,7 +11,10 @@ request is made as, and the server lets only that identity's credential publish 
 (``jetloop.services.natsauth``): a decision records ``by`` = that identity's NATS user
 (``jetloop.services.namespaces.user_name``), whatever the body says. The workers' own role
 may also use ``jl.control.<op>``, where the body's ``by`` is kept (it may write state
-directly anyway).
+directly anyway). A privileged decision (``approval_policy``: waiving approval would let a
+held tool run unapproved) is the workers' role's alone: made as any ``<who>`` it is refused
+(403) here, and the server does not even let the ``client`` role or a named identity
+publish it.
 A reply is ``{"ok": true, "result": …}`` or ``{"ok": false, "error": {"status", "title",
 "detail"}}``; a malformed request gets an error reply and changes nothing, and a request
 the servers could not serve just then (an election, a restart, this worker's clock found
@@ -34,7 +37,7 @@ from pydantic import BaseModel, ValidationError
 from jetloop.schemas.errors import ControlError
 from jetloop.services.namespaces import DEFAULT, user_name
 from jetloop.sessions.decisions import Control, dump
-from jetloop.sessions.requests import DECISIONS, DecisionRequest, SessionId
+from jetloop.sessions.requests import DECISIONS, DecisionRequest, SessionId, refused
 from jetloop.sessions.snapshot import snapshot, with_workers
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.clock import ClockOff
@@ -160,6 +163,11 @@ class ControlService:
             raise ControlError(422, "invalid request", f"{where}: {first['msg']}") from None
 
     async def _decide(self, model: type[DecisionRequest[Any]], data: bytes, by: str | None) -> Any:
+        if by is not None and model.privileged:
+            # The server lets no such identity publish here (natsauth); refused again in case
+            # a server runs with other permissions.
+            log.warning("control.refused", op=model.op, who=by)
+            raise refused(model.op, by)
         request = self._parse(model, data)
         if by is not None and "by" in type(request).model_fields:
             # Who decided is the credential's, never the message's.
@@ -176,6 +184,7 @@ class ControlService:
             r.history_offset,
             r.history_limit,
             resolve_results=False,
+            namespace=self.namespace,
         )
         if self._registry is None:
             self._registry = await Registry.open(self.nc.jetstream())

@@ -75,6 +75,14 @@ def server_binary() -> str:
     )
 
 
+def server_env() -> dict[str, str]:
+    """The environment nats-server starts with: this process's without any ``JETLOOP_*``
+    variable. None is the server's business, and some are secrets (the seal key, passwords,
+    a model provider's key) that a process reading ``/proc/<pid>/environ`` of the server, or
+    a crash report of it, would otherwise see."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("JETLOOP_")}
+
+
 def die_with_parent() -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the child get SIGKILL when its parent dies (Linux)."""
     if not sys.platform.startswith("linux"):
@@ -169,6 +177,7 @@ class EmbeddedServer:
         try:
             self.proc = subprocess.Popen(
                 self._args(),
+                env=server_env(),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

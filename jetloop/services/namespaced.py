@@ -7,7 +7,8 @@ every ``poll`` seconds; when a namespace or a credential was made or removed it 
 and waits until it takes the new namespaces' credentials), and then runs each new
 namespace's parts, in stages, under a supervisor of their own, so one
 namespace's failing part is restarted without touching the others'. A namespace deleted
-from the store has its parts stopped.
+from the store has its parts stopped; one whose ``settings`` (what its parts are built from,
+e.g. its turn rate) changed has them stopped and built again.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Namespaced(Service):
         serve: Callable[[str], bool] = lambda ns: ns != namespaces.DEFAULT,
         accept: Callable[[list[str]], Awaitable[None]] | None = None,
         known: list[str] | None = None,
+        settings: Callable[[str], object] = lambda ns: None,
         poll: float = 1.0,
     ) -> None:
         """``known``: the store's credential files (``namespaces.listing``) the server was
@@ -46,7 +48,10 @@ class Namespaced(Service):
         self.serve = serve
         self.accept = accept
         self.poll = poll
+        self.settings = settings
         self.running: dict[str, tuple[Supervisor, asyncio.Task[None]]] = {}
+        # What each running namespace's parts were built from.
+        self._built: dict[str, object] = {}
         self._seen = known
 
     async def run(self) -> None:
@@ -61,8 +66,11 @@ class Namespaced(Service):
 
     async def _follow(self) -> None:
         names = [ns for ns in namespaces.names(self.store_dir) if self.serve(ns)]
-        new = [ns for ns in names if ns not in self.running]
-        gone = [ns for ns in self.running if ns not in names]
+        changed = [
+            ns for ns in names if ns in self.running and self.settings(ns) != self._built[ns]
+        ]
+        new = [ns for ns in names if ns not in self.running or ns in changed]
+        gone = [ns for ns in self.running if ns not in names or ns in changed]
         for ns, (_, task) in list(self.running.items()):
             if task.done():
                 # Its supervisor gave up: fail, and let ours build everything again.
@@ -76,8 +84,12 @@ class Namespaced(Service):
         self._seen = seen
         for ns in gone:
             await self._end(ns)
-            log.info("namespace.left", namespace=ns)
+            if ns not in changed:
+                log.info("namespace.left", namespace=ns)
         for ns in new:
+            self._built[ns] = self.settings(ns)
+            if ns in changed:
+                log.info("namespace.changed", namespace=ns, settings=self._built[ns])
             sup = Supervisor([list(stage) for stage in self.parts(ns)])
             self.running[ns] = (sup, asyncio.create_task(sup.run(), name=f"namespace:{ns}"))
             log.info("namespace.served", namespace=ns)
@@ -89,6 +101,7 @@ class Namespaced(Service):
 
     async def _end(self, ns: str) -> None:
         sup, task = self.running.pop(ns)
+        self._built.pop(ns, None)
         await sup.stop()
         with contextlib.suppress(Exception):
             await task

@@ -24,16 +24,21 @@ the message says.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from jetloop.services.storefiles import write_once
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
-DEFAULT = "default"
+from jetloop.schemas.ids import DEFAULT_NAMESPACE
+from jetloop.services.storefiles import replace, write_once
+
+DEFAULT = DEFAULT_NAMESPACE
 DIRECTORY = "namespaces"
 # The embedded server keeps each account's JetStream data in a directory named after it.
 JETSTREAM_DIR = Path("nats") / "jetstream"
@@ -46,8 +51,10 @@ CLIENT = "client"
 OPERATOR = "operator"
 # The default namespace's users from before namespaces (``nats-users.json``) keep their names.
 DEFAULT_ROLES = (WORKER, CLIENT, OPERATOR)
-# Not a person's name: the workers', the read-only role's, and the system account's user.
-RESERVED_IDENTITIES = frozenset({WORKER, OPERATOR, "watch"})
+LIMITS = "limits"
+# Not a person's name: the workers', the read-only role's, and the system account's user;
+# ``<namespace>.limits.json`` is the namespace's limits, not a credential.
+RESERVED_IDENTITIES = frozenset({WORKER, OPERATOR, "watch", LIMITS})
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
 NAME_RULE = "1 to 40 of a-z, 0-9, _ and -, starting with a letter or digit"
@@ -58,13 +65,14 @@ class NamespaceError(ValueError):
 
 
 def check_name(name: str) -> str:
-    if not _NAME.match(name):
+    # fullmatch: ``$`` also matches before a trailing newline, and "a\n" names no account.
+    if not _NAME.fullmatch(name):
         raise NamespaceError(f"namespace {name!r} is not a name: {NAME_RULE}")
     return name
 
 
 def check_identity(who: str) -> str:
-    if not _NAME.match(who):
+    if not _NAME.fullmatch(who):
         raise NamespaceError(f"identity {who!r} is not a name: {NAME_RULE}")
     return who
 
@@ -87,6 +95,90 @@ def identity(user: str) -> tuple[str, str]:
 class Credential:
     user: str
     password: str
+
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+# The server's max_payload (nats-server's default, which the embedded server keeps): an
+# account's can only be smaller.
+SERVER_MAX_PAYLOAD = 1 * MiB
+
+Size = Annotated[ByteSize, Field(ge=1)]
+Count = Annotated[int, Field(ge=1)]
+
+
+class Limits(BaseModel):
+    """What one namespace may use of the server; None: no limit. The defaults are those of
+    a namespace made now. All but ``turn_rate`` (which jetloop's workers keep, in their
+    intake) are the account's limits in nats-server's
+    config (the field names are its keys; ``jetloop.services.natsauth`` writes them), so the
+    server enforces them for every credential of the namespace, the workers' too."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_file: Size | None = Field(
+        default=ByteSize(1 * GiB),
+        description="JetStream file storage of all its streams, buckets and blobs: past it "
+        "every write of the namespace is refused, and no other namespace's",
+    )
+    max_mem: Size | None = Field(
+        default=ByteSize(16 * MiB),
+        description="JetStream memory storage (jetloop keeps none in memory)",
+    )
+    max_streams: Count | None = Field(default=32, description="streams (jetloop makes 9)")
+    max_consumers: Count | None = Field(
+        default=1000,
+        description="consumers on each stream (a worker makes one per agent on the turns, "
+        "three per agent on the steps; every reader, listing and live view one for a while)",
+    )
+    max_connections: Count | None = Field(
+        default=256, description="connections open at once, the workers' and the gateway's too"
+    )
+    max_subscriptions: Count | None = Field(
+        default=10_000, description="subscriptions of all its connections"
+    )
+    max_payload: Annotated[ByteSize, Field(ge=1, le=SERVER_MAX_PAYLOAD)] | None = Field(
+        default=None,
+        description=f"one message's size, at most the server's {SERVER_MAX_PAYLOAD // MiB} MiB "
+        "(a client that sends a larger one is disconnected)",
+    )
+    turn_rate: Annotated[float, Field(gt=0)] | None = Field(
+        default=20.0,
+        description="turn requests a second its workers take in (the rest wait queued)",
+    )
+
+
+NO_LIMITS = Limits.model_validate(dict.fromkeys(Limits.model_fields))
+
+
+def limits_path(store_dir: Path, namespace: str) -> Path:
+    return directory(store_dir) / f"{namespace}.{LIMITS}.json"
+
+
+def read_limits(store_dir: Path, namespace: str) -> Limits:
+    """The limits of ``namespace``: its file's, or ``NO_LIMITS`` when it has none."""
+    path = limits_path(store_dir, namespace)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return NO_LIMITS
+    except OSError as exc:
+        raise NamespaceError(f"{path} cannot be read: {exc}") from None
+    try:
+        return Limits.model_validate_json(text)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the file"
+        raise NamespaceError(f"{path} holds no limits: {where}: {first['msg']}") from None
+
+
+def write_limits(store_dir: Path, namespace: str, limits: Limits) -> Path:
+    """Write the limits of ``namespace`` whole (0600); a running ``up`` applies them within
+    seconds (``listing`` changes, and the server reloads its accounts)."""
+    check_name(namespace)
+    path = limits_path(store_dir, namespace)
+    replace(path, limits.model_dump_json(indent=2) + "\n")
+    return path
 
 
 def directory(store_dir: Path) -> Path:
@@ -126,7 +218,7 @@ def names(store_dir: Path) -> list[str]:
     found = sorted(
         p.name[: -len(f".{WORKER}.json")]
         for p in directory(store_dir).glob(f"*.{WORKER}.json")
-        if _NAME.match(p.name[: -len(f".{WORKER}.json")])
+        if _NAME.fullmatch(p.name[: -len(f".{WORKER}.json")])
     )
     return [DEFAULT, *(n for n in found if n != DEFAULT)]
 
@@ -139,15 +231,26 @@ def identities(store_dir: Path, namespace: str) -> list[str]:
         out = [CLIENT] if credential_path(store_dir, namespace).exists() else []
     for p in directory(store_dir).glob(f"{namespace}.*.json"):
         who = p.name[len(namespace) + 1 : -len(".json")]
-        if _NAME.match(who) and who not in RESERVED_IDENTITIES and who != CLIENT:
+        if _NAME.fullmatch(who) and who not in RESERVED_IDENTITIES and who != CLIENT:
             out.append(who)
     return sorted(set(out))
 
 
 def listing(store_dir: Path) -> list[str]:
-    """The credential files of the store, by name: what the server's accounts are made of
-    (a change means the server must reload them)."""
-    return sorted(p.name for p in directory(store_dir).glob("*.json"))
+    """The credential and limits files of the store, by name, each limits file with a digest
+    of what it says: what the server's accounts are made of (a change means the server must
+    reload them; ``jetloop.services.namespaced`` compares two listings)."""
+    out: list[str] = []
+    for p in sorted(directory(store_dir).glob("*.json")):
+        if not p.name.endswith(f".{LIMITS}.json"):
+            out.append(p.name)
+            continue
+        try:
+            digest = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+        except FileNotFoundError:
+            continue  # removed meanwhile (a namespace being deleted)
+        out.append(f"{p.name}@{digest}")
+    return out
 
 
 def exists(store_dir: Path, namespace: str) -> bool:
@@ -163,12 +266,14 @@ def _make(store_dir: Path, namespace: str, who: str) -> Credential:
     return found
 
 
-def create(store_dir: Path, namespace: str) -> Credential:
-    """Make namespace ``namespace``: its workers' credential and its client credential
-    (returned). Making one that exists is refused."""
+def create(store_dir: Path, namespace: str, limits: Limits | None = None) -> Credential:
+    """Make namespace ``namespace`` with ``limits`` (default ``Limits()``): its workers'
+    credential and its client credential (returned). Making one that exists is refused."""
     check_name(namespace)
     if exists(store_dir, namespace):
         raise NamespaceError(f"namespace {namespace!r} exists")
+    # The limits first: the server never serves the namespace without them.
+    write_limits(store_dir, namespace, Limits() if limits is None else limits)
     client = _make(store_dir, namespace, CLIENT)
     # The workers' last: a namespace is listed (``names``) once it is whole.
     _make(store_dir, namespace, WORKER)

@@ -10,7 +10,8 @@ users file), in which each user has the subject permissions of its role:
   itself for cancel, approve and reconcile) connects as ``worker``: whoever can read the
   store directory can read the seal key too, so a smaller role would protect nothing there.
 - ``client``: for a program elsewhere that starts turns and watches them. It may publish
-  turn requests (``jl.turn.>``), make control requests (``jl.control.>``), read streams
+  turn requests (``jl.turn.>``), make control requests (``jl.control.>``) but not change
+  approval policies (``jl.control.approval_policy.>``), read streams
   and buckets through the JetStream API and follow them through ephemeral consumers, and
   hear live text (``jl.live.>``); it may not write any bucket or the object store, publish
   steps, events or dead letters, pull or ack the work queues, or change streams and
@@ -19,13 +20,14 @@ users file), in which each user has the subject permissions of its role:
 - ``operator``: read-only: stream and consumer information, direct and message gets, and
   ephemeral consumers on the streams that are not work queues.
 
-Least privilege on the bus (issue 29): each role below ``worker`` subscribes only under its
-own inbox prefix (``jetloop.streams.connection.INBOX_PREFIXES``; ``connect`` uses it for a
-connection as that role) and publishes into no inbox at all, so it neither sees nor feeds
-the workers' and the projector's pull deliveries, answers and direct gets. It may create
-consumers only on the legacy ephemeral subject ``$JS.API.CONSUMER.CREATE.<stream>``, where
-the server refuses a durable name (named ones only on the blob store's stream); and it may
-not pull from, ack or flow-control jetloop's own durable (the projector's), whose name that
+Least privilege on the bus (issue 29): each role below ``worker``, and each named identity
+of a namespace, subscribes only under its own inbox prefix
+(``jetloop.streams.connection.identity_inbox_prefix``; ``connect`` uses it for a connection
+as that user) and publishes into no inbox at all, so it neither sees nor feeds the workers'
+and the projector's pull deliveries, answers and direct gets, nor another identity's. It may
+create consumers only on the legacy ephemeral subject ``$JS.API.CONSUMER.CREATE.<stream>``,
+where the server refuses a durable name (named ones only on the blob store's stream); and it
+may not pull from, ack or flow-control jetloop's own durable (the projector's), whose name that
 subject cannot shield from an update in the request body: the projector checks its
 consumer and makes it again when it was changed (``jetloop.services.readmodel.projector``).
 
@@ -33,6 +35,11 @@ One more user, ``watch``, lives in the server's *system account* (``SYS``): it m
 subscribe to the connection-closed advisories (``$SYS.ACCOUNT.*.DISCONNECT``). Workers
 connect a second time as ``watch`` to learn at once that another worker's connection closed,
 and hand that worker's steps on without waiting for their leases (``jetloop.services.rescue``).
+
+Each namespace's account carries the namespace's limits (``jetloop.services.namespaces.Limits``,
+``account_limits``): the server refuses a namespace's write past its storage limit, and its
+connections, subscriptions and consumers past theirs, so no namespace can fill the disk or
+the server for the others.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ from jetloop.services.control import subject as control_subject
 from jetloop.services.readmodel.projector import DEFAULT_DURABLE as PROJECTOR_DURABLE
 from jetloop.services.settings import LOCAL_USER, NATS_USERS_FILE, WATCH_USER
 from jetloop.services.storefiles import replace, write_once
-from jetloop.streams.connection import INBOX_PREFIXES
+from jetloop.sessions.requests import PRIVILEGED
+from jetloop.streams.connection import identity_inbox_prefix
 from jetloop.streams.topology import BLOB_BUCKET, STATE_BUCKET
 
 CONFIG_FILE = "nats-server.conf"
@@ -131,8 +139,9 @@ TURN_EVENTS = "jl.event.*.turn.*"
 ANSWERS = "jl.event.*.history.assistant"
 
 
-def _inbox(role: str) -> str:
-    return f"{INBOX_PREFIXES[role]}.>"
+def _inbox(who: str) -> str:
+    """The inboxes of role or identity ``who``: its prefix's alone, never another's."""
+    return f"{identity_inbox_prefix(who)}.>"
 
 
 # Not even a worker empties a state key's history through the stream API: that would let the
@@ -146,17 +155,22 @@ WORKER_PERMISSIONS = {"publish": {"allow": [">"], "deny": NO_ONE}}
 def client_permissions(who: str) -> dict[str, dict[str, list[str]]]:
     """A client's: start and follow turns, read, and make control requests as ``who`` only
     (``jl.control.<op>.<who>``: the workers take who decided from that subject, which the
-    server lets no other credential publish)."""
+    server lets no other credential publish), but no privileged one (changing an approval
+    policy: ``jetloop.sessions.requests.PRIVILEGED``), which is the workers' role's."""
     return {
         "publish": {
             "allow": ["jl.turn.>", control_subject("*", who), *_READS],
-            "deny": [*_WRITES, *_NOT_THEIRS],
+            "deny": [
+                *_WRITES,
+                *_NOT_THEIRS,
+                *(control_subject(op, who) for op in sorted(PRIVILEGED)),
+            ],
         },
-        # Its own inboxes (answers, its consumers' deliveries), the live text of turns
-        # (``jetloop send`` prints it as it comes) and the turn events and answers it could
-        # read from the log anyway, heard as they are stored (a wait's wake-up:
-        # ``services.turnends``).
-        "subscribe": {"allow": [_inbox("client"), "jl.live.>", TURN_EVENTS, ANSWERS]},
+        # Its own inboxes (answers, its consumers' deliveries; a prefix per identity, so one
+        # identity never hears another's), the live text of turns (``jetloop send`` prints
+        # it) and the turn events and answers it could read from the log anyway, heard as
+        # they are stored (a wait's wake-up: ``services.turnends``).
+        "subscribe": {"allow": [_inbox(who), "jl.live.>", TURN_EVENTS, ANSWERS]},
     }
 
 
@@ -224,8 +238,10 @@ def server_config(
                 cred = namespaces.read_credential(store_dir, ns, who)
                 if cred is not None:
                     entries.append(_entry(cred, client_permissions(who)))
-        # Every namespace's account has JetStream: its streams and buckets are its own.
-        accounts[ns] = {"jetstream": "enabled", "users": entries}
+        # Every namespace's account has JetStream: its streams and buckets are its own, within
+        # the namespace's limits (none when it has no limits file).
+        limits = namespaces.read_limits(store_dir, ns) if store_dir is not None else None
+        accounts[ns] = {**account_limits(limits), "users": entries}
     system = system_account(users[WATCH_USER])
     config = {
         **durability.server_block(sync),
@@ -233,6 +249,30 @@ def server_config(
         "accounts": {**accounts, **system["accounts"]},  # type: ignore[dict-item]
     }
     return json.dumps(config, indent=2) + "\n"
+
+
+# Which of a namespace's limits (``namespaces.Limits``, whose field names are the server's
+# keys) go in the account's ``jetstream`` block and which in its ``limits`` block; the
+# others are kept by jetloop's workers (``turn_rate``).
+JETSTREAM_LIMITS = ("max_file", "max_mem", "max_streams", "max_consumers")
+ACCOUNT_LIMITS = ("max_connections", "max_subscriptions", "max_payload")
+
+
+def account_limits(limits: namespaces.Limits | None) -> dict[str, object]:
+    """The ``jetstream`` and ``limits`` of a namespace's account in nats-server's config:
+    JetStream enabled with the namespace's storage, stream and consumer limits (-1: none),
+    and its connection, subscription and payload limits (left out: none). A reload applies
+    a change to running connections and streams: a write past a smaller storage limit is
+    refused (JetStream error 10002), what is stored stays."""
+    if limits is None or limits == namespaces.NO_LIMITS:
+        return {"jetstream": "enabled"}
+    values = limits.model_dump()
+    js = {k: -1 if values[k] is None else int(values[k]) for k in JETSTREAM_LIMITS}
+    out: dict[str, object] = {"jetstream": js}
+    account = {k: int(values[k]) for k in ACCOUNT_LIMITS if values[k] is not None}
+    if account:
+        out["limits"] = account
+    return out
 
 
 def _entry(cred: namespaces.Credential, perms: object) -> dict[str, object]:

@@ -5,8 +5,9 @@ it runs at once. ``jetloop worker --processes N`` and ``jetloop up --workers N``
 (``JETLOOP_WORKER_PROCESSES``) run N of them. Each child is
 ``python -m jetloop.services.cli worker``
 with a worker id of its own, ``<id>-<i>`` (claims, presence in ``jl_workers`` and logs name
-it), the parent's settings in its environment (``Settings.as_env``) and, when the parent
-serves metrics on port P, its own metrics port P+i-1.
+it), the parent's settings in its environment (``Settings.as_env``) but the seal key kept in
+the store directory (the child reads it there, as every process beside ``jetloop up`` does)
+and, when the parent serves metrics on port P, its own metrics port P+i-1.
 
 A child is a component of the parent's supervisor (``jetloop.services.supervisor``): one that exits
 while nobody asked it to stop is logged (``component.failed``, ``worker.process_exited``)
@@ -34,7 +35,7 @@ import structlog
 
 from jetloop.services.embedded import die_with_parent
 from jetloop.services.lifecycle import Service
-from jetloop.services.settings import Settings
+from jetloop.services.settings import Settings, read_seal_key
 from jetloop.services.supervisor import Component, Supervisor
 
 log = structlog.get_logger("jetloop.processes")
@@ -125,6 +126,11 @@ def child_components(
     ``jetloop worker --id <base_id>-<number>`` with ``settings`` (``log_format`` instead of
     theirs when given) and the pools given (default all)."""
     grace = settings.drain_seconds + CLOSE_SECONDS
+    # The store directory's key is read there by the child (``jetloop.services.settings``):
+    # kept out of its environment, which its own children (a tool's subprocess) inherit.
+    stored_key = settings.seal_key is not None and settings.seal_key == read_seal_key(
+        settings.store_dir
+    )
     out = []
     for n in numbers:
         wid = child_id(base_id, n)
@@ -139,6 +145,8 @@ def child_components(
                 worker_id=wid,
                 metrics_port=port + n - 1 if port else port,
                 log_format=log_format or settings.log_format,
+                store_dir=settings.store_dir,
+                seal_key=None if stored_key else settings.seal_key,
             ),
         }
 

@@ -3,7 +3,8 @@
 The server sees a worker's connection close the moment its process dies (the kernel closes
 the socket) and says so on ``$SYS.ACCOUNT.<account>.DISCONNECT``, which the system account's
 ``watch`` user may hear (``jetloop.services.natsauth``). Every worker given that user's password
-listens; when a connection named ``jetloop-worker-<id>#<incarnation>`` closes:
+listens; when a connection named ``jetloop-worker-<id>#<incarnation>`` closes — and it was a
+connection of this worker's own account and own NATS user (below) —:
 
 1. it asks ``jl.alive.<incarnation>``: an answer means the process lives (it reconnected
    after a network blip, or another server of the cluster has it) — nothing to do. After the
@@ -25,6 +26,20 @@ Nothing here decides an outcome: a copy is one more delivery of a step, and ever
 the fence holds for it. A worker that is stopped by SIGSTOP keeps its connection (the
 server's pings notice only after minutes), so its lease catches it, as before.
 
+Whose closes count. A connection's name is whatever its client said, so anyone who may
+connect could name one like a worker's: another namespace's client, opening and closing such
+connections, would otherwise set every worker of every namespace rescuing (a round trip and a
+bucket read each) and slow them all. A worker acts only on the advisory's ``client.acc`` and
+``client.user`` when they are its own: it asks the server who its connection is
+(``$SYS.REQ.USER.INFO``), hears only its account's subject
+(``$SYS.ACCOUNT.<account>.DISCONNECT``), and, when it connected with a user and a password,
+only closes of that user (nats-server's user names are unique across accounts; `jetloop up`
+gives a namespace's workers ``<namespace>.worker``, which none of its clients is). A worker
+whose server does not answer that question hears every account and filters by its user alone;
+one connected without a user (every connection then has a made-up name) by its account alone,
+or, when even that is unknown, acts on every close as before. The holds it would read are its
+own account's anyway: another account's worker held nothing here.
+
 At start a worker also sweeps: any ``held.<incarnation>`` list in ``jl_workers`` whose
 process does not answer is handed on the same way (a worker restarted by ``jetloop up``
 rescues what its predecessor held, even without the system account). It asks only once its
@@ -37,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.parse
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -68,22 +84,72 @@ def connection_name(worker_id: str, incarnation: str) -> str:
     return f"{CONNECTION_PREFIX}{worker_id}#{incarnation}"
 
 
+# Asks the server who a connection is: its user and its account (nats-server 2.10 and later).
+USER_INFO = "$SYS.REQ.USER.INFO"
+USER_INFO_SECONDS = 2.0
+
+
 def incarnation_of(name: str) -> str | None:
     if not name.startswith(CONNECTION_PREFIX) or "#" not in name:
         return None
     return name.rpartition("#")[2] or None
 
 
+def password_user(urls: list[str]) -> str | None:
+    """The user a connection to ``urls`` authenticates as with a password (None without one:
+    no credentials, or a token, which nats-py also reads from the user part of a URL)."""
+    for u in urls:
+        parts = urllib.parse.urlsplit(u)
+        if parts.username and parts.password is not None:
+            return urllib.parse.unquote(parts.username)
+    return None
+
+
+def advisories_of(account: str | None) -> str:
+    """The disconnect advisories' subject of ``account`` (every account's when unknown, or
+    when its name is no single subject token)."""
+    if account is None or not account or any(c in account for c in ".*> \t\r\n"):
+        return DISCONNECT_ADVISORIES
+    return f"$SYS.ACCOUNT.{account}.DISCONNECT"
+
+
 class Rescuer:
     """One worker's part: hear connections close, and hand on what their processes held."""
 
-    def __init__(self, nc: Client, incarnation: str, stopping: asyncio.Event) -> None:
+    def __init__(
+        self, nc: Client, incarnation: str, stopping: asyncio.Event, user: str | None = None
+    ) -> None:
+        """``user``: the NATS user ``nc`` authenticated as with a password, if it did
+        (``password_user``): only that user's connections are rescued."""
         self.nc = nc
         self.js = nc.jetstream()
         self.incarnation = incarnation
         self.stopping = stopping
+        self.user = user
+        # This connection's account, as the server said (None: not asked yet, or no answer).
+        self.account: str | None = None
+        self._asked = False
         self._busy: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+
+    async def whoami(self) -> None:
+        """Ask the server for this worker's account (and user, when it has one); a server
+        that does not answer leaves them as they were (``watch`` then hears every account)."""
+        if self._asked:
+            return
+        try:
+            answer = await self.nc.request(USER_INFO, b"", timeout=USER_INFO_SECONDS)
+            data = json.loads(answer.data).get("data") or {}
+            account = data.get("account")
+            user = data.get("user")
+        except (NatsError, TimeoutError, ValueError, AttributeError) as exc:
+            log.info("rescue.account_unknown", error=str(exc) or type(exc).__name__)
+            return
+        self._asked = True
+        if isinstance(account, str) and account:
+            self.account = account
+        if self.user is not None and isinstance(user, str) and user:
+            self.user = user  # the server's word over the URL's
 
     async def sweep(self) -> int:
         """Hand on what every process that no longer answers said it held, once this
@@ -126,8 +192,9 @@ class Rescuer:
             closed_cb=on_closed,
         )
         try:
-            await watch.subscribe(DISCONNECT_ADVISORIES, cb=self._on_advisory)
-            log.info("rescue.watching")
+            await self.whoami()
+            await watch.subscribe(advisories_of(self.account), cb=self._on_advisory)
+            log.info("rescue.watching", account=self.account, user=self.user)
             while not self.stopping.is_set() and not closed:
                 await asyncio.wait([asyncio.ensure_future(self.stopping.wait())], timeout=1.0)
         finally:
@@ -142,9 +209,15 @@ class Rescuer:
             client = event.get("client") or {}
             inc = incarnation_of(str(client.get("name") or ""))
             reason = str(event.get("reason") or "")
+            account, user = client.get("acc"), client.get("user")
         except (ValueError, AttributeError):
             return
         if inc is None or inc == self.incarnation or inc in self._busy:
+            return
+        # Another account's or another user's close, whatever its name: not one of ours.
+        if self.account is not None and account != self.account:
+            return
+        if self.user is not None and user != self.user:
             return
         self._spawn(self._after(inc, reason))
 

@@ -17,10 +17,10 @@ import re
 import secrets
 import urllib.parse
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings import SettingsError as PydanticSettingsError
 
 from jetloop.agents.prices import Price
@@ -91,6 +91,13 @@ class Settings(BaseSettings):
     app: str = Field(
         "jetloop.demo.agent:app", description="the agents a worker serves (module:attr)"
     )
+    namespace_apps: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="namespaces served by an app of their own instead of JETLOOP_APP "
+        "(`jetloop up`, and a worker of that namespace): comma-separated "
+        "<namespace>=<module:attr>, such as b=shop.agents:app,c=crm:app (`up "
+        "--namespace-app`, repeatable); a namespace not named is served by JETLOOP_APP",
+    )
     lease_seconds: float = Field(
         5.0, gt=0.5, le=300, description="ack-wait of step messages: the lease of an attempt"
     )
@@ -108,6 +115,14 @@ class Settings(BaseSettings):
         ),
     )
     session_concurrency: int = Field(32, ge=1, description="session steps run at once")
+    turn_rate: float | None = Field(
+        None,
+        ge=0,
+        description="turn requests a second one worker process takes in from JL_TURNS (for "
+        "its namespace, across the agents it serves), with a burst of a tenth of a second's "
+        "worth; the rest wait in the stream, in order, undelivered: a namespace's flood of "
+        "turns does not take the CPU its neighbours' workers share; unset or 0: unlimited",
+    )
     event_log: LogLayout | None = Field(
         None,
         description="the session log's layout, set for the whole deployment when a worker "
@@ -270,6 +285,25 @@ class Settings(BaseSettings):
     def _namespace(cls, v: str) -> str:
         return namespaces.check_name(v)
 
+    @field_validator("namespace_apps", mode="before")
+    @classmethod
+    def _namespace_apps(cls, v: Any) -> Any:
+        return parse_namespace_apps(v) if isinstance(v, str) else v
+
+    @field_validator("namespace_apps", mode="after")
+    @classmethod
+    def _namespace_apps_named(cls, v: dict[str, str]) -> dict[str, str]:
+        for namespace, spec in v.items():
+            namespaces.check_name(namespace)
+            module, _, attr = spec.partition(":")
+            if not module.strip() or not attr.strip():
+                raise ValueError(f"{namespace}={spec!r}: expected <namespace>=<module:attr>")
+        return v
+
+    def app_of(self, namespace: str) -> str:
+        """The app (module:attr) that serves ``namespace``: its own, else JETLOOP_APP."""
+        return self.namespace_apps.get(namespace, self.app)
+
     @field_validator("nats_password", mode="after")
     @classmethod
     def _stored_password(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
@@ -387,6 +421,22 @@ class Settings(BaseSettings):
             lease_seconds=self.lease_seconds,
             event_log=self.event_log,
         )
+
+
+def parse_namespace_apps(text: str) -> dict[str, str]:
+    """``b=module:attr,c=module:attr`` as a map; a part without ``=`` or named twice is an
+    error (a ``ValueError`` the setting's name is put on)."""
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        namespace, eq, spec = (x.strip() for x in part.partition("="))
+        if not eq or not namespace or not spec:
+            raise ValueError(f"{part!r}: expected <namespace>=<module:attr>")
+        if namespace in out:
+            raise ValueError(f"namespace {namespace!r} is given two apps")
+        out[namespace] = spec
+    return out
 
 
 def read_seal_key(store_dir: Path) -> SecretStr | None:

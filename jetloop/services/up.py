@@ -1,11 +1,11 @@
 """``jetloop up``: the embedded default in one process tree.
 
 Starts nats-server from the wheel on the store directory (unless ``--nats`` names servers),
-applies the topology, and runs a worker for every pool with the given app, the gateway and
-the projector (``--workers N``: N worker processes, this one and N-1 children, see
-``jetloop.services.processes``). Ctrl-C stops the gateway, the workers (drain) and the projector,
-and then the server. Running it again resumes what was in flight: the state and the queues
-are in the store directory.
+applies the topology, and runs a worker for every pool with the given app (in a namespace
+that ``JETLOOP_NAMESPACE_APPS`` names: its own), the gateway and the projector (``--workers
+N``: N worker processes, this one and N-1 children, see ``jetloop.services.processes``).
+Ctrl-C stops the gateway, the workers (drain) and the projector, and then the server. Running
+it again resumes what was in flight: the state and the queues are in the store directory.
 
 The parts run under a supervisor (``jetloop.services.supervisor``): one that fails is logged
 (``component.failed``) and restarted, the others keep serving; the server, our child, is
@@ -32,7 +32,7 @@ import nats
 import structlog
 from pydantic import SecretStr
 
-from jetloop.agents import load_app
+from jetloop.agents import App, load_app
 from jetloop.services import durability, namespaces
 from jetloop.services.embedded import (
     EmbeddedServer,
@@ -165,6 +165,27 @@ def gateway_fatal(host: str, port: int) -> Callable[[BaseException], str | None]
     return fatal
 
 
+def load_apps(settings: Settings) -> dict[str, App]:
+    """Every app ``up`` may serve, by spec: JETLOOP_APP's and each of JETLOOP_NAMESPACE_APPS'
+    (a namespace made while ``up`` runs is served at once, so none waits until then to
+    load); :class:`UpError` naming the setting of one that does not load."""
+    named: list[tuple[str | None, str]] = [(None, settings.app), *settings.namespace_apps.items()]
+    apps: dict[str, App] = {}
+    for ns, spec in named:
+        if spec in apps:
+            continue
+        try:
+            apps[spec] = load_app(spec)
+        except Exception as exc:  # the user's module: anything may come out of its import
+            setting = (
+                "JETLOOP_APP / --app"
+                if ns is None
+                else f"JETLOOP_NAMESPACE_APPS / --namespace-app {ns}={spec}"
+            )
+            raise UpError(f"setting {setting} {spec!r}: {describe(exc)}") from None
+    return apps
+
+
 async def run_up(settings: Settings, external: bool, command: str = "jetloop") -> None:
     """Run until SIGINT/SIGTERM; :class:`UpError` when it cannot (nothing left running).
     ``command`` is how the user runs the CLI (``.venv/bin/jetloop``), for the hint."""
@@ -179,10 +200,8 @@ async def run_up(settings: Settings, external: bool, command: str = "jetloop") -
 
 async def _run_up(settings: Settings, external: bool, command: str) -> None:
     # What a restart cannot mend is told now, before anything starts.
-    try:
-        app = load_app(settings.app)
-    except Exception as exc:  # the user's module: anything may come out of its import
-        raise UpError(f"setting JETLOOP_APP / --app {settings.app!r}: {describe(exc)}") from None
+    apps = load_apps(settings)
+    app = apps[settings.app_of(settings.namespace)]
     host, port = settings.gateway_host, settings.gateway_port
     if not external and port_in_use(settings.embedded_port):
         raise UpError(nats_port_taken(settings.embedded_port))
@@ -241,8 +260,10 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
         stages.append([Component("nats-server", lambda: SupervisedServer(server), server_fatal)])
     os.environ.setdefault("JETLOOP_VENDOR_DB", str(settings.store_dir / "vendor.sqlite"))
     if settings.seal_key is None:
+        # Kept in the store directory, where the worker processes, the CLI and the gateway
+        # read it; never put in this process's environment, which every child inherits
+        # (nats-server, a tool's subprocess).
         settings = settings.model_copy(update={"seal_key": SecretStr(seal_key(settings.store_dir))})
-        os.environ["JETLOOP_SEAL_KEY"] = settings.seal_key.get_secret_value()  # type: ignore[union-attr]
     gw_config = GatewayConfig.from_settings(settings)
     if settings.gateway_anonymous_scopes is None and not gw_config.tokens:
         # Without tokens a person at this machine may do all (the default host is loopback);
@@ -255,12 +276,31 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
         raise UpError(refused)
     readmodel_db = gw_config.readmodel_db
     assert readmodel_db is not None
-    worker_settings, urls = settings, settings.nats_urls
+    urls = settings.nats_urls
+
+    def intake(ns: str) -> dict[str, object]:
+        """What ``ns``'s workers keep of its limits (``jetloop namespace limits``): the turn
+        requests a second a worker process takes in, else as JETLOOP_TURN_RATE says."""
+        try:
+            limits = namespaces.read_limits(settings.store_dir, ns)
+        except namespaces.NamespaceError as exc:
+            log.warning("namespace.limits_unreadable", namespace=ns, error=str(exc))
+            limits = namespaces.NO_LIMITS
+        rate = settings.turn_rate if limits.turn_rate is None else limits.turn_rate
+        return {"turn_rate": rate}
+
+    # The app a namespace's processes load (JETLOOP_NAMESPACE_APPS, else JETLOOP_APP).
+    worker_settings = settings.model_copy(
+        update={
+            "app": settings.app_of(settings.namespace),
+            **intake(settings.namespace),
+        }
+    )
     # One worker in this process; with --workers N, N-1 more in child processes
     # (jetloop.services.processes) named after it: <id>-2 … <id>-N.
     worker_id = settings.worker_id or default_worker_id()
     children = child_components(
-        settings, worker_id, range(2, settings.worker_processes + 1), log_format="console"
+        worker_settings, worker_id, range(2, settings.worker_processes + 1), log_format="console"
     )
     # The workers first: they apply the topology the projector reads. Stopped in reverse:
     # the gateway (no new turns) and the projector, then the workers (drain), then the server.
@@ -269,13 +309,19 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
     )
 
     def namespace_parts(ns: str) -> list[list[Component]]:
-        """What serves one more namespace: a worker (and its children), then a projector (it
-        reads the streams the worker makes)."""
-        ns_settings = settings.for_namespace(ns).model_copy(update={"metrics_port": None})
+        """What serves one more namespace: a worker (and its children) with the namespace's
+        app, then a projector (it reads the streams the worker makes)."""
+        spec = settings.app_of(ns)
+        ns_settings = settings.for_namespace(ns).model_copy(
+            update={"metrics_port": None, "app": spec, **intake(ns)}
+        )
+        ns_app = apps[spec]
         db = namespaces.readmodel_path(readmodel_db, ns)
         return [
             [
-                Component(f"worker[{ns}]", lambda: Worker(ns_settings, app, worker_id=worker_id)),
+                Component(
+                    f"worker[{ns}]", lambda: Worker(ns_settings, ns_app, worker_id=worker_id)
+                ),
                 *child_components(
                     ns_settings,
                     worker_id,
@@ -314,7 +360,12 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
             Component(
                 "namespaces",
                 lambda: Namespaced(
-                    settings.store_dir, namespace_parts, accept=accept, known=known[0]
+                    settings.store_dir,
+                    namespace_parts,
+                    accept=accept,
+                    known=known[0],
+                    # A namespace's workers are made again when its intake limits change.
+                    settings=intake,
                 ),
             ),
         ]

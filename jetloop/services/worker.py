@@ -43,7 +43,7 @@ from jetloop.schemas.log import LogLayout
 from jetloop.services.client import publish_trigger
 from jetloop.services.control import ControlService
 from jetloop.services.lifecycle import Service
-from jetloop.services.rescue import Rescuer, connection_name
+from jetloop.services.rescue import Rescuer, connection_name, password_user
 from jetloop.services.runner import loop_name
 from jetloop.services.settings import Settings
 from jetloop.sessions.decisions import Control
@@ -52,6 +52,7 @@ from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus
 from jetloop.streams.clock import ClockGuard, describe
 from jetloop.streams.connection import ConnectionLost, connect
+from jetloop.streams.consumer_guard import guard_consumers
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.holds import Holds
 from jetloop.streams.intake import Intake
@@ -167,7 +168,7 @@ class Worker(Service):
             # Before anything is served or sealed: a worker whose clock is off starts gated.
             await self._first_clock(nc)
             holds = Holds(nc, incarnation, self.worker_id)
-            rescuer = Rescuer(nc, incarnation, self._stopping)
+            rescuer = Rescuer(nc, incarnation, self._stopping, password_user(s.nats_urls))
             state = await StateStore.open(nc, s.sealer())
             if state.sealer is not None:
                 state.sealer.guard = self._clock
@@ -184,6 +185,7 @@ class Worker(Service):
                 app=self.app,
                 worker_id=self.worker_id,
                 lease_seconds=s.lease_seconds,
+                namespace=s.namespace,
                 faults=self.faults,
                 max_losses=s.max_losses,
                 newer_writer_seconds=s.newer_writer_seconds,
@@ -224,6 +226,8 @@ class Worker(Service):
             loops = []
             # One budget per pool, shared by the agents this worker serves.
             turn_slots = Slots(s.session_concurrency)
+            # One rate for the turns of every agent served (JETLOOP_TURN_RATE).
+            turn_rate = TurnRate(s.turn_rate) if s.turn_rate else None
             pool_slots = {pool: Slots(self._concurrency(pool)) for pool in self.pools}
             for name in sorted(self.app.agents):
                 if topology.SESSION_POOL in self.pools:
@@ -236,6 +240,7 @@ class Worker(Service):
                             route_turn,
                             turn_slots,
                             holds,
+                            turn_rate,
                         )
                     )
                 for pool in self.pools:
@@ -265,6 +270,8 @@ class Worker(Service):
                 for loop in loops:
                     tg.create_task(loop)
                 tg.create_task(watch_lag(js, self._stopping, self._consumers()))
+                # Room for the live views: others' consumers swept before the stream's cap.
+                tg.create_task(guard_consumers(js, self._stopping))
                 tg.create_task(self._advertise(registry, holds))
                 tg.create_task(self._watch_clock(nc))
                 tg.create_task(self._sweep(rescuer))
@@ -494,6 +501,7 @@ class Worker(Service):
         handler: Handler,
         slots: Slots,
         holds: Holds,
+        rate: TurnRate | None = None,
     ) -> None:
         intake = Intake(nc, stream, consumer)
         await intake.start()
@@ -512,12 +520,22 @@ class Worker(Service):
                     slots.freed.clear()
                     await _first(slots.freed.wait(), self._stopping.wait())
                     continue
+                if rate is not None:
+                    # Over the rate: ask for nothing until a token is due; the requests wait
+                    # in their stream, undelivered (no attempt spent, no lease running).
+                    allowed = rate.room()
+                    if allowed < 1:
+                        await _first(asyncio.sleep(rate.due()), self._stopping.wait())
+                        continue
+                    free = min(free, allowed)
                 try:
                     msgs = await intake.take(free, timeout=1.0)
                 except Exception as exc:  # an outage: reconnect happens underneath
                     log.warning("worker.fetch_failed", consumer=consumer, error=str(exc))
                     await _first(asyncio.sleep(0.5), self._stopping.wait())
                     continue
+                if rate is not None:
+                    rate.took(len(msgs))
                 if msgs and not self._stopping.is_set() and not self._gated():
                     for m in msgs:
                         holds.add(m)
@@ -582,6 +600,43 @@ class Slots:
         self.limit = limit
         self.running: set[asyncio.Task[None]] = set()
         self.freed = asyncio.Event()
+
+
+# A worker's turn rate lets this many seconds' worth of turns in at once after a quiet while.
+TURN_BURST_SECONDS = 0.1
+
+
+class TurnRate:
+    """How many turn requests a second a worker takes in (``JETLOOP_TURN_RATE``): a token
+    bucket of ``rate`` a second holding at most ``TURN_BURST_SECONDS`` of them (one at
+    least), shared by the turn consumers of every agent the worker serves. It only delays
+    the worker's pull requests: what is over the rate stays in ``JL_TURNS``, in order."""
+
+    def __init__(self, rate: float, burst: float | None = None) -> None:
+        self.rate = rate
+        self.burst = max(1.0, burst if burst is not None else rate * TURN_BURST_SECONDS)
+        self._tokens = self.burst
+        self._at = time.monotonic()
+
+    def _fill(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+
+    def room(self) -> int:
+        """How many requests may be asked for now."""
+        self._fill()
+        return max(0, int(self._tokens))
+
+    def due(self) -> float:
+        """Seconds until one more may be asked for."""
+        self._fill()
+        return max(0.0, (1.0 - self._tokens) / self.rate)
+
+    def took(self, n: int) -> None:
+        """``n`` requests came in (a request asked before may bring one more than is due:
+        it is owed, and waited for)."""
+        self._tokens -= n
 
 
 async def _first(*aws: object) -> None:

@@ -31,6 +31,7 @@ from jetloop.schemas import (
     CallState,
     Decision,
     Event,
+    PolicyChange,
     QuestionRecord,
     SessionRecord,
     StepKind,
@@ -41,7 +42,12 @@ from jetloop.schemas import (
     validate_name,
 )
 from jetloop.schemas.errors import ControlError
-from jetloop.schemas.events import ApprovalDecidedData, CallReconciledData, QuestionAnsweredData
+from jetloop.schemas.events import (
+    ApprovalDecidedData,
+    ApprovalPolicyChangedData,
+    CallReconciledData,
+    QuestionAnsweredData,
+)
 from jetloop.streams.bus import Bus, event_out, step_out
 from jetloop.streams.seal import SealBroken
 from jetloop.streams.state import (
@@ -334,9 +340,17 @@ class Control:
 
     @refuses_untrusted
     async def set_approval(
-        self, session_id: str, tool: str, required: bool | None, agent: str | None = None
+        self,
+        session_id: str,
+        tool: str,
+        required: bool | None,
+        agent: str | None = None,
+        by: str = "nats",
     ) -> SessionRecord:
-        """Override a tool's approval policy in one session (None removes the override)."""
+        """Override a tool's approval policy in one session (None removes the override).
+        Audited like every decision: the record keeps who changed it, when and from what
+        (``approval_changes``), and an ``approval.policy_changed`` event tells it. Setting what
+        is already set changes nothing (and writes no second event)."""
         validate_name("session id", session_id)
         for attempt in range(CAS_TRIES):
             found = await self.state.session(session_id)
@@ -346,12 +360,27 @@ class Control:
                 session = SessionRecord(session_id=session_id, agent=agent)
             else:
                 session = found.value
+            previous = session.approval_overrides.get(tool)
+            if found is not None and previous == required:
+                last = session.approval_changes.get(tool)
+                if last is not None and last.required == required:
+                    # A repeat: the event again, in case the changer stopped before it
+                    # (the same key, so the stream keeps one).
+                    await self._policy_changed(session_id, tool, last)
+                return session
             overrides = dict(session.approval_overrides)
             if required is None:
                 overrides.pop(tool, None)
             else:
                 overrides[tool] = required
-            session = session.model_copy(update={"approval_overrides": overrides})
+            changes = dict(session.approval_changes)
+            change = None
+            if previous != required:
+                change = PolicyChange(required=required, previous=previous, by=by, at=time.time())
+                changes[tool] = change
+            session = session.model_copy(
+                update={"approval_overrides": overrides, "approval_changes": changes}
+            )
             try:
                 await self.state.write(
                     session_key(session_id), session, found.revision if found else None
@@ -359,8 +388,27 @@ class Control:
             except Conflict:
                 await backoff(attempt)
                 continue
+            if change is not None:
+                log.info(
+                    "approval_policy.changed",
+                    session_id=session_id,
+                    tool=tool,
+                    required=required,
+                    previous=previous,
+                    by=by,
+                )
+                await self._policy_changed(session_id, tool, change)
             return session
         raise ControlError(409, "session kept changing", session_id)
+
+    async def _policy_changed(self, session_id: str, tool: str, change: PolicyChange) -> None:
+        data = ApprovalPolicyChangedData(
+            tool=tool, required=change.required, previous=change.previous, by=change.by
+        )
+        # One key per change: the time it was made, to the microsecond, as the record holds it.
+        key = f"approval_policy.{tool}.{round(change.at * 1_000_000)}"
+        event = Event.of(data, key=key, session_id=session_id, turn_id=None)
+        await self.bus.publish([event_out(event.model_copy(update={"at": change.at}))])
 
 
 def _short(text: str | None, limit: int = 200) -> str:

@@ -20,6 +20,7 @@ from typing import Annotated, Any, ClassVar, Generic, TypeVar, cast
 from pydantic import AfterValidator, BaseModel
 
 from jetloop.schemas import ApprovalRecord, CallRecord, QuestionRecord, SessionRecord, TurnRecord
+from jetloop.schemas.errors import ControlError
 from jetloop.schemas.ids import validate_name
 from jetloop.sessions.decisions import Control
 
@@ -36,6 +37,11 @@ class DecisionRequest(BaseModel, Generic[R]):
 
     op: ClassVar[str]
     record: ClassVar[type[BaseModel]]
+    # Only the workers' role may make it (the store's credential: ``jetloop up``'s processes
+    # and local commands): the server lets no other credential publish its subject
+    # (``jetloop.services.natsauth``), the control service refuses it from them, and the
+    # gateway does not serve it.
+    privileged: ClassVar[bool] = False
 
     async def run(self, control: Control) -> R:
         raise NotImplementedError
@@ -123,18 +129,23 @@ class ReconcileRequest(DecisionRequest[CallRecord]):
 
 class ApprovalPolicyRequest(DecisionRequest[SessionRecord]):
     """Require (true) or waive (false) approval of a tool in one session; null removes the
-    override. With an agent, a session that does not exist yet is created for it."""
+    override. With an agent, a session that does not exist yet is created for it. Audited
+    (who, when, from what) and privileged: waiving approval is not a client's to do."""
 
     op = "approval_policy"
     record = SessionRecord
+    privileged = True
 
     session_id: SessionId
     tool: str
     required: bool | None
     agent: str | None = None
+    by: str = "nats"
 
     async def run(self, control: Control) -> SessionRecord:
-        return await control.set_approval(self.session_id, self.tool, self.required, self.agent)
+        return await control.set_approval(
+            self.session_id, self.tool, self.required, self.agent, self.by
+        )
 
 
 # Every decision by its op: the control service serves these subjects, a test holds the
@@ -150,3 +161,15 @@ DECISIONS: dict[str, type[DecisionRequest[Any]]] = {
         ApprovalPolicyRequest,
     )
 }
+# The decisions only the workers' role may make (``DecisionRequest.privileged``).
+PRIVILEGED = frozenset(op for op, m in DECISIONS.items() if m.privileged)
+
+
+def refused(op: str, who: str) -> ControlError:
+    """The refusal of privileged decision ``op`` made as identity ``who``: it names who may."""
+    return ControlError(
+        403,
+        "not allowed",
+        f"{op} needs the workers' role (the store's credential, which jetloop up and the "
+        f"local CLI beside its store use); {who!r} does not have it",
+    )

@@ -21,13 +21,14 @@ from jetloop.schemas import (
     Decision,
     DecodeError,
     HistoryEntry,
+    PolicyChange,
     QuestionRecord,
     SessionRecord,
     Spent,
     TurnRecord,
     idempotency_key,
 )
-from jetloop.schemas.ids import call_id
+from jetloop.schemas.ids import DEFAULT_NAMESPACE, call_id
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.registry import Registry
@@ -87,6 +88,8 @@ class SessionSnapshot(BaseModel):
     timers: list[CallView] = Field(default_factory=list)
     tasks: list[CallView] = Field(default_factory=list)
     approval_overrides: dict[str, bool] = Field(default_factory=dict)
+    # Who last changed each tool's override, when, and from what (``SessionRecord``).
+    approval_changes: dict[str, PolicyChange] = Field(default_factory=dict)
     summary: str | None = None
     history: list[HistoryEntry] = Field(default_factory=list)
     history_total: int = 0
@@ -153,7 +156,20 @@ async def _turn(
     return tv.value if tv else None
 
 
-def _unreadable(turn: TurnRecord, key: str, step: int, index: int, exc: Exception) -> CallView:
+def _key_of(turn: TurnRecord, step: int, index: int, namespace: str) -> str:
+    """A call's idempotency key: the one its plan stored, while the turn still holds the plan
+    of its step (a call planned by an older release keeps the key it was given), else made
+    again (the calls of a turn's earlier model steps)."""
+    if step == turn.model_step:
+        for c in turn.calls:
+            if c.index == index:
+                return c.idempotency_key
+    return idempotency_key(turn.session_id, turn.turn_id, step, index, namespace)
+
+
+def _unreadable(
+    turn: TurnRecord, key: str, step: int, index: int, exc: Exception, namespace: str
+) -> CallView:
     """A call whose record does not verify or decode: shown, with why, instead of failing
     the whole snapshot. Its turn fails when a step meets it (``closing.reject_untrusted``)."""
     planned = next((c for c in turn.calls if c.index == index), None)
@@ -167,7 +183,7 @@ def _unreadable(turn: TurnRecord, key: str, step: int, index: int, exc: Exceptio
         effect=planned.effect if planned and step == turn.model_step else "",
         state=UNREADABLE,
         attempts=0,
-        idempotency_key=idempotency_key(turn.session_id, turn.turn_id, step, index),
+        idempotency_key=_key_of(turn, step, index, namespace),
         error=f"unreadable record: {why}",
     )
 
@@ -184,11 +200,13 @@ async def turn_calls(
     untrusted: list[str],
     resolve_results: bool = True,
     most: int = MOST_CALLS,
+    namespace: str = DEFAULT_NAMESPACE,
 ) -> tuple[list[CallView], int]:
     """Every call record of a turn (every model step's), in order (model step, then index),
     at most ``most``, and how many more there are. One that does not verify or decode is
     shown as ``unreadable`` and noted in ``untrusted``. Large results are fetched from the
-    blob store unless ``resolve_results`` is off (then their ``{blob, size}`` reference)."""
+    blob store unless ``resolve_results`` is off (then their ``{blob, size}`` reference).
+    ``namespace``: the one the turn lives in (its calls' idempotency keys are made of it)."""
     sid, tid = turn.session_id, turn.turn_id
     found, more = await state.matching(f"call.{sid}.{tid}.>", most)
 
@@ -202,7 +220,7 @@ async def turn_calls(
         try:
             rv = state.typed(CallRecord, key, found[key])
         except (SealBroken, DecodeError) as exc:
-            calls.append(_unreadable(turn, key, step, index, exc))
+            calls.append(_unreadable(turn, key, step, index, exc, namespace))
             untrusted.append(f"{key}: {getattr(exc, 'reason', exc)}")
             continue
         if rv is None:
@@ -227,7 +245,7 @@ async def turn_calls(
                 effect=rec.effect,
                 state=rec.state.value,
                 attempts=rec.attempts,
-                idempotency_key=idempotency_key(sid, tid, step, index),
+                idempotency_key=_key_of(turn, step, index, namespace),
                 result=result,
                 error=rec.outcome.error if rec.outcome else None,
                 settlement=rec.settlement,
@@ -249,6 +267,7 @@ async def snapshot(
     history_offset: int = 0,
     history_limit: int = 50,
     resolve_results: bool = True,
+    namespace: str = DEFAULT_NAMESPACE,
 ) -> SessionSnapshot | None:
     untrusted: list[str] = []
     try:
@@ -269,7 +288,9 @@ async def snapshot(
 
     calls: list[CallView] = []
     if turn is not None:
-        calls, _ = await turn_calls(state, blobs, turn, untrusted, resolve_results)
+        calls, _ = await turn_calls(
+            state, blobs, turn, untrusted, resolve_results, namespace=namespace
+        )
 
     approvals = []
     for key in await state.keys(f"approval.{session_id}.>"):
@@ -321,6 +342,7 @@ async def snapshot(
         timers=[c for c in calls if c.state == CallState.WAITING_TIMER],
         tasks=[c for c in calls if c.state == CallState.TASK_RUNNING],
         approval_overrides=session.approval_overrides,
+        approval_changes=session.approval_changes,
         summary=session.summary.text if session.summary else None,
         history=entries[history_offset : history_offset + history_limit],
         history_total=len(entries),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from jetloop.schemas import DecodeError, ParentCall, TurnRecord, TurnStatus
+from jetloop.schemas.ids import DEFAULT_NAMESPACE
 from jetloop.sessions.snapshot import MOST_CALLS, CallView, turn_calls
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.seal import SealBroken
@@ -131,9 +132,10 @@ async def turn_detail(
     session_id: str,
     turn_id: str,
     calls_limit: int = MOST_CALLS,
+    namespace: str = DEFAULT_NAMESPACE,
 ) -> TurnDetail | None:
     """The turn's record and up to ``calls_limit`` of its calls; None when there is no such
-    turn."""
+    turn. ``namespace``: the one the turn lives in (its calls' keys are made of it)."""
     key = turn_key(session_id, turn_id)
     raw = await state.stored(key)
     if raw is None:
@@ -142,7 +144,9 @@ async def turn_detail(
     tv = _trusted_or_noted(state, key, raw, untrusted)
     if tv is None:
         return None
-    calls, more = await turn_calls(state, blobs, tv.value, untrusted, most=calls_limit)
+    calls, more = await turn_calls(
+        state, blobs, tv.value, untrusted, most=calls_limit, namespace=namespace
+    )
     return TurnDetail(
         session_id=session_id, turn=tv.value, calls=calls, calls_more=more, untrusted=untrusted
     )

@@ -44,14 +44,26 @@ DEFAULT_INBOX_PREFIX = "_INBOX"
 CLIENT_INBOX = INBOX_PREFIXES["client"]
 
 
+def identity_inbox_prefix(who: str) -> str:
+    """The inbox prefix of identity ``who`` of a namespace (``jetloop.services.namespaces``):
+    the workers' ``_INBOX``, the roles' own (``INBOX_PREFIXES``), and for any other identity
+    (``jetloop namespace credential NS WHO``) ``_INBOX_client_<who>``. A root of its own per
+    identity, so that no identity's grant covers another's inboxes (where the answers to its
+    decisions and its direct gets arrive): a token after ``_INBOX_client.`` would sit under
+    the client's grant. An identity's name (``[a-z0-9][a-z0-9_-]*``) makes a valid token."""
+    if who == "worker":
+        return DEFAULT_INBOX_PREFIX
+    return INBOX_PREFIXES.get(who, f"{CLIENT_INBOX}_{who}")
+
+
 def inbox_prefix(user: str | None) -> str:
     """The prefix of the inboxes a connection as ``user`` makes (its requests' answers, its
     pull deliveries, its watchers' pushes). A user of a namespace, ``<namespace>.<who>``
-    (``jetloop.services.namespaces.user_name``), has its workers' prefix when ``who`` is
-    ``worker``, the operator's when it is ``operator``, and a client's otherwise."""
+    (``jetloop.services.namespaces.user_name``), has its identity's
+    (``identity_inbox_prefix``); the default namespace's roles, named without a dot, keep
+    theirs, and any other user nats-py's ``_INBOX``."""
     if user and "." in user:
-        who = user.partition(".")[2]
-        return DEFAULT_INBOX_PREFIX if who == "worker" else INBOX_PREFIXES.get(who, CLIENT_INBOX)
+        return identity_inbox_prefix(user.partition(".")[2])
     return INBOX_PREFIXES.get(user or "", DEFAULT_INBOX_PREFIX)
 
 

@@ -11,6 +11,13 @@ model); the value also names them in clear, for ``nats kv get``.
 
 A watch learns of a pause within a round trip or two; a worker that calls in that moment
 meets the 429 itself, and pauses like the first.
+
+The watch is a pull consumer of the worker's own, made through the API only a worker may use
+and checked every ``CHECK_EVERY`` seconds against the server's answer to its create
+(``jetloop.streams.consumer_guard``): a role below ``worker`` may update any consumer by
+naming it in an ephemeral create, e.g. to leave the values out or filter out the pauses. One
+that differs, or a value delivered without its body, has the watch made again at once, from
+each key's last value, so no pause is missed.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import secrets
 import time
 from typing import Any
 
@@ -29,11 +37,16 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from jetloop.streams import consumer_guard
+from jetloop.streams.intake import Intake
 from jetloop.streams.topology import LIMITS_BUCKET
 
 log = structlog.get_logger("jetloop.pauses")
 
 PREFIX = "pause."
+STREAM = f"KV_{LIMITS_BUCKET}"
+SUBJECTS = f"$KV.{LIMITS_BUCKET}."
+CHECK_EVERY = 2.0  # seconds between looks at the watch's consumer
 
 
 def pause_key(adapter: Any) -> str | None:
@@ -57,14 +70,17 @@ def _key(provider: str, base_url: str, model: str) -> str:
 class Pauses:
     """The pauses of ``jl_limits``, as this worker last heard them."""
 
-    def __init__(self, kv: KeyValue | None = None) -> None:
+    def __init__(self, kv: KeyValue | None = None, js: JetStreamContext | None = None) -> None:
         self.kv = kv
+        self.js = js
         self.until: dict[str, float] = {}
+        # The watch's consumer now (None: not made yet, or being made again).
+        self.watching: str | None = None
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, js: JetStreamContext) -> Pauses:
-        pauses = cls(await js.key_value(LIMITS_BUCKET))
+        pauses = cls(await js.key_value(LIMITS_BUCKET), js)
         pauses._task = asyncio.create_task(pauses._follow(), name="jetloop-pauses")
         return pauses
 
@@ -108,24 +124,61 @@ class Pauses:
                 return
 
     async def _follow(self) -> None:
-        assert self.kv is not None
+        assert self.js is not None
         while True:
             try:
-                watcher = await self.kv.watch(f"{PREFIX}>", inactive_threshold=5.0)
-                async for entry in watcher:
-                    if entry is None or not entry.value:
-                        continue
-                    try:
-                        until = float(json.loads(entry.value)["until"])
-                    except (ValueError, KeyError, TypeError):
-                        continue
-                    if until > self.until.get(entry.key, 0.0) or entry.key not in self.until:
-                        log.info(
-                            "pause.heard", key=entry.key, seconds=round(until - time.time(), 3)
-                        )
-                    self.until[entry.key] = max(self.until.get(entry.key, 0.0), until)
+                await self._watch(self.js)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # an outage: watch again
                 log.debug("pause.watch_lost", error=str(exc))
                 await asyncio.sleep(1.0)
+
+    async def _watch(self, js: JetStreamContext) -> None:
+        """Follow the pauses through a consumer of this worker's until it is found changed
+        (then return: made again by the caller) or the connection fails (raise)."""
+        nc = js._nc  # the context's connection: nats-py gives it no public name
+        name = f"jl_pauses_{secrets.token_hex(8)}"
+        made = await consumer_guard.make(
+            nc,
+            STREAM,
+            {
+                "name": name,
+                "filter_subject": f"{SUBJECTS}{PREFIX}>",
+                "deliver_policy": "last_per_subject",
+                "ack_policy": "none",
+                "inactive_threshold": int(5e9),
+            },
+        )
+        intake = Intake(nc, STREAM, name)
+        intake._js = js  # deleted again when the watch ends
+        await intake.start()
+        self.watching = name
+        try:
+            checked = time.monotonic()
+            while True:
+                again = False
+                for m in await intake.take(64, timeout=1.0):
+                    if consumer_guard.stripped(m):
+                        again = True  # its value left out: read it again, whole
+                    elif m.data:
+                        self._heard(m.subject.removeprefix(SUBJECTS), m.data)
+                if again or time.monotonic() - checked >= CHECK_EVERY:
+                    checked = time.monotonic()
+                    now = await consumer_guard.current(nc, STREAM, name)
+                    fields = ["(gone)"] if now is None else consumer_guard.changed(made, now)
+                    if again or fields:
+                        log.warning("pause.watch_changed", consumer=name, fields=fields)
+                        return
+        finally:
+            self.watching = None
+            await intake.stop()
+
+    def _heard(self, key: str, value: bytes) -> None:
+        try:
+            until = float(json.loads(value)["until"])
+        except (ValueError, KeyError, TypeError):
+            return
+        if until > self.until.get(key, 0.0) or key not in self.until:
+            log.info("pause.heard", key=key, seconds=round(until - time.time(), 3))
+        self.until[key] = max(self.until.get(key, 0.0), until)

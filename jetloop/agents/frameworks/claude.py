@@ -28,7 +28,8 @@ Usage::
                                     "lookup": Effect.READ})
 
 A custom tool can read its call's identity (the idempotency key to hand a vendor, the
-attempt) with ``call_context()`` while the engine makes it.
+attempt, the namespace to key what it keeps by) with ``call_context()`` while the engine
+makes it.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ _call: contextvars.ContextVar[ToolContext] = contextvars.ContextVar("jetloop_cla
 
 def call_context() -> ToolContext:
     """The jetloop call a deferred custom tool is being made for (its idempotency key, its
-    attempt); only while the engine makes it as a CallTool step."""
+    attempt, its namespace); only while the engine makes it as a CallTool step."""
     try:
         return _call.get()
     except LookupError:

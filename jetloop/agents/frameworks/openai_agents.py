@@ -290,7 +290,8 @@ def arguments_model(tool_name: str, schema: dict[str, Any]) -> type[SdkArguments
 
 def function_tool(t: FunctionTool, effect: Effect, context: Any) -> Tool:
     """An SDK ``FunctionTool`` as a jetloop tool: the SDK's own invoker runs inside CallTool,
-    with a ``ToolContext`` whose ``context`` is jetloop's (``ctx.context.idempotency_key``)."""
+    with a ``ToolContext`` whose ``context`` is jetloop's (``ctx.context.idempotency_key``,
+    ``ctx.context.namespace``)."""
 
     async def run(args: BaseModel, ctx: ToolContext) -> Any:
         raw = json.dumps(args.model_dump(mode="json"))

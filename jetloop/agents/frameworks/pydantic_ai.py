@@ -103,7 +103,8 @@ _RETRYABLE_STATUS = frozenset({408, 409, 429})
 
 def tool_context() -> ToolContext:
     """The jetloop call a pydantic-ai tool runs for: its ``idempotency_key`` (the same on every
-    attempt: hand it to the vendor), ``attempt``, ``call_id``, ``cancelled``.
+    attempt: hand it to the vendor), ``attempt``, ``call_id``, ``namespace`` (ids are unique
+    only within one: key what a tool keeps by it), ``cancelled``.
 
     Raises ``LookupError`` outside a tool run by ``durable``.
     """

@@ -1,9 +1,11 @@
 """Commands that decide for the agent: ``approve`` (or reject), ``answer``, ``cancel``,
-``reconcile``."""
+``reconcile``, ``policy`` (a tool's approval override in a session, and who set it)."""
 
 from __future__ import annotations
 
+import getpass
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -100,3 +102,55 @@ def reconcile(
         click.echo(f"{rec.key}: {rec.state.value} (reconciled by {rec.reconciled_by})")
 
     _client_cmd(nats_url, body)
+
+
+@main.command()
+@click.argument("session_id")
+@click.argument("tool", required=False)
+@click.option("--require", "required", flag_value="require", help="the tool needs approval")
+@click.option("--waive", "required", flag_value="waive", help="the tool runs without approval")
+@click.option("--reset", "required", flag_value="reset", help="the tool's own policy again")
+@click.option("--agent", help="create the session for this agent if it does not exist yet")
+@click.option("--by", default=getpass.getuser, show_default="your user name")
+@click.option("--nats", "nats_url")
+@namespace_option
+def policy(
+    session_id: str,
+    tool: str | None,
+    required: str | None,
+    agent: str | None,
+    by: str,
+    nats_url: str | None,
+) -> None:
+    """Show a session's approval overrides and who set them, or change TOOL's (--require,
+    --waive, --reset). Changing one needs the workers' role: run it beside the store of
+    jetloop up (a client credential is refused)."""
+    if (tool is None) != (required is None):
+        raise click.UsageError("give TOOL with one of --require, --waive, --reset (or neither)")
+
+    async def body(jl: Any) -> None:
+        if tool is not None:
+            value = {"require": True, "waive": False, "reset": None}[required or "reset"]
+            await jl.set_approval(session_id, tool, value, agent=agent, by=by)
+        snap = await jl.snapshot(session_id, history_limit=0)
+        if snap is None:
+            raise click.ClickException(f"no session {session_id}")
+        shown = sorted(set(snap.approval_overrides) | set(snap.approval_changes))
+        if not shown:
+            click.echo(f"{session_id}: no approval overrides (each tool's own policy)")
+        for name in shown:
+            click.echo(f"{name}: {_word(snap.approval_overrides.get(name))}{_who(snap, name)}")
+
+    _client_cmd(nats_url, body)
+
+
+def _word(required: bool | None) -> str:
+    return {True: "requires approval", False: "approval waived", None: "its own policy"}[required]
+
+
+def _who(snap: Any, tool: str) -> str:
+    change = snap.approval_changes.get(tool)
+    if change is None:
+        return ""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(change.at))
+    return f" (set by {change.by} at {when}, was {_word(change.previous)})"

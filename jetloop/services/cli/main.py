@@ -35,7 +35,7 @@ COMMANDS = {
         ("send", "chat", "events", "snapshot", "turns", "turn", "sessions", "usage"),
         "sessions",
     ),
-    **dict.fromkeys(("approve", "answer", "cancel", "reconcile"), "decide"),
+    **dict.fromkeys(("approve", "answer", "cancel", "reconcile", "policy"), "decide"),
     "inspect": "inspect_command",
     "namespace": "namespace_command",
 }
@@ -261,6 +261,34 @@ def _echo_model(model: Any) -> None:
     click.echo(json.dumps(model.model_dump(mode="json", exclude_none=True), indent=2))
 
 
+# How a command read state without the seal key (a tenant's CLI, with only its client
+# credential): the records' seals were checked by the workers, or not at all.
+VERIFIED_BY_WORKERS = "verified by the workers (no seal key here: asked jl.control.snapshot)"
+UNVERIFIED = (
+    "NOT VERIFIED: read directly, without the seal key (JETLOOP_SEAL_KEY) to check the "
+    "records' seals"
+)
+
+
+def _unverified_reads(jl: Client) -> str | None:
+    """For a read only the seal key can verify (the workers serve none but the snapshot):
+    None with the key; without it, the client reads unverified from here on, and the note
+    that says so is returned, for the command to show (``_note``). Reading unverified
+    chosen (``JETLOOP_READ_UNVERIFIED``) is said too."""
+    if jl.sealer is not None and jl.verify:
+        return None
+    jl.verify = False
+    return UNVERIFIED
+
+
+def _note(how: str | None, to_stderr: bool) -> None:
+    """Say how state was read (``VERIFIED_BY_WORKERS``, ``UNVERIFIED``); nothing when the
+    seal key verified it. ``to_stderr``: beside JSON or an answer a program reads, which
+    stay as they were."""
+    if how is not None:
+        click.echo(f"[{how}]", err=to_stderr)
+
+
 def _describe(ev: Any) -> str:
     from jetloop.schemas import EventType
 
@@ -297,6 +325,9 @@ def _describe(ev: Any) -> str:
             )
         case EventType.APPROVAL_DECIDED:
             return f"· approval {d.get('status')} by {d.get('by')}"
+        case EventType.APPROVAL_POLICY_CHANGED:
+            word = {True: "required", False: "waived", None: "reset"}[d.get("required")]
+            return f"· approval of {d.get('tool')} {word} by {d.get('by')}"
         case EventType.QUESTION_ASKED:
             return (
                 f"· question: {d.get('question')} — "

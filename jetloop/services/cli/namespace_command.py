@@ -1,13 +1,89 @@
-"""``jetloop namespace``: make, list and delete namespaces, and give people credentials in
-them (``jetloop.services.namespaces``; docs/design.md, "Namespaces")."""
+"""``jetloop namespace``: make, list and delete namespaces, set what each may use of the
+server, and give people credentials in them (``jetloop.services.namespaces``; docs/design.md,
+"Namespaces")."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
+from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from jetloop.services import namespaces
 from jetloop.services.cli.main import _settings, main
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Written for "no limit", in a flag and in what the commands show.
+NONE = "none"
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _shown(value: object) -> str:
+    """A limit as the commands show it: sizes in binary units (1GiB), none for no limit."""
+    if value is None:
+        return NONE
+    if isinstance(value, ByteSize):
+        # Exact where it can be (what was set reads back as set), else about.
+        for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if value >= size and value % size == 0:
+                return f"{value // size}{unit}"
+        return f"{int(value)}B"
+    return str(value)
+
+
+def _limit_options(defaults: bool) -> Callable[[F], F]:
+    """One option per limit (``namespaces.Limits``: every field, so a new limit needs no
+    change here); ``defaults``: say each one's default for a new namespace."""
+
+    def add(f: F) -> F:
+        for name, field in reversed(namespaces.Limits.model_fields.items()):
+            size = "SIZE" if "ByteSize" in repr(field.annotation) else "N"
+            extra = f" [default: {_shown(field.default)}]" if defaults else ""
+            f = click.option(
+                _flag(name),
+                name,
+                metavar=size,
+                help=f"{field.description}; {NONE}: no limit{extra}",
+            )(f)
+        return f
+
+    return add
+
+
+def _limits(base: namespaces.Limits, given: dict[str, str | None]) -> namespaces.Limits:
+    """``base`` with the limits given as flags; a bad value is one line naming its flag."""
+    values = base.model_dump()
+    for name, text in given.items():
+        if text is None:
+            continue
+        if text.strip().lower() == NONE:
+            values[name] = None
+            continue
+        field = namespaces.Limits.model_fields[name]
+        assert field.annotation is not None
+        try:
+            TypeAdapter(field.annotation).validate_python(text)
+        except ValidationError as exc:
+            why = exc.errors(include_url=False)[-1]["msg"]
+            size = "ByteSize" in repr(field.annotation)
+            example = "e.g. 512MiB, 1GiB" if size else "a number"
+            raise click.ClickException(
+                f"{_flag(name)} {text!r}: {why} ({example}, or {NONE} for no limit)"
+            ) from None
+        values[name] = text
+    return namespaces.Limits.model_validate(values)
+
+
+def _described(limits: namespaces.Limits) -> str:
+    if limits == namespaces.NO_LIMITS:
+        return "no limits"
+    return " ".join(f"{_flag(k)[2:]}={_shown(v)}" for k, v in limits if v is not None)
 
 
 @main.group()
@@ -18,37 +94,76 @@ def namespace() -> None:
 @namespace.command("create")
 @click.argument("name")
 @click.option("--store-dir", type=click.Path(file_okay=False), help="default JETLOOP_STORE_DIR")
-def create(name: str, store_dir: str | None) -> None:
+@_limit_options(defaults=True)
+def create(name: str, store_dir: str | None, **given: str | None) -> None:
     """Make namespace NAME and its client credential, written to
-    <store>/namespaces/NAME.json (0600). A running `jetloop up` serves it within seconds."""
-    from jetloop.services import namespaces
-
+    <store>/namespaces/NAME.json (0600), with what it may use of the server (the flags;
+    <store>/namespaces/NAME.limits.json). A running `jetloop up` serves it within seconds.
+    Sizes take units: 512MiB, 1GiB (binary), 1GB (decimal)."""
     s = _settings(store_dir=store_dir)
+    limits = _limits(namespaces.Limits(), given)
     try:
-        cred = namespaces.create(s.store_dir, name)
+        cred = namespaces.create(s.store_dir, name, limits)
     except (namespaces.NamespaceError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     path = namespaces.credential_path(s.store_dir, name)
     click.echo(f"namespace {name}: client credential in {path} (user {cred.user})")
+    click.echo(f"  limits: {_described(limits)}")
+
+
+@namespace.command("limits")
+@click.argument("name")
+@click.option("--store-dir", type=click.Path(file_okay=False), help="default JETLOOP_STORE_DIR")
+@click.option("--json", "as_json", is_flag=True, help="JSON, for machines")
+@_limit_options(defaults=False)
+def limits_(name: str, store_dir: str | None, as_json: bool, **given: str | None) -> None:
+    """Show what namespace NAME may use of the server or, with flags, change it (the others
+    stay). A running `jetloop up` applies a change within seconds: a smaller storage limit
+    refuses new writes past it, and deletes nothing."""
+    s = _settings(store_dir=store_dir)
+    try:
+        namespaces.check_name(name)
+        if not namespaces.exists(s.store_dir, name):
+            raise namespaces.NamespaceError(
+                f"no namespace {name!r}: `jetloop namespace create {name}`"
+            )
+        limits = namespaces.read_limits(s.store_dir, name)
+        if any(v is not None for v in given.values()):
+            limits = _limits(limits, given)
+            namespaces.write_limits(s.store_dir, name, limits)
+    except (namespaces.NamespaceError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(limits.model_dump(), indent=2))
+        return
+    for k, v in limits:
+        click.echo(f"{_flag(k)[2:]}\t{_shown(v)}")
 
 
 @namespace.command("list")
 @click.option("--store-dir", type=click.Path(file_okay=False), help="default JETLOOP_STORE_DIR")
 @click.option("--json", "as_json", is_flag=True, help="JSON, for machines")
 def list_(store_dir: str | None, as_json: bool) -> None:
-    """The namespaces of the store and who has a credential in each."""
-    from jetloop.services import namespaces
-
+    """The namespaces of the store, who has a credential in each, and its limits."""
     s = _settings(store_dir=store_dir)
-    rows = {
-        ns: [namespaces.user_name(ns, who) for who in namespaces.identities(s.store_dir, ns)]
-        for ns in namespaces.names(s.store_dir)
-    }
+    try:
+        rows = {
+            ns: (
+                [namespaces.user_name(ns, who) for who in namespaces.identities(s.store_dir, ns)],
+                namespaces.read_limits(s.store_dir, ns),
+            )
+            for ns in namespaces.names(s.store_dir)
+        }
+    except namespaces.NamespaceError as exc:
+        raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        out = {
+            ns: {"users": users, "limits": lim.model_dump()} for ns, (users, lim) in rows.items()
+        }
+        click.echo(json.dumps(out, indent=2))
         return
-    for ns, users in rows.items():
-        click.echo(f"{ns}\t{', '.join(users)}")
+    for ns, (users, lim) in rows.items():
+        click.echo(f"{ns}\t{', '.join(users)}\t{_described(lim)}")
 
 
 @namespace.command("credential")
@@ -59,8 +174,6 @@ def credential(name: str, who: str, store_dir: str | None) -> None:
     """Make a credential for one more person or service WHO in namespace NAME, written to
     <store>/namespaces/NAME.WHO.json (0600): what WHO decides over NATS is recorded as
     decided by NAME.WHO. A running `jetloop up` lets it in within seconds."""
-    from jetloop.services import namespaces
-
     s = _settings(store_dir=store_dir)
     try:
         cred = namespaces.add_identity(s.store_dir, name, who)
@@ -78,7 +191,6 @@ def delete(name: str, store_dir: str | None, yes: bool) -> None:
     """Delete namespace NAME and everything it holds: its sessions, turns, calls, approvals,
     questions, events, blobs and dead letters, and every credential in it. `jetloop up` must
     be stopped (a running server keeps the namespace's streams open)."""
-    from jetloop.services import namespaces
     from jetloop.services.up import UpError, lock_store, release_store
 
     s = _settings(store_dir=store_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import click
@@ -53,6 +54,14 @@ from jetloop.services.cli.main import (
     type=click.IntRange(1, 256),
     help="worker processes: this one and N-1 children (default JETLOOP_WORKER_PROCESSES, 1)",
 )
+@click.option(
+    "--namespace-app",
+    "namespace_apps",
+    multiple=True,
+    metavar="NS=MODULE:ATTR",
+    help="serve namespace NS with this app instead of --app (repeatable; default "
+    "JETLOOP_NAMESPACE_APPS)",
+)
 def up(
     nats_url: str | None,
     app: str | None,
@@ -62,6 +71,7 @@ def up(
     nats_sync: str | None,
     allow_anonymous_remote: bool | None,
     worker_processes: int | None,
+    namespace_apps: tuple[str, ...],
 ) -> None:
     """Start nats-server (embedded), the topology, a worker with the demo agent (or --workers
     N), the gateway and the projector; restart any of them that fails."""
@@ -70,6 +80,7 @@ def up(
     s = _settings(
         nats_url=nats_url,
         app=app,
+        namespace_apps=",".join(namespace_apps) if namespace_apps else None,
         store_dir=store_dir,
         embedded_port=embedded_port,
         gateway_port=gateway_port,
@@ -117,7 +128,6 @@ def worker(
     processes: int | None,
 ) -> None:
     """Run a worker (or --processes N of them) against existing NATS servers."""
-    from jetloop.agents import load_app
     from jetloop.services.runner import settle_when_started
     from jetloop.services.worker import Worker, default_worker_id
 
@@ -131,16 +141,16 @@ def worker(
     )
     wid = s.worker_id or default_worker_id()
     configure(s.log_format, s.log_level, worker=wid)
-    try:
-        loaded = load_app(s.app)
-    except (ValueError, ImportError) as exc:
-        raise click.ClickException(f"setting JETLOOP_APP / --app: {exc}") from None
+    # A namespace named in JETLOOP_NAMESPACE_APPS is served by its own app.
+    apps = _apps(s, [s.namespace] if not several else [None, *s.namespace_apps])
+    loaded = apps[s.app_of(s.namespace)]
     pool_names = [p.strip() for p in pools.split(",") if p.strip()]
     if several:
         if s.worker_processes > 1:
             raise click.ClickException("--processes takes one --namespace")
-        _run(_namespaces(s, served, loaded, pool_names, wid), s)
+        _run(_namespaces(s, served, lambda ns: apps[s.app_of(ns)], pool_names, wid), s)
         return
+    s = s.model_copy(update={"app": s.app_of(s.namespace)})  # what its processes load
     if s.worker_processes > 1:
         from jetloop.services.processes import run_worker_processes
         from jetloop.services.supervisor import GaveUp
@@ -167,10 +177,37 @@ def worker(
     _run(go(), s)
 
 
+def _apps(s: Settings, served: list[str | None]) -> dict[str, App]:
+    """The apps of the namespaces ``served`` (JETLOOP_NAMESPACE_APPS, else JETLOOP_APP; None:
+    JETLOOP_APP), by spec, each loaded once; one that does not load is an error naming its
+    setting."""
+    from jetloop.agents import load_app
+
+    apps: dict[str, App] = {}
+    for ns in served:
+        spec = s.app if ns is None else s.app_of(ns)
+        if spec in apps:
+            continue
+        try:
+            apps[spec] = load_app(spec)
+        except (ValueError, ImportError) as exc:
+            if ns in s.namespace_apps:
+                raise click.ClickException(
+                    f"setting JETLOOP_NAMESPACE_APPS ({ns}={spec}): {exc}"
+                ) from None
+            raise click.ClickException(f"setting JETLOOP_APP / --app: {exc}") from None
+    return apps
+
+
 async def _namespaces(
-    s: Settings, served: tuple[str, ...], app: App, pools: list[str], wid: str
+    s: Settings,
+    served: tuple[str, ...],
+    app_of: Callable[[str], App],
+    pools: list[str],
+    wid: str,
 ) -> None:
-    """One worker per namespace served, from the store directory's credentials of each."""
+    """One worker per namespace served, from the store directory's credentials of each, with
+    the namespace's app (JETLOOP_NAMESPACE_APPS, else JETLOOP_APP)."""
     import signal
 
     from jetloop.services import namespaces
@@ -183,7 +220,7 @@ async def _namespaces(
             raise click.ClickException(f"--namespace {ns}: no such namespace in {s.store_dir}")
 
     def parts(ns: str) -> list[list[Component]]:
-        ns_settings = s.for_namespace(ns)
+        ns_settings, app = s.for_namespace(ns), app_of(ns)
         worker = Component(f"worker[{ns}]", lambda: Worker(ns_settings, app, pools, worker_id=wid))
         return [[worker]]
 
@@ -380,7 +417,7 @@ def trials(
     "which",
     nargs=-1,
     type=click.Choice(
-        ["overhead", "throughput", "history", "waiting", "profile", "peer", "limits"]
+        ["overhead", "throughput", "history", "waiting", "profile", "peer", "limits", "tenants"]
     ),
 )
 @click.option(
@@ -403,6 +440,13 @@ def trials(
     help="when the bench's nats-server syncs what it acknowledged: always (default, as "
     "`jetloop up`) or an interval such as 2m (nats-server's own default)",
 )
+@click.option(
+    "--turn-rate",
+    type=click.FloatRange(min=0),
+    default=20.0,
+    show_default=True,
+    help="tenants: the turns a second b's workers take in (JETLOOP_TURN_RATE; 0: unlimited)",
+)
 @click.option("--json", "out_json", type=click.Path(dir_okay=False))
 @click.option("--keep", type=click.Path(file_okay=False))
 def bench(
@@ -412,6 +456,7 @@ def bench(
     workers: int | None,
     event_log: str | None,
     nats_sync: str | None,
+    turn_rate: float,
     out_json: str | None,
     keep: str | None,
 ) -> None:
@@ -419,6 +464,14 @@ def bench(
     JetStream floor, or (``peer``) Restate and DBOS Transact, each when installed:
     ``pip install -e '.[peer]'`` and ``npm ci --prefix jetloop/tooling/bench/restate``."""
     from pathlib import Path
+
+    if "tenants" in which:
+        # Its own `jetloop up` with two namespaces, not the other benchmarks' rig.
+        if len(which) > 1:
+            raise click.UsageError("tenants runs alone: `jetloop bench tenants`")
+        from jetloop.tooling.bench.tenants import main as tenants
+
+        sys.exit(tenants(turn_rate, keep=Path(keep) if keep else None))
 
     from jetloop.tooling.bench.run import main as run
 

@@ -13,14 +13,19 @@ from jetloop.schemas import EventType
 
 if TYPE_CHECKING:
     from jetloop.services.client import Client
+    from jetloop.sessions.snapshot import SessionSnapshot
 
 from jetloop.services.cli.main import (
+    UNVERIFIED,
+    VERIFIED_BY_WORKERS,
     _client_cmd,
     _describe,
     _echo_model,
+    _note,
     _run,
     _session_exists,
     _settings,
+    _unverified_reads,
     invoked_as,
     main,
     namespace_option,
@@ -74,6 +79,8 @@ def send(
         click.echo(f"turn {h.turn_id} (request {h.request_id}){note}")
         if not wait:
             return
+        # The turn's end is read from its record: unverified without the seal key.
+        how = _unverified_reads(jl)
 
         async def follow() -> None:
             async for ev in jl.events(session_id, from_start=True):
@@ -94,6 +101,7 @@ def send(
             raise click.ClickException(str(exc)) from None
         except TimeoutError:
             raise click.ClickException(f"no answer within {timeout}s") from None
+        _note(how, to_stderr=True)
         click.echo("")
         click.echo(res.text or "")
 
@@ -139,6 +147,8 @@ def chat(agent: str, session_id: str | None, nats_url: str | None) -> None:
 
     async def body(jl: Client) -> None:
         click.echo(f"session {sid} with agent {agent} — Ctrl-D to leave")
+        # Each turn's end is read from its record: unverified without the seal key.
+        _note(_unverified_reads(jl), to_stderr=True)
         while True:
             try:
                 text = await ask("you> ")
@@ -211,12 +221,15 @@ async def _print_delta(msg: Any) -> None:
 @click.option("--history", "history_limit", default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def snapshot(session_id: str, nats_url: str | None, history_limit: int, as_json: bool) -> None:
-    """Show a session: status, current turn, calls, waits, queue, history."""
+    """Show a session: status, current turn, calls, waits, queue, history. Without the seal
+    key it is read and verified by the workers, or, when none answers, read unverified:
+    a line says which."""
 
-    async def body(jl: Any) -> None:
-        snap = await jl.snapshot(session_id, history_limit=history_limit)
+    async def body(jl: Client) -> None:
+        snap, how = await _read_snapshot(jl, session_id, history_limit)
         if snap is None:
             raise click.ClickException(f"no session {session_id}")
+        _note(how, to_stderr=as_json)
         if as_json:
             _echo_model(snap)
             return
@@ -245,6 +258,26 @@ def snapshot(session_id: str, nats_url: str | None, history_limit: int, as_json:
     _client_cmd(nats_url, body)
 
 
+async def _read_snapshot(
+    jl: Client, session_id: str, history_limit: int
+) -> tuple[SessionSnapshot | None, str | None]:
+    """The snapshot, and how it was verified (``_note``): with the seal key here (None); else
+    by the workers; else, when no worker answers, read directly and not verified."""
+    from jetloop.schemas.errors import ControlError
+    from jetloop.services.client import NO_WORKER
+
+    if jl.sealer is not None or not jl.verify:
+        return await jl.snapshot(session_id, history_limit=history_limit), _unverified_reads(jl)
+    try:
+        return await jl.snapshot(session_id, history_limit=history_limit), VERIFIED_BY_WORKERS
+    except ControlError as exc:
+        if exc.title != NO_WORKER:
+            raise
+    _unverified_reads(jl)
+    snap = await jl.snapshot(session_id, history_limit=history_limit)
+    return snap, f"{UNVERIFIED}; no worker answered to verify them"
+
+
 @main.command()
 @click.argument("session_id")
 @click.option("--nats", "nats_url")
@@ -256,7 +289,9 @@ def turns(session_id: str, nats_url: str | None, limit: int, offset: int, as_jso
     """List a session's turns, newest first: request id, status, model step, calls, error."""
 
     async def body(jl: Client) -> None:
+        how = _unverified_reads(jl)  # the workers serve no listing: unverified without the key
         page = await jl.turns(session_id, limit=limit, offset=offset)
+        _note(how, to_stderr=as_json)
         if as_json:
             _echo_model(page)
             return
@@ -285,7 +320,9 @@ def turn(session_id: str, turn_id: str, nats_url: str | None, limit: int, as_jso
     """Show one turn: its status and answer, and every call with its outcome."""
 
     async def body(jl: Client) -> None:
+        how = _unverified_reads(jl)  # the workers serve no turn: unverified without the key
         detail = await jl.turn_calls(session_id, turn_id, limit=limit)
+        _note(how, to_stderr=as_json)
         if as_json:
             _echo_model(detail)
             return

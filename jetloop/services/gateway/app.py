@@ -512,8 +512,9 @@ async def _nats(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     if config.sealer is None:
         # Without the key the client sends decisions, answers and cancels to the workers'
-        # control API (jl.control.*); the state it reads (snapshots, turns) is served
-        # unchecked only when JETLOOP_READ_UNVERIFIED says so, else such a read is a 503.
+        # control API (jl.control.*), and asks it for snapshots, which the workers verify;
+        # the other state it reads (turns) is served unchecked only when
+        # JETLOOP_READ_UNVERIFIED says so, else such a read is a 503.
         log.warning(
             "gateway.unsealed",
             hint="set JETLOOP_SEAL_KEY to the workers' key",

@@ -197,10 +197,12 @@ def _event(row: dict[str, Any], whole: bool = False) -> TimelineEvent:
     )
 
 
-def _call(session: str, turn: str, row: dict[str, Any]) -> TimelineCall:
+def _call(namespace: str, session: str, turn: str, row: dict[str, Any]) -> TimelineCall:
     call = TimelineCall.model_validate(row)
     if call.model_step is not None and call.call_index is not None:
-        call.idempotency_key = idempotency_key(session, turn, call.model_step, call.call_index)
+        call.idempotency_key = idempotency_key(
+            session, turn, call.model_step, call.call_index, namespace
+        )
     return call
 
 
@@ -220,7 +222,7 @@ async def timeline(request: web.Request) -> web.Response:
             session_id=session,
             turn_id=turn_id,
             turn=turn,
-            calls=[_call(session, turn_id, c) for c in calls],
+            calls=[_call(namespace_of(request), session, turn_id, c) for c in calls],
             events=[_event(e) for e in events],
             next_after=events[-1]["seq"] if full else None,
         )

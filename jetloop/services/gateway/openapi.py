@@ -477,13 +477,19 @@ PROBLEMS = {
     "403": "the token lacks the scope or the namespace, or (without a token) a page of another "
     "origin sent it",
     "404": "not found",
+    "408": "the request body did not arrive within the body deadline",
     "409": "conflict with the current state",
     "413": "request body too large",
     "415": "the body is not application/json",
     "421": "without a token: the Host is not this gateway's loopback address",
     "422": "invalid request",
-    "503": "NATS or the read model is not available, state cannot be verified, or the "
-    "namespace is not served by this gateway",
+    "429": "this address sent too many unknown tokens: try again after Retry-After (the "
+    "token was not looked at)",
+    "503": "NATS or the read model is not available, state cannot be verified, the namespace "
+    "is not served by this gateway, the gateway is stopping, or too many connections are "
+    "open (Retry-After)",
+    "507": "the namespace is at its storage limit (or the server's disk is full): nothing "
+    "more is stored until its queue drains or the limit is raised",
 }
 
 
@@ -498,6 +504,39 @@ NAMESPACE = {
 }
 
 
+# What whole kinds of operations may answer besides what each does itself: the layers every
+# request passes through (``jetloop.services.gateway``: ``guard``, ``browser``, ``http``,
+# ``state``). One table, read by ``_op`` and by the test that provokes each status on every
+# operation of its kind (tests/test_openapi_statuses.py).
+ANSWERED_BY_KIND: dict[str, tuple[str, ...]] = {
+    # guard: one connection more than max_connections, before a byte is read
+    "every": ("503",),
+    # browser_rules: without tokens, a Host that is not this gateway (a webhook is judged by
+    # its signature instead)
+    "unsigned": ("421",),
+    # auth, guarded, in_namespace, and a namespace not served (or the gateway stopping)
+    "scoped": ("401", "403", "429", "503"),
+    # body_deadline, and aiohttp's client_max_size
+    "with body": ("408", "413"),
+    # json_writes: a write's body to a route with a scope
+    "scoped with body": ("415",),
+}
+
+
+def kinds(scope: str | None, signed: bool, has_body: bool) -> list[str]:
+    """The kinds (``ANSWERED_BY_KIND``) of an operation."""
+    out = ["every"]
+    if not signed:
+        out.append("unsigned")
+    if scope:
+        out.append("scoped")
+    if has_body:
+        out.append("with body")
+        if scope:
+            out.append("scoped with body")
+    return out
+
+
 def _op(
     op_id: str,
     summary: str,
@@ -507,17 +546,17 @@ def _op(
     params: list[dict[str, Any]] | None = None,
     body: type[BaseModel] | None = None,
     body_required: bool = True,
+    any_body: bool = False,
     problems: tuple[str, ...] = ("400", "404", "422"),
     signed: bool = False,
     conflict: str | None = None,
 ) -> dict[str, Any]:
-    """One operation; ``conflict`` says what its 409 means when it has a meaning of its own."""
+    """One operation; ``conflict`` says what its 409 means when it has a meaning of its own;
+    ``any_body``: a body of any type, taken as it comes (a webhook's)."""
     responses: dict[str, Any] = dict(ok)
-    errs = list(problems) + (["401", "403"] if scope else [])
-    if not signed:  # jetloop.services.gateway.browser: every route but a webhook
-        errs.append("421")
-    if body is not None:
-        errs += ["413", "415"]
+    errs = list(problems)
+    for kind in kinds(scope, signed, body is not None or any_body):
+        errs += ANSWERED_BY_KIND[kind]
     for code in sorted(set(errs)):
         responses[code] = {
             "description": PROBLEMS[code],
@@ -539,6 +578,11 @@ def _op(
         op["requestBody"] = {
             "required": body_required,
             "content": {"application/json": {"schema": _inline(body)}},
+        }
+    elif any_body:
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {}}, "*/*": {"schema": {}}},
         }
     return op
 
@@ -578,6 +622,7 @@ def openapi_document() -> dict[str, Any]:
                 },
                 params=[_path("agent"), session, idem, *_query(MessageQuery)],
                 body=MessageIn,
+                problems=("400", "404", "422", "507"),
             )
         },
         "/v1/sessions": {
@@ -693,21 +738,16 @@ def openapi_document() -> dict[str, Any]:
             )
         },
         "/v1/hooks/{trigger}": {
-            "post": {
-                **_op(
-                    "receiveWebhook",
-                    "An inbound webhook (Standard Webhooks or GitHub signature) starts a turn",
-                    None,
-                    {"202": _json(_ref("HookOut"), "accepted (a replayed id is a duplicate)")},
-                    params=[_path("trigger"), *hook_headers],
-                    problems=("400", "401", "404", "413", "422"),
-                    signed=True,
-                ),
-                "requestBody": {
-                    "required": True,
-                    "content": {"application/json": {"schema": {}}, "*/*": {"schema": {}}},
-                },
-            }
+            "post": _op(
+                "receiveWebhook",
+                "An inbound webhook (Standard Webhooks or GitHub signature) starts a turn",
+                None,
+                {"202": _json(_ref("HookOut"), "accepted (a replayed id is a duplicate)")},
+                params=[_path("trigger"), *hook_headers],
+                any_body=True,
+                problems=("400", "401", "404", "422", "507"),
+                signed=True,
+            )
         },
         "/v1/whoami": {
             "get": _op(

@@ -15,9 +15,14 @@ the skip rule would then pass over it for good.
 The consumer is checked too: a reader without the right to pull or ack it may still change
 it (nats-server takes a consumer's name in the body of an ephemeral create, and updates the
 consumer so named: ``jetloop.services.natsauth``), e.g. to filter out what it should
-project. Every subject of ``JL_EVENTS`` is the projector's, so its deliveries follow each
-other without gaps: a gap, or a quiet spell, makes it read its consumer's config, and one
-that is not its own (or gone) is made again from SQLite's position, so nothing is missed.
+project, or to have events delivered without their bodies (``headers_only``). The
+projector keeps the server's whole answer to its create (every field, the server's defaults
+filled in: ``jetloop.streams.consumer_guard``) and compares the consumer with it every
+``CHECK_EVERY`` seconds, at once after a gap in the deliveries (every subject of
+``JL_EVENTS`` is the projector's, so they follow each other without one) and after a
+delivery without its body; one that differs in any field (or is gone) is made again from
+SQLite's position, so nothing is missed. A delivery without its body is never applied as
+it came, nor passed over: its message is read again from the stream by its sequence.
 
 A batch SQLite refuses (locked past the busy timeout, disk full, a broken file) rolls back
 and ``run()`` raises: its owner starts a new projector on a fresh connection, which resumes
@@ -38,15 +43,17 @@ from __future__ import annotations
 import asyncio
 import signal
 import sqlite3
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 import structlog
 from nats.aio.client import Client as Nats
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.js import JetStreamContext, api
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from jetloop.consumers.faults import Faults
@@ -56,7 +63,7 @@ from jetloop.services.logs import configure
 from jetloop.services.readmodel.model import Incoming, ReadModel
 from jetloop.services.settings import load_settings
 from jetloop.services.supervisor import Component, GaveUp, Part, Supervisor
-from jetloop.streams import topology
+from jetloop.streams import consumer_guard, topology
 from jetloop.streams.connection import ConnectionLost, connect
 from jetloop.streams.intake import Intake
 
@@ -64,7 +71,7 @@ log = structlog.get_logger("jetloop.projector")
 
 DEFAULT_DURABLE = "jl_projector"
 EVENTS_FILTER = "jl.event.>"  # every subject of JL_EVENTS
-QUIET_CHECK = 5  # quiet takes (of a second) between looks at the consumer's config
+CHECK_EVERY = 5.0  # seconds between looks at the consumer's whole config
 
 
 def _gap(position: int, msgs: list[Msg]) -> bool:
@@ -107,6 +114,8 @@ class Projector(Service):
         self.ack_wait = ack_wait
         self.faults = faults or Faults.from_env()
         self.position = 0
+        # The consumer's config as the server answered its create (``consumer_guard.make``).
+        self._made: dict[str, Any] = {}
 
     async def run(self) -> None:
         nc = await connect(self.nats_urls, name=f"jetloop-projector-{self.durable}")
@@ -174,33 +183,38 @@ class Projector(Service):
                 first_seq=info.state.first_seq,
                 hint="the stream dropped events before they were projected",
             )
-        await js.add_consumer(
-            topology.EVENTS_STREAM,
-            api.ConsumerConfig(
-                durable_name=self.durable,
-                name=self.durable,
-                description="jetloop read model projector",
-                filter_subject=EVENTS_FILTER,
-                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=position + 1,
-                # Batches are applied in order, so acking the last settles the batch.
-                ack_policy=api.AckPolicy.ALL,
-                ack_wait=self.ack_wait,
-                max_deliver=-1,
-                max_ack_pending=self.batch * 4,
-            ),
-        )
+        self._made = await consumer_guard.make(nc, topology.EVENTS_STREAM, self._config(position))
         # Taken through an intake, not nats-py's fetch: a batched fetch on an idle consumer
         # sometimes holds an event until its timeout (jetloop.streams.intake).
         intake = Intake(nc, topology.EVENTS_STREAM, self.durable)
         await intake.start()
         return intake
 
+    def _config(self, position: int) -> dict[str, Any]:
+        """The consumer this projector makes (the server's API names and units)."""
+        return {
+            "name": self.durable,
+            "durable_name": self.durable,
+            "description": "jetloop read model projector",
+            "filter_subject": EVENTS_FILTER,
+            "deliver_policy": "by_start_sequence",
+            "opt_start_seq": position + 1,
+            # Batches are applied in order, so acking the last settles the batch.
+            "ack_policy": "all",
+            "ack_wait": int(self.ack_wait * 1e9),
+            "max_deliver": -1,
+            "max_ack_pending": self.batch * 4,
+        }
+
     async def _consume(self, js: JetStreamContext, sub: Intake, model: ReadModel) -> bool:
         """Apply batches until stopped; True when done (stopped, or caught up in burst)."""
         failures = 0
-        quiet = 0
+        checked = time.monotonic()
         while not self._stopping.is_set():
+            if time.monotonic() - checked >= CHECK_EVERY:
+                checked = time.monotonic()
+                if not await self._consumer_is_ours(sub.nc):
+                    return False  # subscribe again, from SQLite's position
             try:
                 msgs = await sub.take(self.batch, timeout=1.0)
             except NatsError as exc:
@@ -214,14 +228,14 @@ class Projector(Service):
             if not msgs:
                 if self.burst and await self._caught_up(js):
                     return True
-                quiet += 1
-                if quiet % QUIET_CHECK == 0 and not await self._consumer_is_ours(js):
-                    return False  # subscribe again, from SQLite's position
                 continue
-            quiet = 0
-            if _gap(self.position, msgs) and not await self._consumer_is_ours(js):
+            if _gap(self.position, msgs) and not await self._consumer_is_ours(sub.nc):
                 return False  # what the gap hid is delivered by the consumer made again
-            batch = [Incoming(m.metadata.sequence.stream, m.subject, m.data) for m in msgs]
+            try:
+                batch = await self._bodies(js, msgs)
+            except (TimeoutError, NatsError) as exc:
+                log.warning("projector.reread_failed", error=str(exc))
+                return False  # nothing applied: the consumer made again brings them
             await self.faults.point("projector.before_commit")
             done = await model.apply(batch)
             self.position = done.position
@@ -238,33 +252,52 @@ class Projector(Service):
                 unreadable=done.unreadable,
                 position=done.position,
             )
+            if any(not m.data or consumer_guard.stripped(m) for m in msgs):
+                # Read again from the stream and applied: the consumer that left the
+                # bodies out is made again now.
+                checked = time.monotonic() - CHECK_EVERY
             if self.burst and len(msgs) < self.batch and await self._caught_up(js):
                 return True
         return True
 
-    async def _consumer_is_ours(self, js: JetStreamContext) -> bool:
-        """Whether the durable is still as made (False when gone or changed; True when that
-        cannot be told now: read on)."""
+    async def _bodies(self, js: JetStreamContext, msgs: list[Msg]) -> list[Incoming]:
+        """The batch to apply: each message as delivered, or, when it came without its body
+        (a consumer changed to ``headers_only``: ``consumer_guard.stripped``) or without any
+        body at all (no event is empty), as the stream holds it, read by its sequence."""
+        out = []
+        for m in msgs:
+            seq = m.metadata.sequence.stream
+            if m.data and not consumer_guard.stripped(m):
+                out.append(Incoming(seq, m.subject, m.data))
+                continue
+            try:
+                stored = await js.get_msg(topology.EVENTS_STREAM, seq)
+            except NotFoundError:
+                log.warning("projector.reread_gone", seq=seq)
+                out.append(Incoming(seq, m.subject, m.data))  # deleted: unreadable, as before
+                continue
+            log.warning("projector.reread", seq=seq, hint="delivered without its body")
+            out.append(Incoming(seq, stored.subject or m.subject, stored.data or b""))
+        return out
+
+    async def _consumer_is_ours(self, nc: Nats) -> bool:
+        """Whether the durable is still as made, in every field (False when gone or changed;
+        True when that cannot be told now: read on)."""
         try:
-            info = await js.consumer_info(topology.EVENTS_STREAM, self.durable)
-        except NotFoundError:
-            log.warning("projector.consumer_gone", durable=self.durable)
-            return False
+            now = await consumer_guard.current(nc, topology.EVENTS_STREAM, self.durable)
         except (TimeoutError, NatsError):
             return True
-        cfg = info.config
-        if (
-            cfg.durable_name == self.durable
-            and cfg.filter_subject == EVENTS_FILTER
-            and not cfg.filter_subjects
-            and cfg.ack_policy == api.AckPolicy.ALL
-        ):
+        if now is None:
+            log.warning("projector.consumer_gone", durable=self.durable)
+            return False
+        fields = consumer_guard.changed(self._made, now)
+        if not fields:
             return True
         log.warning(
             "projector.consumer_changed",
             durable=self.durable,
-            filter=cfg.filter_subject or cfg.filter_subjects,
-            durable_name=cfg.durable_name,
+            fields=fields,
+            now={f: now.get(f) for f in fields},
             hint="made again from the read model's position; someone else changed it",
         )
         return False

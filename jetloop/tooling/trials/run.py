@@ -717,7 +717,7 @@ class Trials:
             handle = await self._send(sid, rid, deadline)
             for n, group in enumerate(steps):
                 for i, c in enumerate(group):
-                    key = idempotency_key(sid, handle.turn_id, n, i)
+                    key = idempotency_key(sid, handle.turn_id, n, i, self.namespace_of[sid])
                     self.calls_by_key[key] = f"{call_key(sid, handle.turn_id, n, i)} {c['tool']}"
             t = TurnTrial(
                 session_id=sid,

@@ -82,10 +82,12 @@ async def test_an_intake_drops_what_is_not_its_consumers(nats_ready: EmbeddedSer
 def up(tmp_path: Path) -> Iterator[Up]:
     u = Up(tmp_path, gateway_port=free_port())
     u.start()
-    assert u.proc is not None
-    wait_ready(u.proc, u.log)
-    yield u
-    u.stop()
+    try:  # stopped also when it never became ready
+        assert u.proc is not None
+        wait_ready(u.proc, u.log)
+        yield u
+    finally:
+        u.stop()
 
 
 class Role:

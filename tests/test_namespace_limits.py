@@ -48,10 +48,12 @@ def up(tmp_path: Path) -> Iterator[Up]:
     tokens = {TOKEN: {"name": "t", "scopes": ["read", "write"], "namespaces": ["a", "b"]}}
     u = Up(tmp_path, gateway_port=free_port(), env={"JETLOOP_GATEWAY_TOKENS": json.dumps(tokens)})
     u.start()
-    assert u.proc is not None
-    wait_ready(u.proc, u.log)
-    yield u
-    u.stop()
+    try:  # stopped also when it never became ready
+        assert u.proc is not None
+        wait_ready(u.proc, u.log)
+        yield u
+    finally:
+        u.stop()
 
 
 async def account_limits(nc: Any) -> dict[str, Any]:

@@ -63,10 +63,12 @@ def forger(nc: NATS) -> KeyValue:
 def up(tmp_path: Path) -> Iterator[Up]:
     u = Up(tmp_path)
     u.start()
-    assert u.proc is not None
-    wait_ready(u.proc, u.log)
-    yield u
-    u.stop()
+    try:  # stopped also when it never became ready
+        assert u.proc is not None
+        wait_ready(u.proc, u.log)
+        yield u
+    finally:
+        u.stop()
 
 
 def cli(up: Up, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:

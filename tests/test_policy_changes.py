@@ -37,10 +37,12 @@ TOOL = "close_ticket"  # the demo agent's tool that needs approval ("close T-1")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     u = Up(tmp_path_factory.mktemp("policy"))
     u.start()
-    assert u.proc is not None
-    wait_ready(u.proc, u.log)
-    yield u
-    u.stop()
+    try:  # stopped also when it never became ready
+        assert u.proc is not None
+        wait_ready(u.proc, u.log)
+        yield u
+    finally:
+        u.stop()
 
 
 def cli(up: Up, *args: str) -> subprocess.CompletedProcess[str]:

@@ -89,7 +89,7 @@ async def test_fake_worker_disconnects_of_a_neighbour_set_off_no_rescue(
     ca = await served(up, a)
     try:
         await turn_ms(ca, "warm", 3)
-        quiet = statistics.median(await turn_ms(ca, "quiet", TURNS))
+        quiet_turns = await turn_ms(ca, "quiet", TURNS)
 
         tag = secrets.token_hex(4)
         storm = await asyncio.create_subprocess_exec(
@@ -122,6 +122,9 @@ async def test_fake_worker_disconnects_of_a_neighbour_set_off_no_rescue(
             return any(marker in ln and "rescue.handed_on" in ln for ln in rescue_lines(up.log))
 
         await until(handed_on, timeout=30)
+        # Quiet is measured before and after the storm: other work on the machine (the rest
+        # of the suite) moves a's pace more than a single quiet spell shows.
+        quiet = statistics.median(quiet_turns + await turn_ms(ca, "quiet", TURNS))
         faked = [ln for ln in rescue_lines(up.log) if re.search(rf"\b{tag}\d+\b", ln)]
         assert not faked, f"{len(faked)} rescue lines for b's fake workers, such as {faked[0]}"
         assert during <= 2 * quiet, f"a's p50 {during:.0f} ms during b's storm, {quiet:.0f} quiet"

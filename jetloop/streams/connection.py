@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
 import time
@@ -157,8 +158,11 @@ async def connect(
             give_up_after,
         )
     except BaseException as exc:
-        if bounded or isinstance(exc, NotAuthorized):
-            await nc.close()  # stop its reconnect attempts
+        # Stop its reconnect attempts, and close the socket a failed handshake leaves open
+        # (else the garbage collector closes it, after the loop is gone): also when this
+        # task was cancelled while connecting.
+        with contextlib.suppress(Exception):
+            await nc.close()
         if refusals and isinstance(exc, Exception):
             raise NotAuthorized() from None
         raise

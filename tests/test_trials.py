@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from jetloop.services.natsauth import SYSTEM_ACCOUNT
+from jetloop.services.settings import Settings
 from jetloop.tooling.powercut.lazyfs import unavailable
 from jetloop.tooling.trials.measures import (
     SeenEvent,
@@ -29,6 +31,7 @@ from jetloop.tooling.trials.measures import (
     worker_detection,
 )
 from jetloop.tooling.trials.run import format_reports, percentile, run_trials
+from jetloop.tooling.trials.servers import SingleServer, worker_env
 from tests.test_upgrade import build_previous
 
 FUSE = unavailable()
@@ -122,6 +125,58 @@ def test_targets_follow_issues_14_and_31() -> None:
         "false takeovers"
     ]
     assert not targets("node_restart", {**row, "false_takeovers": 1}, 2.0)[0].met
+
+
+def _users(config: dict[str, object]) -> list[str]:
+    accounts = config.get("accounts")
+    assert isinstance(accounts, dict)
+    return [u["user"] for a in accounts.values() for u in a.get("users", [])]
+
+
+@pytest.mark.parametrize("system_account", [True, False])
+def test_servers_without_the_system_account_give_workers_no_watch_user(
+    system_account: bool, tmp_path: Path
+) -> None:
+    """``--no-system-account``: the servers' config names no system account and no ``watch``
+    user, and a worker finds no watch password, neither in its environment nor in the store
+    directory it is given; by default both are there."""
+    server = SingleServer(tmp_path, system_account=system_account)
+    config = json.loads((tmp_path / "nats-server.conf").read_text())
+    env = worker_env(server)
+    settings = Settings(nats_url=server.url, store_dir=Path(env["JETLOOP_STORE_DIR"]))
+    if system_account:
+        assert config["system_account"] == SYSTEM_ACCOUNT and "watch" in _users(config)
+        assert env["JETLOOP_NATS_WATCH_PASSWORD"] == server.watch_password
+        assert settings.nats_watch_urls is not None
+        return
+    assert "system_account" not in config and SYSTEM_ACCOUNT not in config["accounts"]
+    assert "watch" not in _users(config)
+    assert server.watch_password is None
+    assert "JETLOOP_NATS_WATCH_PASSWORD" not in env
+    assert settings.nats_watch_urls is None
+
+
+@pytest.mark.timeout(150)
+async def test_kill_trial_without_the_system_account(tmp_path: Path) -> None:
+    """A worker-kill round on servers without the system account's watch user: no worker
+    watches for disconnects, yet no turn is lost, no write doubled and no live worker's
+    step taken; the report says the system account was off."""
+    print(f"JETLOOP_KILL_SEED={SEED}")
+    out = tmp_path / "report.json"
+    run = tmp_path / "run"
+    report = await run_trials("worker_kill", 1, SEED, out, work_dir=run, system_account=False)
+    text = format_reports([report])
+    print(text)
+    assert not report.system_account and "system account off" in text
+    assert report.lost == [], report.lost
+    assert report.duplicates == [], report.duplicates
+    assert report.false_takeovers == [], report.false_takeovers
+    assert report.in_flight >= 1, "no turn was in flight at the kill"
+    logs = sorted(run.glob("*.log"))
+    assert {p.name for p in logs} >= {"survivor.log", "victim0.log"}
+    for log in logs:
+        assert "rescue.watching" not in log.read_text(), f"{log.name}: a worker watched"
+    assert json.loads(out.read_text())["system_account"] is False
 
 
 @pytest.mark.slow

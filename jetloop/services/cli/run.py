@@ -322,6 +322,12 @@ def credentials(store_dir: str | None) -> None:
     help="power_loss, cluster_power_loss: rounds of a control run with nats-server's lazy "
     "sync after the run, which must show harm (0: none)",
 )
+@click.option(
+    "--no-system-account",
+    is_flag=True,
+    help="servers without the system account's watch user, workers without its password (as "
+    "on your own or a managed NATS): dead workers are found without disconnect advisories",
+)
 @click.option("--json", "out_json", type=click.Path(dir_okay=False))
 @click.option("--keep", type=click.Path(file_okay=False), help="keep logs and stores here")
 @click.option(
@@ -353,6 +359,7 @@ def trials(
     load: int,
     nats_sync: str,
     control_rounds: int,
+    no_system_account: bool,
     out_json: str | None,
     keep: str | None,
     app: str | None,
@@ -376,6 +383,9 @@ def trials(
 
     if app is not None:
         from jetloop.tooling.crashtest.cli import main as crash
+
+        if no_system_account:
+            raise click.UsageError("--no-system-account is for the kill trials, not --app")
 
         if messages is None:
             raise click.UsageError("--app needs --messages FILE")
@@ -408,6 +418,7 @@ def trials(
             load=load,
             sync=nats_sync,
             control_rounds=control_rounds,
+            system_account=not no_system_account,
         )
     )
 

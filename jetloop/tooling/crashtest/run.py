@@ -53,7 +53,7 @@ from jetloop.tooling.crashtest.script import Message, ScriptError, read_script
 from jetloop.tooling.crashtest.worker_app import SPEC
 from jetloop.tooling.trials.harness import WorkerProcess
 from jetloop.tooling.trials.harness import work_dir as work_dir_of
-from jetloop.tooling.trials.servers import SingleServer
+from jetloop.tooling.trials.servers import SingleServer, worker_env
 
 # The step boundaries a crash test kills at (docs/crash-matrix.md names them; ``tool.running``
 # is the ledger's: the tool's invocation recorded, its function about to run).
@@ -139,10 +139,9 @@ class Run:
             "JETLOOP_MODEL_CONCURRENCY": SLOTS,
             "JETLOOP_TOOL_CONCURRENCY": SLOTS,
             "JETLOOP_SESSION_CONCURRENCY": SLOTS,
-            "JETLOOP_NATS_WATCH_PASSWORD": self.server.watch_password,
-            # The credentials of this run's own server: never those of a `jetloop up` store
-            # in the working directory (the README's tour leaves one there).
-            "JETLOOP_STORE_DIR": str(self.server.auth_store),
+            # The credentials of this run's own server (never those of a `jetloop up` store
+            # in the working directory: the README's tour leaves one there) and its watch user.
+            **worker_env(self.server),
             "JETLOOP_CRASHTEST_APP": self.app_spec,
             "JETLOOP_CRASHTEST_LEDGER": str(self.ledger.path),
             "JETLOOP_FAULT_PLAN": str(self.plan),

@@ -74,10 +74,10 @@ def _require_fuse() -> None:
 class PowerServer(SingleServer):
     """One nats-server on a power-cut filesystem: ``power_cut``."""
 
-    def __init__(self, base: Path, sync: str) -> None:
+    def __init__(self, base: Path, sync: str, system_account: bool = True) -> None:
         _require_fuse()
         self.disk = LazyFS(base / "disk")
-        super().__init__(base, sync, store=self.disk.mountpoint)
+        super().__init__(base, sync, store=self.disk.mountpoint, system_account=system_account)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.disk.mount)
@@ -101,7 +101,7 @@ class PowerCluster(Cluster):
     """Three nodes, each on a power-cut filesystem: ``cluster_power_cut`` and
     ``node_crash+pause``."""
 
-    def __init__(self, base: Path, sync: str) -> None:
+    def __init__(self, base: Path, sync: str, system_account: bool = True) -> None:
         _require_fuse()
         self.disks = [LazyFS(base / f"disk{i + 1}") for i in range(3)]
         super().__init__(
@@ -109,6 +109,7 @@ class PowerCluster(Cluster):
             sync,
             store_dirs=[d.mountpoint for d in self.disks],
             monitor=True,  # which workers a paused node cuts off (``fail``)
+            system_account=system_account,
         )
         self._paused: int | None = None
 

@@ -76,6 +76,10 @@ rank over every value measured (rounds for detection, turns in flight for comple
 Every server knows the system account and its ``watch`` user (``jetloop.tooling.trials.servers``),
 and every worker is given the password (``JETLOOP_NATS_WATCH_PASSWORD``), so a worker that
 watches for closed connections can hand a dead worker's steps on before its lease lapses.
+``system_account=False`` (``--no-system-account``) measures a user's own or a managed NATS
+instead: no watch user on the servers and no password for the workers, who then find a dead
+worker's steps by the slower paths; the report says so in its header, and the targets stay
+what they are (what the slower paths must meet).
 
 This module only wires processes together (docs/design.md, convention 1): the engine is driven
 through the public client, the harness (``WorkerProcess``; ``EmbeddedServer`` and ``LocalCluster``
@@ -141,7 +145,14 @@ from jetloop.tooling.trials.power import (
     PowerCutUnavailable,
     PowerServer,
 )
-from jetloop.tooling.trials.servers import NAMESPACES, Cluster, Kill, Servers, SingleServer
+from jetloop.tooling.trials.servers import (
+    NAMESPACES,
+    Cluster,
+    Kill,
+    Servers,
+    SingleServer,
+    worker_env,
+)
 
 MIXED_FAILURES = ("worker_kill", "node_restart", "takeover", "worker_kill+takeover")
 CLUSTER_POWER_FAILURES = ("cluster_power_cut", "node_crash+pause")
@@ -292,6 +303,9 @@ class Report:
     # A lazy-sync run beside a power mode's, to show the harness can fail: its verdict is
     # that it did fail (``bites``).
     control: bool = False
+    # Whether the servers had the system account's watch user and the workers its password
+    # (off: ``--no-system-account``, workers hear no connection close).
+    system_account: bool = True
 
     @property
     def targets_ok(self) -> bool:
@@ -428,10 +442,9 @@ class Trials:
             "JETLOOP_REPLICAS": str(self.servers.replicas),
             "JETLOOP_DRAIN_SECONDS": "5",
             "JETLOOP_LOG_LEVEL": "info",
-            # The system account's watch user (the user name is the default, ``watch``).
-            "JETLOOP_NATS_WATCH_PASSWORD": self.servers.watch_password,
-            # The credentials of every namespace: each worker serves them all.
-            "JETLOOP_STORE_DIR": str(self.servers.auth_store),
+            # The credentials of every namespace (each worker serves them all) and the
+            # system account's watch user, unless the run is without it.
+            **worker_env(self.servers),
         }
         self.started.add(name)
         return WorkerProcess(
@@ -866,11 +879,14 @@ async def run_trials(
     load: int = 0,
     sync: str = durability.ALWAYS,
     control: bool = False,
+    system_account: bool = True,
 ) -> Report:
     """Run ``rounds`` rounds of ``mode`` (one of ``MODES``) and judge them, with ``load``
     busy processes beside the workers throughout (``jetloop.tooling.trials.load``), on
     servers that sync as ``sync`` says (``jetloop.services.durability``). ``control``: the
     run is a control, whose verdict is that it shows harm (``Report.ok``).
+    ``system_account``: False runs the servers without the system account's watch user and
+    the workers without its password (``jetloop.tooling.trials.servers``).
 
     ``seed`` fixes the kill moments, failures and turn plans (not the scheduler). The report
     is written as JSON to ``out_json`` when given; worker and server logs stay in
@@ -883,7 +899,9 @@ async def run_trials(
     info = machine()  # the load before the busy processes start
     with busy(load):
         async with work_dir_of(work_dir, "jetloop-trials-") as base:
-            return await _run(mode, rounds, seed, out_json, base, load, info, sync, control)
+            return await _run(
+                mode, rounds, seed, out_json, base, load, info, sync, control, system_account
+            )
 
 
 async def _run(
@@ -896,19 +914,20 @@ async def _run(
     info: dict[str, str],
     sync: str = durability.ALWAYS,
     control: bool = False,
+    system_account: bool = True,
 ) -> Report:
     """One run on its work directory: servers up, the rounds, the verdict."""
     began = time.monotonic()
     rng = random.Random(seed)
     servers: Servers
     if mode == "power_loss":
-        servers = PowerServer(base, sync)
+        servers = PowerServer(base, sync, system_account=system_account)
     elif mode == "cluster_power_loss":
-        servers = PowerCluster(base, sync)
+        servers = PowerCluster(base, sync, system_account=system_account)
     elif mode in ("takeover", "mixed"):
-        servers = Cluster(base, sync)
+        servers = Cluster(base, sync, system_account=system_account)
     else:
-        servers = SingleServer(base, sync)
+        servers = SingleServer(base, sync, system_account=system_account)
     try:
         await servers.start()
         trials = Trials(mode, servers, base, rng, seed, control)
@@ -984,6 +1003,7 @@ async def _run(
             for ckey in t.reverted
         ],
         control=control,
+        system_account=system_account,
     )
     if out_json is not None:
         text = json.dumps(report.to_json(), indent=2, default=str) + "\n"
@@ -1073,6 +1093,12 @@ def format_reports(reports: Sequence[Report]) -> str:
             f" 1-min load {rep.machine.get('load_1m')} at its start,"
             f" {rep.machine.get('load_1m_end')} at its end)"
         )
+        if not rep.system_account:
+            lines.append(
+                "  system account off: no watch user on the servers, no watch password for"
+                " the workers (no disconnect advisories heard: dead workers found by leases"
+                " and sweeps)"
+            )
         if rep.upgraded_from:
             lines.append(f"  old workers: release {rep.upgraded_from}; new workers: this one")
         for failure, f in rep.by_failure.items():
@@ -1138,6 +1164,7 @@ def main(
     load: int = 0,
     sync: str = durability.ALWAYS,
     control_rounds: int = CONTROL_ROUNDS,
+    system_account: bool = True,
 ) -> int:
     """What ``jetloop trials`` runs: each mode in turn; prints the table; 0 if all targets met.
 
@@ -1146,19 +1173,30 @@ def main(
     ``sync``: when the servers sync what they acknowledged (always, as ``jetloop up``). A
     power mode run on ``always`` is followed by ``control_rounds`` rounds of a control on
     nats-server's lazy default, which must show harm (0: no control).
+    ``system_account``: False runs every mode without the system account's watch user.
     """
     if rounds is None:
         rounds = int(os.environ.get("JETLOOP_TRIALS", "10"))
     if seed is None:
         seed = int(os.environ.get("JETLOOP_KILL_SEED", str(random.randrange(1 << 30))))
-    print(f"JETLOOP_KILL_SEED={seed} JETLOOP_TRIALS={rounds}", flush=True)
+    off = "" if system_account else " (system account off: workers hear no disconnects)"
+    print(f"JETLOOP_KILL_SEED={seed} JETLOOP_TRIALS={rounds}{off}", flush=True)
 
     async def go() -> list[Report]:
         out = []
         for i, mode in enumerate(modes):
             wd = work_dir / mode if work_dir is not None else None
             out.append(
-                await run_trials(mode, rounds, seed + i, None, work_dir=wd, load=load, sync=sync)
+                await run_trials(
+                    mode,
+                    rounds,
+                    seed + i,
+                    None,
+                    work_dir=wd,
+                    load=load,
+                    sync=sync,
+                    system_account=system_account,
+                )
             )
             if mode in POWER_MODES and sync == durability.ALWAYS and control_rounds > 0:
                 wd = work_dir / f"{mode}-control" if work_dir is not None else None
@@ -1172,6 +1210,7 @@ def main(
                         load=load,
                         sync=durability.SERVER_DEFAULT,
                         control=True,
+                        system_account=system_account,
                     )
                 )
         return out

@@ -12,6 +12,11 @@ account (``SYS``) with its ``watch`` user: workers serve every namespace and may
 workers' connections close (``JETLOOP_NATS_WATCH_PASSWORD``, from ``watch_password``). A
 connection without a user acts as the default namespace's workers, so the harness's own
 looks at the servers connect as before. Used by ``jetloop.tooling.trials.run``.
+
+With ``system_account=False`` (``jetloop trials --no-system-account``) the servers are those
+of a user's own or a managed NATS: no system account user at all, and no watch password in
+the store directory either, so workers hear no connection close and find a dead worker's
+steps by the slower paths (leases, a new worker's sweep).
 """
 
 from __future__ import annotations
@@ -25,14 +30,15 @@ import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from nats.errors import Error as NatsError
 
 from jetloop.services import durability, namespaces
 from jetloop.services.embedded import EmbeddedServer
-from jetloop.services.natsauth import make_users, server_config, system_account
-from jetloop.services.settings import WATCH_USER
+from jetloop.services.natsauth import SYSTEM_ACCOUNT, make_users, server_config, system_account
+from jetloop.services.settings import NATS_USERS_FILE, WATCH_USER
+from jetloop.services.storefiles import replace
 from jetloop.streams import topology
 from jetloop.streams.connection import connect
 from jetloop.tooling.trials.cluster import LocalCluster
@@ -72,11 +78,17 @@ NAMESPACES = ("default", "t1", "t2")
 
 
 def write_namespaced_config(
-    base: Path, names: Sequence[str] = NAMESPACES, sync: str = durability.ALWAYS
-) -> tuple[Path, str, Path]:
+    base: Path,
+    names: Sequence[str] = NAMESPACES,
+    sync: str = durability.ALWAYS,
+    system_account: bool = True,
+) -> tuple[Path, str | None, Path]:
     """The config of ``jetloop up``'s server, with the namespaces ``names`` and the sync policy
     ``sync`` (``jetloop.services.durability``; always, as ``up``'s default): (its path, the
-    watch user's password, the store directory that holds every namespace's credentials)."""
+    watch user's password, the store directory that holds every namespace's credentials).
+
+    ``system_account=False``: no system account user in the config and no watch password in
+    the store (``without_watch``); the password returned is then None."""
     store = base / "auth"
     store.mkdir(parents=True, exist_ok=True)
     users = make_users(store)
@@ -86,10 +98,38 @@ def write_namespaced_config(
     # A connection without a user acts as the default namespace's workers: the harness's
     # own looks at the servers (readiness, leaders) connect so.
     config = {**json.loads(server_config(users, store, sync)), "no_auth_user": namespaces.WORKER}
+    watch: str | None = users[WATCH_USER]
+    if not system_account:
+        config = without_watch(config, store)
+        watch = None
     path = base / "nats-server.conf"
     path.write_text(json.dumps(config, indent=2) + "\n")
     path.chmod(0o600)
-    return path, users[WATCH_USER], store
+    return path, watch, store
+
+
+def without_watch(config: dict[str, Any], store: Path) -> dict[str, Any]:
+    """``config`` without the system account and its ``watch`` user, and the store's users
+    file without the watch password: a worker given the store directory reads that password
+    from it when ``JETLOOP_NATS_WATCH_PASSWORD`` is unset (``jetloop.services.settings``),
+    and would otherwise keep trying a user the server does not know."""
+    config = {k: v for k, v in config.items() if k != "system_account"}
+    config["accounts"] = {k: v for k, v in config["accounts"].items() if k != SYSTEM_ACCOUNT}
+    path = store / NATS_USERS_FILE
+    users = json.loads(path.read_text())
+    users.pop(WATCH_USER, None)
+    replace(path, json.dumps(users, indent=2))
+    return config
+
+
+def worker_env(servers: Servers) -> dict[str, str]:
+    """What a worker needs to reach ``servers`` beyond their URL: the credentials of every
+    namespace (the store directory) and, when the servers have it, the system account's
+    watch user (the user name is the default, ``watch``)."""
+    env = {"JETLOOP_STORE_DIR": str(servers.auth_store)}
+    if servers.watch_password is not None:
+        env["JETLOOP_NATS_WATCH_PASSWORD"] = servers.watch_password
+    return env
 
 
 def urls_as(urls: str, store: Path, namespace: str) -> list[str]:
@@ -127,8 +167,9 @@ class Servers(Protocol):
     """The NATS side of a trial run: one server or a cluster, and the failures it can take."""
 
     replicas: int
-    # The system account's ``watch`` password on every server of the run.
-    watch_password: str
+    # The system account's ``watch`` password on every server of the run; None when the
+    # servers run without the system account's user (``--no-system-account``).
+    watch_password: str | None
     # The store directory with every namespace's credentials.
     auth_store: Path
 
@@ -157,10 +198,17 @@ class SingleServer:
     replicas = 1
 
     def __init__(
-        self, base: Path, sync: str = durability.ALWAYS, store: Path | None = None
+        self,
+        base: Path,
+        sync: str = durability.ALWAYS,
+        store: Path | None = None,
+        system_account: bool = True,
     ) -> None:
-        """``store``: the server's store directory (default ``<base>/store``)."""
-        config, self.watch_password, self.auth_store = write_namespaced_config(base, sync=sync)
+        """``store``: the server's store directory (default ``<base>/store``);
+        ``system_account``: as ``write_namespaced_config`` takes it."""
+        config, self.watch_password, self.auth_store = write_namespaced_config(
+            base, sync=sync, system_account=system_account
+        )
         self.server = EmbeddedServer(
             store or base / "store", port=0, log_file=base / "nats.log", config_file=config
         )
@@ -213,9 +261,13 @@ class Cluster:
         sync: str = durability.ALWAYS,
         store_dirs: Sequence[Path] | None = None,
         monitor: bool = False,
+        system_account: bool = True,
     ) -> None:
-        """``store_dirs`` and ``monitor``: as ``LocalCluster`` takes them."""
-        config, self.watch_password, self.auth_store = write_namespaced_config(base, sync=sync)
+        """``store_dirs`` and ``monitor``: as ``LocalCluster`` takes them;
+        ``system_account``: as ``write_namespaced_config`` takes it."""
+        config, self.watch_password, self.auth_store = write_namespaced_config(
+            base, sync=sync, system_account=system_account
+        )
         self.cluster = LocalCluster(
             base / "cluster",
             "jl-trials",

@@ -25,6 +25,7 @@ from jetloop.schemas.errors import ControlError
 from jetloop.services.client import Client
 from jetloop.services.natsauth import client_permissions, make_users, url_as
 from jetloop.streams.connection import connect, inbox_prefix
+from jetloop.streams.seal import Sealer, key_bytes
 from tests.conftest import until
 from tests.test_nats_auth import NO_CREDENTIALS, REFUSED_WAIT, cli_elsewhere
 from tests.test_seal_key import Up, env_without_key
@@ -183,6 +184,34 @@ async def test_the_client_credential_may_not_change_a_policy(up: Up, tmp_path: P
         assert "workers' role" in answer["error"]["detail"], answer
         assert await c.snapshot("pr") is None  # no session made, nothing recorded
         assert await policy_events(c, "pr") == []
+
+
+async def test_the_client_credential_beside_the_store_decides_through_the_workers(
+    up: Up,
+) -> None:
+    """A program with the ``client`` credential that also holds the seal key (beside the
+    store: the CLI and the client find ``seal.key`` there) may not write state: it asks the
+    workers, so its approval is recorded as the client's within seconds, and its policy
+    change is refused 403 at once — not a server refusal of its writes waited out until a
+    timeout."""
+    url = url_as(up.url, up.cwd / ".jetloop", "client")
+    sealer = Sealer([key_bytes((up.cwd / ".jetloop" / "seal.key").read_text().strip())])
+    async with Client(await connect([url], "test-beside"), own=True, sealer=sealer) as c:
+        started = time.monotonic()
+        with pytest.raises(ControlError) as refused:
+            await c.set_approval("pb", TOOL, False, agent="demo")
+        assert refused.value.status == 403, refused.value
+        await c.send("demo", "pb", "close T-1")
+
+        async def held() -> Any:
+            snap = await c.snapshot("pb")
+            pending = [a for a in snap.approvals if a.status == "pending"] if snap else []
+            return pending or None
+
+        [approval] = await until(held, timeout=30)
+        decided = await c.approve("pb", approval.approval_id, by="someone")
+        assert decided.decided_by == "client", decided
+        assert time.monotonic() - started < 20
 
 
 async def test_after_a_refused_waive_close_still_waits_for_approval(up: Up) -> None:

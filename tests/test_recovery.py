@@ -79,7 +79,9 @@ async def test_restarted_worker_hands_on_what_its_predecessor_held(
     client: Client, workers: WorkerFactory, vendor: Vendor
 ) -> None:
     """Without the watch user (a wrong password here), a worker started after a death sweeps
-    the dead process's list at start: the step moves on at once, not at the lease. (Killed
+    the dead process's list at start: the step moves on at once, not at the lease (the list
+    names the server instance the new worker is linked to, so it is judged without waiting
+    for the new link to settle). (Killed
     once its list has gone out: a step fetched within ``LIST_SPACING`` of the list before
     waits for the next list, and a kill before that leaves it to its lease.)"""
     victim = workers.start("victim", hold="call_tool.in_tool", env=LONG_LEASE)
@@ -98,7 +100,62 @@ async def test_restarted_worker_hands_on_what_its_predecessor_held(
     assert await vendor.effect_count("write") == 1
     rescued = await successor.wait_for("worker.swept")
     assert rescued["messages"] >= 1
+    # Its list named the server instance the successor is linked to: judged at once, without
+    # waiting for the successor's link to settle.
+    await successor.wait_for("rescue.swept", same_instance=True)
     await successor.wait_for("worker.watch_failed")  # and it keeps running without it
+
+
+# A worker that hears no disconnect advisories: a server without the system account's watch
+# user (a wrong password here, refused).
+NO_WATCH = {**LONG_LEASE, "JETLOOP_NATS_WATCH_PASSWORD": "wrong"}
+
+
+async def test_without_the_watch_user_a_live_worker_finds_the_dead_one(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Without the system account's advisories, SIGKILL of the worker holding a
+    single-attempt write is found by a live worker's probe (the server the dead one's list
+    was sent to no longer knows its subscription): the step moves on in about a second, not
+    at the 30 s lease, and is settled (outcome_unknown, never sent again)."""
+    victim = workers.start("victim", hold="call_tool.in_tool", env=NO_WATCH)
+    h = await client.send("tester", "probed", script([call("once", name="x")]))
+    await victim.wait_for("fault.hold", point="call_tool.in_tool")
+    taker = workers.start("taker", env=NO_WATCH)
+    await taker.wait_for("worker.watch_failed")
+    await asyncio.sleep(LIST_SPACING * 4)  # the victim's list has gone out
+    killed = time.monotonic()
+    victim.kill()
+    res = await client.wait(h, timeout=25)
+    took = time.monotonic() - killed
+    [seen] = body(res.text)["seen"]
+    assert seen["status"] == "outcome_unknown"
+    assert await vendor.effect_count("once") == 0
+    assert took < 10, f"the step waited {took:.1f}s: the lease, not the probe, moved it"
+    handed = await taker.wait_for("rescue.handed_on", reason="probe")
+    assert handed["messages"] >= 1
+    await taker.wait_for("step.holder_gone", holder="victim")
+
+
+async def test_without_the_watch_user_a_stalled_holder_is_not_probed_away(
+    client: Client, workers: WorkerFactory, vendor: Vendor, tmp_path: Path
+) -> None:
+    """A holder stopped by SIGSTOP keeps its connection and its subscription: the probe's
+    asks time out, which proves nothing, so nothing is handed on; resumed, the holder makes
+    its write once."""
+    release = tmp_path / "release"
+    holder = workers.start("holder", hold="call_tool.in_tool", release_file=release, env=NO_WATCH)
+    h = await client.send("tester", "stalled", script([call("once", name="x")]))
+    await holder.wait_for("fault.hold", point="call_tool.in_tool")
+    other = workers.start("other", env=NO_WATCH)
+    await other.wait_for("worker.watch_failed")
+    await asyncio.sleep(LIST_SPACING * 4)
+    with paused(holder.pid):
+        # Ten of the probe's looks, and its patience, several times over.
+        await asyncio.sleep(3.0)
+    assert other.find("rescue.handed_on") == [], "the probe handed on a live holder's step"
+    release.touch()
+    await made_once_by_its_holder(client, vendor, h, "stalled")
 
 
 async def test_live_holder_is_never_taken_over(

@@ -42,7 +42,7 @@ from jetloop.consumers.errors import RetryLater
 from jetloop.consumers.runtime import Delivery
 from jetloop.schemas import Attempt
 from jetloop.streams.bus import H_HOLDER_LOST
-from jetloop.streams.connection import linked_for
+from jetloop.streams.connection import link_of, linked_for
 from jetloop.streams.topology import alive_subject
 
 log = structlog.get_logger("jetloop.liveness")
@@ -113,6 +113,37 @@ async def gone(nc: Client, incarnation: str, patience: float = 0.0) -> bool:
         if time.monotonic() >= deadline:
             return True
         await asyncio.sleep(0.1)
+
+
+# How long a process whose subscription the server it was linked to no longer knows is asked
+# again before it counts as gone (``silent``): a live one whose connection that server closed
+# (a slow consumer) connects again at once and subscribes before anything else.
+SILENT_PATIENCE = 0.5
+SILENT_ASK_EVERY = 0.1
+
+
+async def silent(nc: Client, incarnation: str, patience: float = SILENT_PATIENCE) -> bool:
+    """Whether every ask of ``incarnation`` on ``jl.alive`` for ``patience`` seconds was
+    answered "no responders" by the server instance this process stayed linked to
+    throughout. An answer, a timeout (a slow or stalled process, or a server that cannot
+    tell yet) or a link that dropped or moved meanwhile: False, "not known to be gone"."""
+    link = link_of(nc)
+    if link is None:
+        return False
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            await nc.request(alive_subject(incarnation), b"", timeout=ASK_AGAIN_TIMEOUT)
+            return False
+        except NoRespondersError:
+            pass
+        except Exception:  # a timeout, a link lost meanwhile: nothing is known
+            return False
+        if link_of(nc) != link:
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        await asyncio.sleep(SILENT_ASK_EVERY)
 
 
 async def still_holds(nc: Client, incarnation: str, key: str) -> bool | None:

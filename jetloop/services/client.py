@@ -582,8 +582,10 @@ class Client:
         are idempotent: one the servers could not answer is repeated. With the seal key the
         client writes the records itself, as a worker does; without it, it asks the workers
         over NATS (``jl.control.<op>``, served by ``jetloop.services.control``): that needs only
-        the ``client`` role, and the workers seal."""
-        if self.sealer is not None:
+        the ``client`` role, and the workers seal. A credential below the workers' asks them
+        even with the key (beside the store, say): the server lets only the workers' role
+        write state."""
+        if self.sealer is not None and self._writes_state:
             control = await self._control()
             await self._measure_clock(self.sealer)
             return await retrying(lambda: request.run(control), self.retry_for, "control")
@@ -601,6 +603,13 @@ class Client:
                 await sealer.guard.update(self.nc)
             except Exception:  # an outage: the decision itself meets it, and says so
                 pass
+
+    @property
+    def _writes_state(self) -> bool:
+        """Whether this connection's credential may write state: the workers' role, or a
+        connection without a user (a server without authorization)."""
+        user = getattr(self.nc, "user", None)
+        return user is None or namespaces.identity(user)[1] == namespaces.WORKER
 
     @property
     def namespace(self) -> str:

@@ -42,10 +42,13 @@ own account's anyway: another account's worker held nothing here.
 
 At start a worker also sweeps: any ``held.<incarnation>`` list in ``jl_workers`` whose
 process does not answer is handed on the same way (a worker restarted by ``jetloop up``
-rescues what its predecessor held, even without the system account). It asks only once its
-own link has been up for ``jetloop.consumers.liveness.RECONNECT_GRACE``: a worker started
-just after a server restart would otherwise hear "no responders" from every live worker
-still connecting again, and hand on their steps.
+rescues what its predecessor held, even without the system account). A list sent to the
+server instance this worker is linked to is judged at once (``liveness.silent``: that server
+no longer knows the process's subscription; ``jetloop.services.probe`` says why that is
+evidence); any other only once its own link has been up for
+``jetloop.consumers.liveness.RECONNECT_GRACE``: a worker started just after a server restart
+would otherwise hear "no responders" from every live worker still connecting again, and hand
+on their steps (their lists name the server's previous instance).
 """
 
 from __future__ import annotations
@@ -62,13 +65,13 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from jetloop.consumers.liveness import gone, patience_after, settled_link
+from jetloop.consumers.liveness import gone, patience_after, settled_link, silent
 from jetloop.consumers.session import UnscopedRequestId, request_id_of
 from jetloop.services.natsauth import DISCONNECT_ADVISORIES
 from jetloop.streams import kvkeys
 from jetloop.streams.bus import H_HOLDER_LOST
-from jetloop.streams.connection import connect
-from jetloop.streams.holds import read_holds
+from jetloop.streams.connection import connect, link_of
+from jetloop.streams.holds import held_link, read_holds
 from jetloop.streams.topology import TURNS_STREAM, WORKERS_BUCKET, held_key
 
 log = structlog.get_logger("jetloop.rescue")
@@ -129,7 +132,10 @@ class Rescuer:
         # This connection's account, as the server said (None: not asked yet, or no answer).
         self.account: str | None = None
         self._asked = False
-        self._busy: set[str] = set()
+        # Incarnations being asked or handed on now (by the advisories' path or the probe).
+        self.busy: set[str] = set()
+        # Whether disconnect advisories are heard now (``watch``): the probe stands by.
+        self.watching = False
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def whoami(self) -> None:
@@ -152,9 +158,12 @@ class Rescuer:
             self.user = user  # the server's word over the URL's
 
     async def sweep(self) -> int:
-        """Hand on what every process that no longer answers said it held, once this
-        process's link has been up long enough for a live one to have connected again;
-        returns how many messages were handed on."""
+        """Hand on what every process that no longer answers said it held; returns how many
+        messages were handed on. A process whose last list was sent to the server instance
+        this one is linked to is judged at once (``liveness.silent``: that server no longer
+        knows its subscription); any other only once this process's link has been up long
+        enough for a live one to have connected again."""
+        handed = await self._sweep_same_instance()
         # A worker stopped meanwhile sweeps nothing (its stop must not wait for the link).
         settled = asyncio.ensure_future(settled_link(self.nc))
         stopped = asyncio.ensure_future(self.stopping.wait())
@@ -165,17 +174,32 @@ class Rescuer:
             stopped.cancel()
         if self.stopping.is_set():
             return 0
-        kv = await self.js.key_value(WORKERS_BUCKET)
-        keys = await kvkeys.keys(kv, "held.>")
-        handed = 0
-        for key in keys:
-            if not key.startswith("held."):
-                continue
-            inc = key.removeprefix("held.")
-            if inc != self.incarnation and await gone(self.nc, inc):
+        for inc in await self.listed():
+            if inc != self.incarnation and inc not in self.busy and await gone(self.nc, inc):
                 n = await self.rescue(inc)
                 log.info("rescue.swept", incarnation=inc, messages=n)
                 handed += n
+        return handed
+
+    async def listed(self) -> list[str]:
+        """The incarnations with a list in ``jl_workers``."""
+        kv = await self.js.key_value(WORKERS_BUCKET)
+        keys = await kvkeys.keys(kv, "held.>")
+        return [k.removeprefix("held.") for k in keys if k.startswith("held.")]
+
+    async def _sweep_same_instance(self) -> int:
+        link = link_of(self.nc)
+        if link is None:
+            return 0
+        handed = 0
+        for inc in await self.listed():
+            if inc == self.incarnation or inc in self.busy:
+                continue
+            if await held_link(self.js, inc) != link[0] or not await silent(self.nc, inc):
+                continue
+            n = await self.rescue(inc)
+            log.info("rescue.swept", incarnation=inc, messages=n, same_instance=True)
+            handed += n
         return handed
 
     async def watch(self, urls: list[str]) -> None:
@@ -194,10 +218,12 @@ class Rescuer:
         try:
             await self.whoami()
             await watch.subscribe(advisories_of(self.account), cb=self._on_advisory)
+            self.watching = True
             log.info("rescue.watching", account=self.account, user=self.user)
             while not self.stopping.is_set() and not closed:
                 await asyncio.wait([asyncio.ensure_future(self.stopping.wait())], timeout=1.0)
         finally:
+            self.watching = False
             for t in list(self._tasks):
                 t.cancel()
             if not watch.is_closed:
@@ -212,7 +238,7 @@ class Rescuer:
             account, user = client.get("acc"), client.get("user")
         except (ValueError, AttributeError):
             return
-        if inc is None or inc == self.incarnation or inc in self._busy:
+        if inc is None or inc == self.incarnation or inc in self.busy:
             return
         # Another account's or another user's close, whatever its name: not one of ours.
         if self.account is not None and account != self.account:
@@ -228,7 +254,7 @@ class Rescuer:
         task.add_done_callback(done)
 
     async def _after(self, inc: str, reason: str) -> None:
-        self._busy.add(inc)
+        self.busy.add(inc)
         try:
             if not await gone(self.nc, inc, patience_after(reason)):
                 log.info("rescue.still_alive", incarnation=inc, reason=reason)
@@ -238,7 +264,7 @@ class Rescuer:
         except Exception as exc:  # an outage: the leases still bring the steps back
             log.warning("rescue.failed", incarnation=inc, error=str(exc))
         finally:
-            self._busy.discard(inc)
+            self.busy.discard(inc)
 
     async def rescue(self, inc: str) -> int:
         """Publish a copy of every message ``inc`` held that is still in its stream."""

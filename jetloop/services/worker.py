@@ -43,6 +43,7 @@ from jetloop.schemas.log import LogLayout
 from jetloop.services.client import publish_trigger
 from jetloop.services.control import ControlService
 from jetloop.services.lifecycle import Service
+from jetloop.services.probe import Probe
 from jetloop.services.rescue import Rescuer, connection_name, password_user
 from jetloop.services.runner import loop_name
 from jetloop.services.settings import Settings
@@ -275,6 +276,8 @@ class Worker(Service):
                 tg.create_task(self._advertise(registry, holds))
                 tg.create_task(self._watch_clock(nc))
                 tg.create_task(self._sweep(rescuer))
+                # Where no advisories are heard: ask the quiet holders (jetloop.services.probe).
+                tg.create_task(self._probe(Probe(nc, incarnation, rescuer, self._stopping)))
                 watch_urls = s.nats_watch_urls
                 if watch_urls is not None:
                     tg.create_task(self._watch(rescuer, watch_urls))
@@ -298,6 +301,15 @@ class Worker(Service):
             log.info("worker.stopped", worker=self.worker_id)
         if lost:
             raise lost[0]
+
+    async def _probe(self, probe: Probe) -> None:
+        """Run the probe; one that fails (an outage while it subscribes) is started again."""
+        while not self._stopping.is_set():
+            try:
+                await probe.run()
+            except Exception as exc:
+                log.warning("worker.probe_failed", error=str(exc))
+                await _first(asyncio.sleep(1.0), self._stopping.wait())
 
     async def _sweep(self, rescuer: Rescuer) -> None:
         """Hand on what dead predecessors held (``Rescuer.sweep``), beside serving: the sweep

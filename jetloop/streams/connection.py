@@ -499,6 +499,20 @@ def linked_for(nc: Client) -> float:
     return nc.linked_for if isinstance(nc, SizedClient) else math.inf
 
 
+def link_of(nc: Client) -> tuple[str, float] | None:
+    """The link ``nc`` is on now: the id of the server instance it is connected to (a
+    nats-server makes a new id at every start) and when this link opened (a link made again
+    to the same instance is another link); None while it is not connected. Only a
+    ``SizedClient`` knows when its link opened; another client's reads as opened at 0."""
+    if not nc.is_connected:
+        return None
+    server_id = (nc._server_info or {}).get("server_id")  # nats-py keeps the server's INFO here
+    if not isinstance(server_id, str) or not server_id:
+        return None
+    opened = nc._linked_at if isinstance(nc, SizedClient) else 0.0
+    return (server_id, opened) if opened is not None else None
+
+
 def when_link_lost(nc: Client, callback: Callable[[], None]) -> None:
     """``SizedClient.when_link_lost`` where ``nc`` is one (else: such waits time out)."""
     if isinstance(nc, SizedClient):

@@ -26,8 +26,14 @@ keeps saying it until it exits: the worker that takes such a step over resumes i
 crash (a call in doubt is settled the same way) but does not count it as a loss of the turn
 (``jetloop.consumers.losses``): the holder stopped on purpose, it did not die.
 
+Each list also names the server instance the process's link was on when it sent it
+(``"link"``, and the header ``Jl-Link``: the server's id, new at every start of a server): the
+list went over that link, after the process subscribed to ``jl.alive.<incarnation>`` on it,
+so that server instance knew the subscription (``jetloop.services.probe`` relies on this).
+
 Who reads it: ``jetloop.services.rescue``, when the server says the process's connection
-closed; ``drained``, when a step is taken over.
+closed; ``jetloop.services.probe``, which hears every list as it is sent; ``drained``, when a
+step is taken over.
 """
 
 from __future__ import annotations
@@ -43,12 +49,15 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from jetloop.streams.connection import link_of
 from jetloop.streams.loops import running_loop
 from jetloop.streams.topology import WORKERS_BUCKET, held_key
 
 # The least time between two lists of one process: under load, fetches every few
 # milliseconds share a list instead of each writing one.
 LIST_SPACING = 0.025
+# The header naming the server instance a list was sent to.
+H_LINK = "Jl-Link"
 
 
 @dataclass
@@ -107,19 +116,25 @@ class Holds:
     async def publish(self) -> None:
         """Send the list as it is now (not confirmed: a list lost with its process only
         means that process's steps wait for their leases, as they would without it)."""
-        await self.nc.publish(*self._list())
+        subject, body, headers = self._list()
+        await self.nc.publish(subject, body, headers=headers)
 
     async def publish_confirmed(self, timeout: float) -> None:
         """Send the list and wait until the bucket has stored it (the drain's last word)."""
-        subject, body = self._list()
-        await self.nc.jetstream().publish(subject, body, timeout=timeout)
+        subject, body, headers = self._list()
+        await self.nc.jetstream().publish(subject, body, timeout=timeout, headers=headers)
 
-    def _list(self) -> tuple[str, bytes]:
-        # {"worker": …, "held": [[stream, sequence], …]}, the entries joined as encoded.
+    def _list(self) -> tuple[str, bytes, dict[str, str] | None]:
+        # {"worker": …, "held": [[stream, sequence], …], "link": …}, the entries joined as
+        # encoded. The link is read as the list is made: one sent while disconnected names the
+        # instance it was made for, or none, never one it did not go to first.
         held = ", ".join(self._held.values())
         drained = ', "drained": true' if self.drained else ""
-        body = f'{{"worker": {json.dumps(self.worker_id)}, "held": [{held}]{drained}}}'
-        return f"$KV.{WORKERS_BUCKET}.{held_key(self.incarnation)}", body.encode()
+        link = link_of(self.nc)
+        server = f', "link": {json.dumps(link[0])}' if link is not None else ""
+        body = f'{{"worker": {json.dumps(self.worker_id)}, "held": [{held}]{drained}{server}}}'
+        headers = {H_LINK: link[0]} if link is not None else None
+        return f"$KV.{WORKERS_BUCKET}.{held_key(self.incarnation)}", body.encode(), headers
 
 
 async def _last_list(js: JetStreamContext, incarnation: str) -> dict[str, Any]:
@@ -138,6 +153,19 @@ async def _last_list(js: JetStreamContext, incarnation: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}
+
+
+async def held_link(js: JetStreamContext, incarnation: str) -> str | None:
+    """The server instance ``incarnation``'s last list was sent to (None: it named none)."""
+    return (await held_at(js, incarnation))[0]
+
+
+async def held_at(js: JetStreamContext, incarnation: str) -> tuple[str | None, bool]:
+    """The server instance ``incarnation``'s last list was sent to (None: it named none), and
+    whether that list names anything held."""
+    last = await _last_list(js, incarnation)
+    link, held = last.get("link"), last.get("held")
+    return (link if isinstance(link, str) and link else None), bool(held)
 
 
 async def read_holds(js: JetStreamContext, incarnation: str) -> list[tuple[str, int]]:

@@ -345,7 +345,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "holds-not-published",
         "jetloop/streams/holds.py",
-        "        await self.nc.publish(*self._list())\n",
+        "        await self.nc.publish(subject, body, headers=headers)\n",
         "        return\n",
         "nobody knows what a worker held: its steps wait for their leases when it dies",
         (

@@ -191,7 +191,7 @@ async def test_the_client_credential_beside_the_store_decides_through_the_worker
 ) -> None:
     """A program with the ``client`` credential that also holds the seal key (beside the
     store: the CLI and the client find ``seal.key`` there) may not write state: it asks the
-    workers, so its approval is recorded as the client's within seconds, and its policy
+    workers, so its decision is recorded as the client's within seconds, and its policy
     change is refused 403 at once — not a server refusal of its writes waited out until a
     timeout."""
     url = url_as(up.url, up.cwd / ".jetloop", "client")
@@ -209,7 +209,9 @@ async def test_the_client_credential_beside_the_store_decides_through_the_worker
             return pending or None
 
         [approval] = await until(held, timeout=30)
-        decided = await c.approve("pb", approval.approval_id, by="someone")
+        # Rejected, not approved: the module's `up` is shared, and another test counts that
+        # the vendor saw no close.
+        decided = await c.reject("pb", approval.approval_id, by="someone")
         assert decided.decided_by == "client", decided
         assert time.monotonic() - started < 20
 

@@ -63,7 +63,7 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from jetloop.consumers.liveness import gone, patience_after, settled_link, silent
 from jetloop.consumers.session import UnscopedRequestId, request_id_of
@@ -71,8 +71,8 @@ from jetloop.services.natsauth import DISCONNECT_ADVISORIES
 from jetloop.streams import kvkeys
 from jetloop.streams.bus import H_HOLDER_LOST
 from jetloop.streams.connection import connect, link_of
-from jetloop.streams.holds import held_link, read_holds
-from jetloop.streams.topology import TURNS_STREAM, WORKERS_BUCKET, held_key
+from jetloop.streams.holds import held_link, read_holds, retire
+from jetloop.streams.topology import TURNS_STREAM, WORKERS_BUCKET
 
 log = structlog.get_logger("jetloop.rescue")
 
@@ -268,7 +268,6 @@ class Rescuer:
 
     async def rescue(self, inc: str) -> int:
         """Publish a copy of every message ``inc`` held that is still in its stream."""
-        kv = await self.js.key_value(WORKERS_BUCKET)
         handed = 0
         for stream, seq in await read_holds(self.js, inc):
             try:
@@ -296,8 +295,5 @@ class Rescuer:
                 log.warning("rescue.publish_failed", stream=stream, seq=seq, error=str(exc))
                 continue
             handed += 1
-        try:
-            await kv.delete(held_key(inc))
-        except (KeyNotFoundError, NatsError):
-            pass  # the bucket's TTL removes it
+        await retire(self.js, inc)
         return handed

@@ -52,7 +52,7 @@ from jetloop.streams import topology
 from jetloop.streams.blobs import BlobStore
 from jetloop.streams.bus import Bus
 from jetloop.streams.clock import ClockGuard, describe
-from jetloop.streams.connection import ConnectionLost, connect
+from jetloop.streams.connection import ConnectionLost, connect, finish
 from jetloop.streams.consumer_guard import guard_consumers
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.holds import Holds
@@ -294,10 +294,7 @@ class Worker(Service):
                         await server.close()  # a stdio server's process ends with it
                 if self._rt.tracing is not None:
                     await asyncio.to_thread(self._rt.tracing.shutdown)
-            if nc.is_connected:
-                await nc.drain()
-            elif not nc.is_closed:
-                await nc.close()
+            await finish(nc)
             log.info("worker.stopped", worker=self.worker_id)
         if lost:
             raise lost[0]

@@ -575,3 +575,36 @@ async def retrying(op: Callable[[], Awaitable[T]], seconds: float, what: str = "
             await asyncio.sleep(delay)
             # Capped low: once the servers have a leader again, the next try comes soon.
             delay = min(delay * 2, RETRY_DELAY_CAP)
+
+
+# How long a service's last drain may take before its connection is closed instead.
+DRAIN_SECONDS = 5.0
+
+
+async def finish(nc: Client, timeout: float = DRAIN_SECONDS) -> None:
+    """End a service's connection: drain it (what its subscriptions have queued is handled,
+    what it published is flushed), or close it when it is not connected. A drain still
+    waiting after ``timeout`` — a callback that does not return, a queue nobody reads —
+    is given up with the subscriptions that held it named (``nats.drain_slow``), and the
+    connection closed: a stop must not wait out nats-py's own 30 s."""
+    if nc.is_closed:
+        return
+    if not nc.is_connected:
+        await nc.close()
+        return
+    draining = asyncio.ensure_future(nc.drain())
+    done, _ = await asyncio.wait({draining}, timeout=timeout)
+    if draining in done:
+        with contextlib.suppress(Exception):
+            draining.result()
+        return
+    held = sorted(
+        f"{s.subject} ({s._pending_queue.qsize()} queued)"
+        for s in list(nc._subs.values())
+        if s._pending_queue is not None
+    )
+    log.warning("nats.drain_slow", after=timeout, subscriptions=held)
+    draining.cancel()  # nats-py then flushes and closes
+    await asyncio.wait({draining})
+    if not nc.is_closed:
+        await nc.close()

@@ -46,8 +46,9 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from jetloop.streams.connection import link_of
 from jetloop.streams.loops import running_loop
@@ -174,6 +175,24 @@ async def read_holds(js: JetStreamContext, incarnation: str) -> list[tuple[str, 
         return [(str(s), int(q)) for s, q in (await _last_list(js, incarnation)).get("held", [])]
     except (ValueError, TypeError):
         return []  # not a list this code wrote: nothing to hand on
+
+
+async def retire(js: JetStreamContext, incarnation: str) -> None:
+    """Take ``incarnation``'s list down once what it held is handed on. A drained one keeps
+    its mark, holding nothing, until the bucket's TTL: the copies handed on are taken over
+    after this, and must still learn that their holder stopped on purpose."""
+    kv = await js.key_value(WORKERS_BUCKET)
+    last = await _last_list(js, incarnation)
+    try:
+        if last.get("drained") is True:
+            if not last.get("held"):
+                return  # already retired: a second put would only keep it longer
+            mark: dict[str, Any] = {"worker": last.get("worker"), "held": [], "drained": True}
+            await kv.put(held_key(incarnation), json.dumps(mark).encode())
+        else:
+            await kv.delete(held_key(incarnation))
+    except (KeyNotFoundError, NatsError):
+        pass  # the bucket's TTL removes it
 
 
 async def drained(js: JetStreamContext, incarnation: str) -> bool:

@@ -156,7 +156,7 @@ from jetloop.sessions.requests import (
 )
 from jetloop.sessions.usage import totals_json
 from jetloop.streams import topology
-from jetloop.streams.connection import ConnectionLost, connect
+from jetloop.streams.connection import ConnectionLost, connect, finish
 
 log = structlog.get_logger("jetloop.gateway")
 
@@ -524,10 +524,7 @@ async def _nats(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        if nc.is_connected:
-            await nc.drain()
-        elif not nc.is_closed:
-            await nc.close()
+        await finish(nc)
 
 
 async def _read_model(app: web.Application) -> AsyncIterator[None]:

@@ -26,7 +26,7 @@ from jetloop.services.client import Client
 from jetloop.services.gateway.config import GatewayConfig
 from jetloop.services.gateway.http import Problem
 from jetloop.services.readmodel.model import ReadModel, ReadModelMissing
-from jetloop.streams.connection import connect, credentials_in
+from jetloop.streams.connection import connect, credentials_in, finish
 
 log = structlog.get_logger("jetloop.gateway")
 
@@ -166,11 +166,7 @@ class Namespaces:
         for namespace, client in list(self._clients.items()):
             if namespace == namespaces.DEFAULT:
                 continue
-            nc = client.nc
-            if nc.is_connected:
-                await nc.drain()
-            elif not nc.is_closed:
-                await nc.close()
+            await finish(client.nc)
         for namespace, reader in list(self._readers.items()):
             if namespace != namespaces.DEFAULT:
                 await reader.close()

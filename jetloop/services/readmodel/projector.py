@@ -64,7 +64,7 @@ from jetloop.services.readmodel.model import Incoming, ReadModel
 from jetloop.services.settings import load_settings
 from jetloop.services.supervisor import Component, GaveUp, Part, Supervisor
 from jetloop.streams import consumer_guard, topology
-from jetloop.streams.connection import ConnectionLost, connect
+from jetloop.streams.connection import ConnectionLost, connect, finish
 from jetloop.streams.intake import Intake
 
 log = structlog.get_logger("jetloop.projector")
@@ -126,7 +126,7 @@ class Projector(Service):
             finally:
                 await model.close()
         finally:
-            await nc.drain() if nc.is_connected else await nc.close()
+            await finish(nc)
             log.info("projector.stopped", position=self.position)
 
     async def _run(self, nc: Nats, model: ReadModel) -> None:

@@ -48,7 +48,10 @@ no longer knows the process's subscription; ``jetloop.services.probe`` says why 
 evidence); any other only once its own link has been up for
 ``jetloop.consumers.liveness.RECONNECT_GRACE``: a worker started just after a server restart
 would otherwise hear "no responders" from every live worker still connecting again, and hand
-on their steps (their lists name the server's previous instance).
+on their steps (their lists name the server's previous instance). Such a process is then asked
+again for ``SWEEP_PATIENCE`` more, the lists side by side: a live one stalled across the restart
+(a busy machine) may be the last to connect again, and handing on its step settles its call in
+doubt as ``outcome_unknown`` where waiting would have seen it finish.
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ from jetloop.streams.bus import H_HOLDER_LOST
 from jetloop.streams.connection import connect, link_of
 from jetloop.streams.holds import held_link, read_holds, retire
 from jetloop.streams.topology import TURNS_STREAM, WORKERS_BUCKET
+
+# How long the start sweep asks a process whose list names another server instance, once
+# its own link has settled, before it counts as gone.
+SWEEP_PATIENCE = 3.0
 
 log = structlog.get_logger("jetloop.rescue")
 
@@ -174,12 +181,18 @@ class Rescuer:
             stopped.cancel()
         if self.stopping.is_set():
             return 0
-        for inc in await self.listed():
-            if inc != self.incarnation and inc not in self.busy and await gone(self.nc, inc):
-                n = await self.rescue(inc)
-                log.info("rescue.swept", incarnation=inc, messages=n)
-                handed += n
-        return handed
+        others = [i for i in await self.listed() if i != self.incarnation and i not in self.busy]
+        counts = await asyncio.gather(*(self._sweep_other(inc) for inc in others))
+        return handed + sum(counts)
+
+    async def _sweep_other(self, inc: str) -> int:
+        # Asked again for a while: a live process stalled across the restart (a busy
+        # machine, a pause) may be the last to connect again; a dead one costs the wait.
+        if not await gone(self.nc, inc, SWEEP_PATIENCE):
+            return 0
+        n = await self.rescue(inc)
+        log.info("rescue.swept", incarnation=inc, messages=n)
+        return n
 
     async def listed(self) -> list[str]:
         """The incarnations with a list in ``jl_workers``."""

@@ -6,7 +6,9 @@ closed."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import warnings
 
 from nats.aio.msg import Msg
 from structlog.testing import capture_logs
@@ -55,3 +57,32 @@ async def test_a_drain_with_nothing_held_is_quiet(server: EmbeddedServer) -> Non
         await finish(nc, timeout=5)
     assert nc.is_closed
     assert not [e for e in logs if e["event"] == "nats.drain_slow"]
+
+
+async def test_failed_handshakes_while_reconnecting_leave_no_socket_open(
+    server: EmbeddedServer,
+) -> None:
+    """A client whose server is gone tries the others; one that accepts and hangs up at once
+    (a node dying, a port taken over) fails each handshake. nats-py opens every attempt's
+    socket in one transport and dropped the failed one unclosed; nothing is left to the
+    garbage collector now (a cluster power-cut trial failed on that ResourceWarning)."""
+    await server.wait_jetstream()
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    rude = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    rude_port = rude.sockets[0].getsockname()[1]
+    nc = await connect([server.url, f"nats://127.0.0.1:{rude_port}"], "test-handshakes")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            server.kill()
+            await asyncio.sleep(3.0)  # attempts every 0.5 s, each refused or hung up on
+            gc.collect()
+        unclosed = [w for w in caught if issubclass(w.category, ResourceWarning)]
+        assert unclosed == [], [str(w.message) for w in unclosed]
+    finally:
+        await nc.close()
+        rude.close()
+        await rude.wait_closed()

@@ -284,6 +284,11 @@ class SizedClient(Client):
         # would have connected again when the server came back. Its next attempt ends it.
         if self._ended:
             raise asyncio.CancelledError
+        # nats-py keeps one transport and opens each attempt's socket in it, dropping the
+        # last attempt's writer unclosed when a handshake failed (a node frozen or cut off
+        # mid-connect): left to the garbage collector, a ResourceWarning. Closed here first.
+        if self._transport is not None:
+            self._transport.close()  # type: ignore[no-untyped-call]
         await super()._connect_to_server(s)
 
     def when_link_lost(self, callback: Callable[[], None]) -> None:

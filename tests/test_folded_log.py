@@ -1,7 +1,8 @@
 """The folded log (``jetloop.schemas.log``): where a fact is both an event and a history
 entry, one message (the entry, carrying the event) instead of two — read back the same.
 
-One server: the same turn (two read-only calls) runs first with the log separate, then on a
+One server: the same turn (two read-only calls) runs first with the log separate (a worker
+started with ``JETLOOP_EVENT_LOG=separate``: a new deployment's log is folded), then on a
 deployment switched to folded (a worker started with ``JETLOOP_EVENT_LOG=folded`` sets it in
 ``JL_EVENTS``'s metadata). Every reader jetloop ships — ``Client.events``, ``Client.wait``,
 the read model and the gateway's event stream — tells both runs alike, and the folded log
@@ -19,7 +20,7 @@ from nats.js import api
 
 from jetloop.consumers.conversation import in_call_order
 from jetloop.schemas import HistoryEntry, HistoryRole, decode, encode, turn_id_for
-from jetloop.schemas.log import H_EVENTS, events_in
+from jetloop.schemas.log import H_EVENTS, LogLayout, events_in
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.services.gateway.sse import follow
@@ -101,7 +102,7 @@ async def test_the_folded_log_reads_as_the_separate_one(
 ) -> None:
     c = await Client.connect(nats_ready.url)
     try:
-        separate = workers.start("separate")
+        separate = workers.start("separate", env={"JETLOOP_EVENT_LOG": "separate"})
         await run(c, "fl1")
         separate.kill()
     finally:
@@ -213,3 +214,31 @@ def test_the_model_is_given_a_steps_results_in_call_order() -> None:
         "s.t.m1.assistant",
         "s.t.m1.c0.result",
     ]
+
+
+async def test_a_new_deployment_is_folded_and_an_old_one_keeps_its_layout(
+    server: EmbeddedServer,
+) -> None:
+    """A ``JL_EVENTS`` the topology makes says ``folded``; one made before layouts (no key in
+    its metadata, as 0.1.0 made it) is kept ``separate`` by every later apply that does not
+    set a layout, and an apply that sets one switches it."""
+    await server.wait_jetstream()
+    c = await Client.connect(server.url)
+    try:
+        await topology.apply(c.js, topology.TopologyConfig())
+        assert await topology.log_layout(c.js) == "folded"
+        # As 0.1.0 left it: the stream without the layout's key.
+        info = await c.js.stream_info(topology.EVENTS_STREAM)
+        cfg = info.config
+        cfg.metadata = {
+            k: v for k, v in (cfg.metadata or {}).items() if k != topology.LOG_LAYOUT_KEY
+        }
+        await c.js.update_stream(cfg)
+        assert await topology.log_layout(c.js) == "separate"
+        await topology.apply(c.js, topology.TopologyConfig())
+        info = await c.js.stream_info(topology.EVENTS_STREAM)
+        assert (info.config.metadata or {}).get(topology.LOG_LAYOUT_KEY) == "separate"
+        await topology.apply(c.js, topology.TopologyConfig(event_log=LogLayout.FOLDED))
+        assert await topology.log_layout(c.js) == "folded"
+    finally:
+        await c.close()

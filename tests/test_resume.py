@@ -259,13 +259,15 @@ async def test_outcome_committed_before_its_worker_died_is_told_after_the_turn_m
     """A worker killed after committing call 0's outcome and before publishing what follows,
     while call 1 moved the turn on (and the turn completed) elsewhere: the redelivery of
     call 0 publishes its ``call.outcome`` from state, once, and nothing else (no join, no
-    next step, no history entry, no event twice)."""
-    held_w = workers.start("held", hold="call_tool.after_commit")
+    next step, no history entry, no event twice). On the separate log, where the outcome is
+    an event of its own (the folded log's entry carrying it is checked by test_folded_log)."""
+    separate = {"JETLOOP_EVENT_LOG": "separate"}
+    held_w = workers.start("held", hold="call_tool.after_commit", env=separate)
     calls = [call("read", name="r"), call("ask_user", question="go on?")]
     h = await client.send("tester", "ro", script(calls))
     held = await held_w.wait_for("fault.hold", point="call_tool.after_commit")
     question = await pending_question(client, "ro")
-    taker = workers.start("taker")
+    taker = workers.start("taker", env=separate)
     await client.answer("ro", question, "yes")
     await client.wait(h, timeout=30)
     before = await last_seqs(client, "ro")

@@ -143,7 +143,8 @@ class TopologyConfig:
     state_history: int = 8
     max_ack_pending: int = 1000
     # The session log's layout (jetloop.schemas.log), kept in JL_EVENTS's metadata for every
-    # worker and reader; None: as the stream has it (separate for a new one).
+    # worker and reader; None: as the stream has it (folded for a new one; separate for one
+    # made before layouts, which says none).
     event_log: LogLayout | None = None
 
 
@@ -189,7 +190,8 @@ def stream_configs(cfg: TopologyConfig) -> list[api.StreamConfig]:
             num_replicas=r,
             duplicate_window=cfg.event_dedupe_seconds,
             allow_direct=direct,
-            metadata={LOG_LAYOUT_KEY: cfg.event_log or LogLayout.SEPARATE},
+            # A new deployment's log is folded; an existing one keeps its layout (``apply``).
+            metadata={LOG_LAYOUT_KEY: cfg.event_log or LogLayout.FOLDED},
         ),
         api.StreamConfig(
             name=DEAD_STREAM,

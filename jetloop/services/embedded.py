@@ -131,9 +131,12 @@ class EmbeddedServer:
         extra_args: list[str] | None = None,
         config_file: Path | None = None,
         auth: tuple[str, str] | None = None,
+        wrap: list[str] | None = None,
     ) -> None:
         """``config_file``: nats-server's ``-c`` (the command-line flags here override it);
-        ``auth``: the user and password this object connects as to see JetStream ready."""
+        ``auth``: the user and password this object connects as to see JetStream ready;
+        ``wrap``: a command the server runs under (``jetloop.tooling.bench.syncs`` traces its
+        syncs so)."""
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
         self.name = name
@@ -141,6 +144,7 @@ class EmbeddedServer:
         self.extra_args = extra_args or []
         self.config_file = config_file
         self.auth = auth
+        self.wrap = wrap or []
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -150,6 +154,7 @@ class EmbeddedServer:
     def _args(self) -> list[str]:
         config = ["-c", str(self.config_file)] if self.config_file else []
         return [
+            *self.wrap,
             server_binary(),
             *config,
             "--jetstream",
@@ -190,6 +195,19 @@ class EmbeddedServer:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def server_pid(self) -> int | None:
+        """The nats-server process's id: ``proc``'s, or under a ``wrap``, its child's."""
+        if self.proc is None:
+            return None
+        if not self.wrap:
+            return self.proc.pid
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except OSError:
+            return None
+        first = children.split()
+        return int(first[0]) if first else None
 
     def exit_error(self) -> RuntimeError:
         assert self.proc is not None
@@ -238,13 +256,18 @@ class EmbeddedServer:
     def kill(self) -> None:
         """SIGKILL: no flush, no goodbye (a crash)."""
         if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
+            # Under a wrap, the server too (the tracer's death would leave it running).
+            kill = os.killpg if self.wrap else os.kill
+            kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
+        # Under a wrap, the server's own process: the wrap ends when it does, its output whole.
+        pid = self.server_pid() if self.wrap else self.proc.pid
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -443,13 +443,25 @@ def trials(
 @click.option(
     "--event-log",
     type=click.Choice(["separate", "folded"]),
-    help="the layout of jetloop's session log in every benchmark (default separate; "
-    "docs/protocol.md)",
+    help="the layout of jetloop's session log in every benchmark (default folded, as a new "
+    "deployment's; docs/protocol.md)",
 )
 @click.option(
     "--nats-sync",
     help="when the bench's nats-server syncs what it acknowledged: always (default, as "
     "`jetloop up`) or an interval such as 2m (nats-server's own default)",
+)
+@click.option(
+    "--lazy-fsync",
+    is_flag=True,
+    help="the old comparison: jetloop's nats-server syncs every 2m (--nats-sync 2m) while "
+    "Restate still syncs before it acknowledges",
+)
+@click.option(
+    "--count-syncs",
+    is_flag=True,
+    help="peer: trace each server's syncs to disk with strace and print them per turn, by "
+    "stream (the trace slows the servers: read the counts, not the timings)",
 )
 @click.option(
     "--turn-rate",
@@ -467,6 +479,8 @@ def bench(
     workers: int | None,
     event_log: str | None,
     nats_sync: str | None,
+    lazy_fsync: bool,
+    count_syncs: bool,
     turn_rate: float,
     out_json: str | None,
     keep: str | None,
@@ -486,6 +500,12 @@ def bench(
 
     from jetloop.tooling.bench.run import main as run
 
+    if lazy_fsync:
+        if nats_sync is not None:
+            raise click.UsageError("--lazy-fsync is --nats-sync 2m: give one of them")
+        nats_sync = "2m"
+    if count_syncs and "peer" not in which:
+        raise click.UsageError("--count-syncs counts the peer benchmark's: `jetloop bench peer`")
     sys.exit(
         run(
             which or ("overhead", "throughput", "history"),
@@ -496,6 +516,7 @@ def bench(
             workers,
             event_log,
             nats_sync,
+            count_syncs,
         )
     )
 

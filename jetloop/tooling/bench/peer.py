@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from jetloop.services import durability
+from jetloop.tooling.bench import syncs as bench_syncs
 from jetloop.tooling.bench.costs import Cost
 from jetloop.tooling.bench.restate import side as restate_side
 from jetloop.tooling.bench.rig import (
@@ -154,8 +155,10 @@ class PeerResult:
     # load → system (jetloop, floor) → per turn: server messages in and out, CPU ms of the
     # server, the workers and the driving client (jetloop.tooling.bench.costs).
     costs: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
-    event_log: str = "separate"  # the layout of jetloop's session log (jetloop.schemas.log)
+    event_log: str = "folded"  # the layout of jetloop's session log (jetloop.schemas.log)
     nats_sync: str = durability.ALWAYS  # when jetloop's server syncs (services.durability)
+    # load → system → syncs per turn by where (jetloop.tooling.bench.syncs), when counted.
+    syncs: dict[str, dict[str, bench_syncs.Syncs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -264,7 +267,7 @@ async def peer_side_by_side(
     skipped: list[str] | None = None,
     workers: int = 1,
     floor: bool = True,
-    event_log: str = "separate",
+    event_log: str = "folded",
 ) -> PeerResult:
     """The 7-step turn on jetloop (``workers`` worker processes) and on each installed peer
     (Restate, DBOS),
@@ -272,12 +275,24 @@ async def peer_side_by_side(
     system is warmed up first, and the jetloop side is quiet (every trailing step acked)
     before each batch of any system. With ``floor`` the raw JetStream floor runs the same
     batches too; the messages and CPU time of jetloop's batches and the floor's are counted
-    (``PeerResult.costs``)."""
+    (``PeerResult.costs``). On a rig whose server's syncs are traced (``Rig.sync_trace``),
+    Restate's server is traced too, and the syncs per turn of each are counted
+    (``PeerResult.syncs``); the rig is closed at the end then."""
     if peers is None:
         peers, skipped = available()
     load_before = os.getloadavg()
     await r.start_workers(workers)
-    restate = restate_side.RestateSide(r.base / "restate") if RESTATE in peers else None
+    restate_base = r.base / "restate"
+    tracing = r.sync_trace is not None
+    restate_trace = restate_base / "restate-syncs.trace"
+    restate = (
+        restate_side.RestateSide(
+            restate_base, wrap=bench_syncs.prefix(restate_trace) if tracing else None
+        )
+        if RESTATE in peers
+        else None
+    )
+    windows: list[bench_syncs.Window] = []
     dbos = DbosPeer(r.base / "dbos.log") if DBOS in peers else None
     versions: dict[str, str] = {}
     try:
@@ -338,7 +353,11 @@ async def peer_side_by_side(
                 for name, run in runners.items():
                     await r.quiet()
                     before = await meters[name].read() if name in spent else None
+                    began = time.time()
                     samples[name].add(*await run(total // chunks, width))
+                    windows.append(
+                        bench_syncs.Window(name, load, began, time.time(), total // chunks)
+                    )
                     if before is not None:
                         # Once the trailing steps are acked too: they are the turn's.
                         await r.quiet()
@@ -361,6 +380,19 @@ async def peer_side_by_side(
             await restate.stop()
         r.stop_floor()
         r.stop_workers()
+    syncs: dict[str, dict[str, bench_syncs.Syncs]] = {}
+    if tracing:
+        ours = bench_syncs.per_turn(
+            await r.traced_syncs(),
+            [w for w in windows if w.system in (JETLOOP, FLOOR)],
+            bench_syncs.nats_where,
+        )
+        theirs = bench_syncs.per_turn(
+            await asyncio.to_thread(bench_syncs.read, restate_trace),
+            [w for w in windows if w.system == RESTATE],
+            bench_syncs.restate_where(restate_base / "data"),
+        )
+        syncs = {load: {**ours.get(load, {}), **theirs.get(load, {})} for load in ours}
     return PeerResult(
         rows=rows,
         peers=[p for p in runners if p != JETLOOP],
@@ -376,6 +408,7 @@ async def peer_side_by_side(
         costs=costs,
         event_log=event_log,
         nats_sync=r.sync,
+        syncs=syncs,
     )
 
 
@@ -407,7 +440,8 @@ def format_peer(result: PeerResult) -> str:
         label = name
         if name == JETLOOP:
             label = "**jetloop**" + (f", {result.workers} workers" if result.workers > 1 else "")
-            label += ", folded log" if result.event_log == "folded" else ""
+            # The layout a new deployment has (folded) goes without saying.
+            label += ", separate log" if result.event_log == "separate" else ""
             if result.nats_sync != durability.ALWAYS:
                 label += f", syncs every {result.nats_sync}"
         lines.append(f"| {label} | {cells} | {turns} |")
@@ -457,6 +491,7 @@ def format_peer(result: PeerResult) -> str:
     )
     lines += ["", " ".join(notes)]
     lines += _cost_lines(result)
+    lines += bench_syncs.format_syncs(result.syncs)
     if result.skipped:
         lines += ["", *result.skipped]
     return "\n".join(lines)

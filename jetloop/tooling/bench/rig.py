@@ -44,6 +44,7 @@ from jetloop.services.settings import load_settings
 from jetloop.streams import topology
 from jetloop.streams.bus import H_TURN
 from jetloop.tooling.bench import floor as bench_floor
+from jetloop.tooling.bench import syncs as bench_syncs
 from jetloop.tooling.bench.costs import PROBE_NAME, Meter, connections
 from jetloop.tooling.trials.harness import WorkerProcess
 from jetloop.tooling.trials.run import percentile
@@ -180,8 +181,14 @@ class Rig:
     processes on demand, and the driver's connection."""
 
     def __init__(
-        self, base: Path, event_log: str = "separate", sync: str = durability.ALWAYS
+        self,
+        base: Path,
+        event_log: str = "folded",
+        sync: str = durability.ALWAYS,
+        sync_trace: Path | None = None,
     ) -> None:
+        """``sync_trace``: run the server under ``jetloop.tooling.bench.syncs``'s trace,
+        written to that file (read it once the rig is closed)."""
         self.base = base
         self.event_log = event_log  # the session log's layout (jetloop.schemas.log)
         # When the server syncs what it acknowledged (jetloop.services.durability).
@@ -198,7 +205,9 @@ class Rig:
             log_file=base / "nats.log",
             extra_args=["-m", str(self.monitor_port)],
             config_file=config,
+            wrap=bench_syncs.prefix(sync_trace) if sync_trace is not None else None,
         )
+        self.sync_trace = sync_trace
         self.workers: list[WorkerProcess] = []
         self.floor: subprocess.Popen[bytes] | None = None
         self._nc: Nats | None = None
@@ -228,14 +237,15 @@ class Rig:
         """What batches cost: the server's messages, and the server's, this process's and
         the workers' CPU time — the engine's worker processes, or (``engine=False``) the
         floor's process (``jetloop.tooling.bench.costs``)."""
-        assert self.server.proc is not None
+        server_pid = self.server.server_pid()
+        assert server_pid is not None
 
         def worker_pids() -> list[int]:
             if not engine:
                 return [self.floor.pid] if self.floor is not None else []
             return [w.proc.pid for w in self.workers if w.proc is not None]
 
-        return Meter(self.monitor_port, self.server.proc.pid, worker_pids)
+        return Meter(self.monitor_port, server_pid, worker_pids)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.server.start)
@@ -259,7 +269,15 @@ class Rig:
         for nc in (self._nc, self._probe):
             if nc is not None and not nc.is_closed:
                 await nc.close()
+        if self.sync_trace is not None:
+            # A stop, not a kill: the trace ends with the server, written whole.
+            await asyncio.to_thread(self.server.stop, 30.0)
         self.server.kill()
+
+    async def traced_syncs(self) -> list[bench_syncs.SyncCall]:
+        """Close the rig and read its server's syncs (``sync_trace``; none without it)."""
+        await self.close()
+        return await asyncio.to_thread(bench_syncs.read, self.sync_trace) if self.sync_trace else []
 
     # workers
 
@@ -454,13 +472,17 @@ FLOOR_CONSUMERS = [
 
 @asynccontextmanager
 async def rig(
-    work_dir: Path | None = None, event_log: str = "separate", sync: str = durability.ALWAYS
+    work_dir: Path | None = None,
+    event_log: str = "folded",
+    sync: str = durability.ALWAYS,
+    sync_trace: bool = False,
 ) -> AsyncIterator[Rig]:
-    """A running rig on ``work_dir`` (else a temporary directory), closed on the way out."""
+    """A running rig on ``work_dir`` (else a temporary directory), closed on the way out;
+    ``sync_trace``: its server's syncs traced to ``nats-syncs.trace`` there."""
     with tempfile.TemporaryDirectory(prefix="jetloop-bench-") as tmp:
         base = work_dir or Path(tmp)
         await asyncio.to_thread(base.mkdir, parents=True, exist_ok=True)
-        r = Rig(base, event_log, sync)
+        r = Rig(base, event_log, sync, base / "nats-syncs.trace" if sync_trace else None)
         try:
             await r.start()
             yield r

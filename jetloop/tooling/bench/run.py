@@ -350,8 +350,9 @@ async def waiting_at_scale(r: Rig, sessions: int = 2000, in_flight: int = 200) -
     [worker] = await r.start_workers(1)
     await run_batch(r.engine_turn, 5, 40, 10, tag("warm"))
     await r.quiet()
-    assert r.server.proc is not None
-    before = (rss_mb(worker.pid), rss_mb(r.server.proc.pid), dir_mb(r.base / "store"))
+    server_pid = r.server.server_pid()
+    assert server_pid is not None
+    before = (rss_mb(worker.pid), rss_mb(server_pid), dir_mb(r.base / "store"))
 
     parked = Tally()
     fire_at: dict[str, float] = {}  # session → the second its timer is scheduled for
@@ -389,7 +390,7 @@ async def waiting_at_scale(r: Rig, sessions: int = 2000, in_flight: int = 200) -
     await park(n_a, sessions, f"timer_at {due}")
     park_seconds = time.perf_counter() - t0
     await r.quiet(timeout=600)
-    after = (rss_mb(worker.pid), rss_mb(r.server.proc.pid), dir_mb(r.base / "store"))
+    after = (rss_mb(worker.pid), rss_mb(server_pid), dir_mb(r.base / "store"))
     for sub in subs:
         await sub.unsubscribe()
 
@@ -465,10 +466,12 @@ class Sizes:
     chunks: int = 4
     throughput_workers: tuple[int, ...] = (1, 2, 4)
     peer_workers: int = 1  # jetloop's worker processes beside the peers
-    event_log: str = "separate"  # the session log's layout in every benchmark
+    event_log: str = "folded"  # the session log's layout in every benchmark
     # When the rig's server syncs what it acknowledged (jetloop.services.durability): always,
     # as `jetloop up` runs it, unless --nats-sync says otherwise.
     nats_sync: str = durability.ALWAYS
+    # peer: trace both servers' syncs to disk (jetloop.tooling.bench.syncs).
+    count_syncs: bool = False
     limit_calls: int = 2000
 
 
@@ -548,7 +551,8 @@ async def _run_one(
 ) -> None:
     """One benchmark on a rig of its own; its result goes into ``rep``."""
     wd = work_dir / name if work_dir is not None else None
-    async with rig(wd, sizes.event_log, sizes.nats_sync) as r:
+    trace = sizes.count_syncs and name == "peer"
+    async with rig(wd, sizes.event_log, sizes.nats_sync, sync_trace=trace) as r:
         if name == "overhead":
             rep.overhead = await engine_overhead(
                 r,
@@ -610,6 +614,7 @@ def main(
     workers: int | None = None,
     event_log: str | None = None,
     nats_sync: str | None = None,
+    count_syncs: bool = False,
 ) -> int:
     """What ``jetloop bench`` runs: prints the tables; 0 if every measured target is met,
     1 if one is not, 2 if a benchmark could not run (each said in one line on stderr)."""
@@ -625,6 +630,8 @@ def main(
         sizes = replace(sizes, peer_workers=workers)
     if event_log is not None:
         sizes = replace(sizes, event_log=event_log)
+    if count_syncs:
+        sizes = replace(sizes, count_syncs=True)
     if nats_sync is not None:
         try:
             sizes = replace(sizes, nats_sync=durability.check(nats_sync))

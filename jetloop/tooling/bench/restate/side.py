@@ -104,12 +104,14 @@ class RestateSide:
     """The server and the service started in ``base``, the deployment registered, turns
     invoked; ``stop`` ends both processes (each in a process group of its own)."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, wrap: list[str] | None = None) -> None:
+        """``wrap``: a command the server runs under (``jetloop.tooling.bench.syncs``)."""
         binary = server_binary()
         if binary is None:
             raise RuntimeError(missing() or "no restate-server binary")
         self.binary = binary
         self.base = base
+        self.wrap = wrap or []
         self.ingress, self.admin, self.fabric, self.service_port = (
             free_port(),
             free_port(),
@@ -144,7 +146,7 @@ class RestateSide:
         self.server_version = out.stdout.decode().split()[-1]
         self.base.mkdir(parents=True, exist_ok=True)
         self.server = self._spawn(
-            [str(self.binary), "--no-logo", "--base-dir", str(self.base / "data")],
+            [*self.wrap, str(self.binary), "--no-logo", "--base-dir", str(self.base / "data")],
             "restate-server.log",
             server_env(self.base, self.ingress, self.admin, self.fabric),
         )

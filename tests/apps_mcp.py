@@ -22,7 +22,14 @@ SERVER = Path(__file__).resolve().parent.parent / "examples" / "mcp_ledger" / "s
 PASSED_ON = ("PATH", "MCP_LEDGER_LOG", "MCP_LEDGER_STATE", "MCP_LEDGER_DELAY", "MCP_LEDGER_TOOLS")
 
 
-OPTIONS: dict[str, Any] = {"approval": {"close_account": True}, "timeout_seconds": 30.0}
+# Five attempts (backoff 0.5, 1, 2, 4 s): a server killed mid-call is started again (the test's
+# HTTP process, or the worker's stdio child) in a Python that takes seconds to import its web
+# stack on a busy machine; three attempts (1.5 s) were once all spent before its port opened.
+OPTIONS: dict[str, Any] = {
+    "approval": {"close_account": True},
+    "timeout_seconds": 30.0,
+    "max_attempts": 5,
+}
 
 
 def over_stdio() -> MCPServer:

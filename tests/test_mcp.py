@@ -206,8 +206,9 @@ async def test_the_mcp_server_killed_mid_call(
         ledger.stop()
         ledger.start_http(MCP_LEDGER_DELAY="2")
     results = {tool: await client.wait(h, timeout=90) for tool, h in handles.items()}
-    status = {t: body(r.text)["seen"][0]["status"] for t, r in results.items()}
-    assert status == {"balance": "ok", "set_limit": "ok", "transfer": "outcome_unknown"}
+    seen = {t: body(r.text)["seen"][0] for t, r in results.items()}
+    status = {t: s["status"] for t, s in seen.items()}
+    assert status == {"balance": "ok", "set_limit": "ok", "transfer": "outcome_unknown"}, seen
     for tool in ("balance", "set_limit"):
         keys = keys_of(ledger.log, tool)
         assert len(keys) == 2 and len(set(keys)) == 1, (tool, keys)

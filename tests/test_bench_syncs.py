@@ -42,9 +42,10 @@ def test_a_trace_reads_as_syncs_by_where() -> None:
     assert got.total == 2.5 and got.total_on_path() == 1.0
     # The time of the fsync calls only (an O_SYNC open's writes are not seen).
     assert got.seconds_per_sync == pytest.approx((0.000412 + 0.000388 + 0.000101 + 0.0002) / 4)
-    assert "| sequential | jetloop | S messages | yes | 1.00 |" in syncs.format_syncs(
-        {"sequential": {"jetloop": got}}
-    )
+    got.stored = {"S": 1.5}
+    table = syncs.format_syncs({"sequential": {"jetloop": got}})
+    assert "| sequential | jetloop | S messages | yes | 1.00 | 1.50 |" in table
+    assert "| sequential | jetloop | S consumers | no | 1.00 |  |" in table
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
@@ -92,3 +93,21 @@ def test_restate_syncs_are_named_by_their_store() -> None:
         syncs.ON_PATH,
     )
     assert where("/tmp/r/data/bench/db/MANIFEST-000005") == ("db files", syncs.OFF_PATH)
+
+
+def test_a_call_interrupted_by_another_threads_line_is_read_whole() -> None:
+    """strace prints a call that another thread's line interrupts in two halves; both
+    halves make one sync (a fsync and an O_SYNC open), each on its own thread's pid."""
+    lines = [
+        f"7 1.000000 fsync(25<{STORE}/S/msgs/1.blk> <unfinished ...>",
+        f'8 1.000100 openat(AT_FDCWD</w>, "{STORE}/S/obs/c/o.dat.tmp", O_WRONLY|O_SYNC'
+        " <unfinished ...>",
+        "7 1.000200 <... fsync resumed>) = 0 <0.000371>",
+        f"8 1.000300 <... openat resumed>, 0600) = 11<{STORE}/S/obs/c/o.dat.tmp> <0.000020>",
+    ]
+    calls = syncs.parse(lines)
+    assert [(c.how, c.path.rsplit("/", 1)[-1], c.at) for c in calls] == [
+        ("fsync", "1.blk", 1.0),
+        (syncs.O_SYNC, "o.dat.tmp", 1.0001),
+    ]
+    assert calls[0].seconds == pytest.approx(0.000371)

@@ -51,6 +51,7 @@ import sqlite3
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -293,6 +294,8 @@ async def peer_side_by_side(
         else None
     )
     windows: list[bench_syncs.Window] = []
+    # (load, system) → stream → messages stored during its batches (counted when tracing).
+    stored: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
     dbos = DbosPeer(r.base / "dbos.log") if DBOS in peers else None
     versions: dict[str, str] = {}
     try:
@@ -353,15 +356,20 @@ async def peer_side_by_side(
                 for name, run in runners.items():
                     await r.quiet()
                     before = await meters[name].read() if name in spent else None
+                    seqs = await r.last_seqs() if tracing and name in spent else None
                     began = time.time()
                     samples[name].add(*await run(total // chunks, width))
-                    windows.append(
-                        bench_syncs.Window(name, load, began, time.time(), total // chunks)
-                    )
                     if before is not None:
                         # Once the trailing steps are acked too: they are the turn's.
                         await r.quiet()
                         spent[name].add(before, await meters[name].read(), total // chunks)
+                    windows.append(
+                        bench_syncs.Window(name, load, began, time.time(), total // chunks)
+                    )
+                    if seqs is not None:
+                        now = await r.last_seqs()
+                        for stream, seq in now.items():
+                            stored[(load, name)][stream] += seq - seqs.get(stream, 0)
             costs[load] = {name: c.per_turn() for name, c in spent.items()}
             rows.append(
                 PeerRow(
@@ -392,6 +400,13 @@ async def peer_side_by_side(
             [w for w in windows if w.system == RESTATE],
             bench_syncs.restate_where(restate_base / "data"),
         )
+        for load, systems in ours.items():
+            for name, counted in systems.items():
+                counted.stored = {
+                    stream: n / counted.turns
+                    for stream, n in sorted(stored[(load, name)].items())
+                    if n and counted.turns
+                }
         syncs = {load: {**ours.get(load, {}), **theirs.get(load, {})} for load in ours}
     return PeerResult(
         rows=rows,

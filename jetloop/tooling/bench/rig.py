@@ -412,6 +412,14 @@ class Rig:
                 raise TimeoutError(f"{busy} messages still pending after {timeout}s")
             await asyncio.sleep(0.02)
 
+    async def last_seqs(self) -> dict[str, int]:
+        """Every stream's last sequence: the messages it has stored, deleted ones too."""
+        return {
+            info.config.name: info.state.last_seq
+            for info in await self.probe.streams_info()
+            if info.config.name is not None
+        }
+
     async def counters(
         self, streams: Sequence[str], kv: str, consumers: Sequence[tuple[str, str]]
     ) -> dict[str, int]:

@@ -29,7 +29,7 @@ import re
 import shutil
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 # The calls that make data durable, and the open that can make every write durable.
@@ -44,6 +44,10 @@ _LINE = re.compile(
     r"(?:<(?P<ret_path>[^>]*)>)?.*?(?:<(?P<secs>\d+\.\d+)>)?$"
 )
 _FD_PATH = re.compile(r"^\d+<(?P<path>[^>]*)>")
+# With several threads, a call another thread's line interrupts is printed in two halves:
+# ``<pid> <ts> call(args <unfinished ...>``, then ``<pid> <ts> <... call resumed>rest``.
+_UNFINISHED = re.compile(r"^(?P<pid>\d+)\s+(?P<at>\d+\.\d+)\s+(?P<head>.*) <unfinished \.\.\.>$")
+_RESUMED = re.compile(r"^(?P<pid>\d+)\s+\d+\.\d+\s+<\.\.\. \w+ resumed>(?P<tail>.*)$")
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,18 @@ def prefix(trace_file: Path) -> list[str]:
 def parse(lines: Iterable[str]) -> list[SyncCall]:
     """The syncs in a trace written by ``prefix``'s strace (failed calls left out)."""
     calls = []
-    for line in lines:
-        m = _LINE.match(line.strip())
+    pending: dict[str, str] = {}  # pid → the first half of its interrupted call's line
+    for raw in lines:
+        line = raw.strip()
+        if (u := _UNFINISHED.match(line)) is not None:
+            pending[u["pid"]] = f"{u['pid']} {u['at']} {u['head']}"
+            continue
+        if (r := _RESUMED.match(line)) is not None:
+            head = pending.pop(r["pid"], None)
+            if head is None:
+                continue
+            line = head + r["tail"]
+        m = _LINE.match(line)
         if m is None or int(m["ret"]) < 0:
             continue
         call, args = m["call"], m["args"]
@@ -172,6 +186,8 @@ class Syncs:
     by_where: dict[str, float]  # what → syncs per turn
     on_path: list[str]  # the whats on the acknowledgement's path
     seconds_per_sync: float  # mean time of a sync call (O_SYNC opens excluded)
+    # stream → messages it stored per turn, where the bench could count them (nats-server).
+    stored: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -222,16 +238,22 @@ def format_syncs(syncs: dict[str, dict[str, Syncs]]) -> list[str]:
         "Syncs to disk per turn, counted by strace on each server (timings under the trace"
         " are slower: read the counts):",
         "",
-        "| load | system | where | on the acknowledgement's path? | syncs per turn |",
-        "|---|---|---|---|---:|",
+        "| load | system | where | on the acknowledgement's path? | syncs per turn |"
+        " messages stored per turn |",
+        "|---|---|---|---|---:|---:|",
     ]
     for load, systems in syncs.items():
         for system, s in systems.items():
             for what, n in sorted(s.by_where.items(), key=lambda kv: -kv[1]):
                 path = "yes" if what in s.on_path else "no"
-                lines.append(f"| {load} | {system} | {what} | {path} | {n:.2f} |")
+                stream, _, kind = what.rpartition(" ")
+                kept = s.stored.get(stream) if kind == "messages" else None
+                cell = f"{kept:.2f}" if kept is not None else ""
+                lines.append(f"| {load} | {system} | {what} | {path} | {n:.2f} | {cell} |")
+            all_stored = f"**{sum(s.stored.values()):.2f}**" if s.stored else ""
             lines.append(
                 f"| {load} | {system} | **all** ({s.total_on_path():.2f} on the path; a sync"
-                f" call took {s.seconds_per_sync * 1000:.2f} ms on average) | | **{s.total:.2f}** |"
+                f" call took {s.seconds_per_sync * 1000:.2f} ms on average) | |"
+                f" **{s.total:.2f}** | {all_stored} |"
             )
     return lines

@@ -36,13 +36,14 @@ def test_a_trace_reads_as_syncs_by_where() -> None:
     calls = syncs.parse(TRACE.splitlines())
     assert [c.how for c in calls] == ["fsync", "fsync", syncs.O_SYNC, "fsync", "fsync", "fsync"]
     windows = [syncs.Window("jetloop", "sequential", 1796447192.7, 1796447194.0, 2)]
-    got = syncs.per_turn(calls, windows, syncs.nats_where)["sequential"]["jetloop"]
+    stored = {("sequential", "jetloop"): {"S": 3, "KV_b": 0}}
+    got = syncs.per_turn(calls, windows, syncs.nats_where, stored)["sequential"]["jetloop"]
     assert got.by_where == {"S messages": 1.0, "S consumers": 1.0, "KV_b index": 0.5}
     assert got.on_path == ["S messages"]
     assert got.total == 2.5 and got.total_on_path() == 1.0
     # The time of the fsync calls only (an O_SYNC open's writes are not seen).
     assert got.seconds_per_sync == pytest.approx((0.000412 + 0.000388 + 0.000101 + 0.0002) / 4)
-    got.stored = {"S": 1.5}
+    assert got.stored == {"S": 1.5}  # a stream that stored nothing is left out
     table = syncs.format_syncs({"sequential": {"jetloop": got}})
     assert "| sequential | jetloop | S messages | yes | 1.00 | 1.50 |" in table
     assert "| sequential | jetloop | S consumers | no | 1.00 |  |" in table

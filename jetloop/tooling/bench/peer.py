@@ -394,19 +394,13 @@ async def peer_side_by_side(
             await r.traced_syncs(),
             [w for w in windows if w.system in (JETLOOP, FLOOR)],
             bench_syncs.nats_where,
+            stored,
         )
         theirs = bench_syncs.per_turn(
             await asyncio.to_thread(bench_syncs.read, restate_trace),
             [w for w in windows if w.system == RESTATE],
             bench_syncs.restate_where(restate_base / "data"),
         )
-        for load, systems in ours.items():
-            for name, counted in systems.items():
-                counted.stored = {
-                    stream: n / counted.turns
-                    for stream, n in sorted(stored[(load, name)].items())
-                    if n and counted.turns
-                }
         syncs = {load: {**ours.get(load, {}), **theirs.get(load, {})} for load in ours}
     return PeerResult(
         rows=rows,

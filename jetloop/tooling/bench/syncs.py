@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 import shutil
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -201,10 +201,12 @@ def per_turn(
     calls: list[SyncCall],
     windows: Iterable[Window],
     where: Callable[[str], tuple[str, str]],
+    stored: Mapping[tuple[str, str], Mapping[str, int]] | None = None,
 ) -> dict[str, dict[str, Syncs]]:
     """load → system → ``Syncs``: the calls inside each of that system's windows, per turn of
     those windows. A window's syncs are only its system's (the systems' batches alternate,
-    never overlap, and each trace is one server's)."""
+    never overlap, and each trace is one server's). ``stored``: (load, system) → stream →
+    messages stored during those windows, where the bench counted them."""
     grouped: dict[tuple[str, str], list[Window]] = defaultdict(list)
     for w in windows:
         grouped[(w.load, w.system)].append(w)
@@ -225,6 +227,11 @@ def per_turn(
             by_where={k: v / turns for k, v in sorted(counts.items())} if turns else {},
             on_path=sorted(on_path),
             seconds_per_sync=sum(timed) / len(timed) if timed else 0.0,
+            stored={
+                stream: n / turns
+                for stream, n in sorted((stored or {}).get((load, system), {}).items())
+                if n and turns
+            },
         )
     return dict(out)
 

@@ -121,7 +121,12 @@ def stop(proc: subprocess.Popen[bytes], log: Path) -> None:
     try:
         rc = proc.wait(30)
     except subprocess.TimeoutExpired:
-        raise AssertionError(("no exit 30 s after Ctrl-C", log.read_text()[-3000:])) from None
+        # Killed, so no process outlives the test; the log says where the stop waited.
+        proc.kill()
+        proc.wait()
+        text = log.read_text()
+        slow = [ln for ln in text.splitlines() if "stopping_slowly" in ln]
+        raise AssertionError(("no exit 30 s after Ctrl-C", slow, text[-3000:])) from None
     assert rc == 0, (rc, log.read_text()[-3000:])
 
 
@@ -463,3 +468,42 @@ async def test_supervisor_gives_up_on_a_crash_loop_and_on_a_fatal_error() -> Non
     with pytest.raises(GaveUp, match=r"^gateway port in use: set X$") as info:
         await asyncio.wait_for(fatal.run(), 10)
     assert info.value.component == "gateway"
+
+
+async def test_a_stop_that_hangs_says_where_it_waits() -> None:
+    """A component still stopping after ``slow_stop`` is logged once with where every task
+    waits (its own among them); past ``stop_timeout`` it is cancelled and the rest stop."""
+    trail: list[str] = []
+
+    class Stuck(Part):
+        async def run(self) -> None:
+            self._started.set()
+            await self._stopping.wait()
+            await asyncio.Event().wait()  # a drain that never ends
+
+    sup = quick(
+        [
+            [Component("base", lambda: Part("base", trail))],
+            [Component("stuck", lambda: Stuck("s", trail))],
+        ],
+        slow_stop=0.2,
+        stop_timeout=0.6,
+    )
+    with capture_logs() as logs:
+        task = asyncio.create_task(sup.run())
+        await asyncio.wait_for(sup.wait_started(), 10)
+        sup.stop_soon()
+        await asyncio.wait_for(task, 10)
+    slow = [e for e in logs if e["event"] == "component.stopping_slowly"]
+    assert len(slow) == 1 and slow[0]["components"] == ["component:stuck"]
+    stuck = [w for w in slow[0]["waiting"] if w.startswith("component:stuck: ")]
+    assert len(stuck) == 1, slow[0]["waiting"]
+    assert (
+        " > tests/test_up.py:" in stuck[0]
+        and "asyncio/locks.py:" in stuck[0]
+        and stuck[0].endswith(" wait")
+    ), stuck
+    assert [e["component"] for e in logs if e["event"] == "component.stop_timeout"] == [
+        "component:stuck"
+    ]
+    assert trail[-1] == "base.stopped"

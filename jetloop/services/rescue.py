@@ -57,6 +57,7 @@ doubt as ``outcome_unknown`` where waiting would have seen it finish.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.parse
 from collections.abc import Callable, Coroutine
@@ -234,7 +235,10 @@ class Rescuer:
             self.watching = True
             log.info("rescue.watching", account=self.account, user=self.user)
             while not self.stopping.is_set() and not closed:
-                await asyncio.wait([asyncio.ensure_future(self.stopping.wait())], timeout=1.0)
+                # A second's wait each time, its waiter ended with it (one left pending per
+                # second would pile up for as long as the worker runs).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), 1.0)
         finally:
             self.watching = False
             for t in list(self._tasks):

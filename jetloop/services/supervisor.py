@@ -20,7 +20,9 @@ component, after stopping everything in order), when
 
 Components are started in *stages*: a stage once every component of the one before has
 started (the server before the services that use it). ``stop()`` stops the stages in
-reverse order, the components of a stage together, each draining in its own ``run()``.
+reverse order, the components of a stage together, each draining in its own ``run()``. A stage
+still stopping after ``slow_stop`` seconds is logged once (``component.stopping_slowly``) with
+where every task of the process is waiting, so a stop that hangs says on what.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import structlog
 
@@ -82,6 +85,27 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
+def waiting_tasks() -> list[str]:
+    """Every unfinished task of the running loop with the coroutines it is awaiting through,
+    outermost first: ``name: services/worker.py:290 run > asyncio/locks.py:213 wait``
+    (``Task.get_stack`` gives only the outermost)."""
+    found = []
+    for task in asyncio.all_tasks():
+        if task.done():
+            continue
+        chain = []
+        coro: Any = task.get_coro()
+        while coro is not None:
+            f = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if f is None:
+                break
+            where = "/".join(Path(f.f_code.co_filename).parts[-2:])
+            chain.append(f"{where}:{f.f_lineno} {f.f_code.co_name}")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        found.append(f"{task.get_name()}: {' > '.join(chain) or '(not started)'}")
+    return sorted(found)
+
+
 @dataclass
 class _Slot:
     component: Component
@@ -102,6 +126,7 @@ class Supervisor(Service):
         give_up_after: int = 5,
         window: float = 20.0,
         stop_timeout: float = 60.0,
+        slow_stop: float = 10.0,
         on_started: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
@@ -115,6 +140,7 @@ class Supervisor(Service):
         self.give_up_after = give_up_after
         self.window = window
         self.stop_timeout = stop_timeout
+        self.slow_stop = slow_stop
         self.on_started = on_started
         self._gave_up: GaveUp | None = None
         self._bug: BaseException | None = None
@@ -178,7 +204,17 @@ class Supervisor(Service):
                 slot.instance.stop_soon()
         if not tasks:
             return
-        _, pending = await asyncio.wait(tasks, timeout=self.stop_timeout)
+        began = time.monotonic()
+        _, pending = await asyncio.wait(tasks, timeout=min(self.slow_stop, self.stop_timeout))
+        if pending:
+            log.warning(
+                "component.stopping_slowly",
+                components=[t.get_name() for t in pending],
+                after=self.slow_stop,
+                waiting=waiting_tasks(),
+            )
+            left = self.stop_timeout - (time.monotonic() - began)
+            _, pending = await asyncio.wait(pending, timeout=max(left, 0.0))
         for t in pending:
             log.error("component.stop_timeout", component=t.get_name(), after=self.stop_timeout)
             t.cancel()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from jetloop.demo.vendor import Vendor
 from jetloop.schemas import CallState
 from jetloop.services.client import Client
+from jetloop.streams.pauses import Pauses
 from tests.conftest import WorkerFactory, call, script, until
 
 
@@ -70,3 +73,26 @@ async def test_drain_timeout_hands_the_step_back(
     ], resumed
     turn = await client.turn("dt", h.turn_id)
     assert turn is not None and turn.lost == [], turn.lost
+
+
+async def test_a_lost_cancel_does_not_hang_a_stop() -> None:
+    """A follower whose cancel was lost (Python 3.11's ``asyncio.wait_for`` drops one that
+    comes as its wait ends) is cancelled again: ``Pauses.close`` returns (a worker's stop
+    hung on it under load, until its supervisor gave up 60 s later)."""
+    cancels: list[int] = []
+
+    async def deaf() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancels.append(1)
+                if len(cancels) == 1:
+                    continue  # the first one lost, as wait_for loses it
+                raise
+
+    pauses = Pauses()
+    pauses._task = asyncio.create_task(deaf())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(pauses.close(), 5)
+    assert pauses._task.done() and len(cancels) == 2

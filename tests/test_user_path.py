@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import click
 import pytest
 
@@ -161,7 +162,9 @@ def test_up_hints_the_command_as_run_and_removes_its_lock(tmp_path: Path) -> Non
         )
     try:
         wait_ready(proc, log)
-        assert f"try: {SCRIPT} chat --agent demo" in log.read_text(), log.read_text()
+        # Another store than the one in this directory: the hint says which.
+        hint = f"try: JETLOOP_STORE_DIR={store} {SCRIPT} chat --agent demo"
+        assert hint in log.read_text(), log.read_text()
         second = subprocess.run(
             [*up, "--nats-port", str(free_port())],
             env=env,
@@ -243,3 +246,75 @@ async def test_a_command_without_nats_says_so_at_once() -> None:
         await _with_client([url], never, None)
     assert time.monotonic() - t0 < FIRST_CONNECT + 1.0
     assert str(told.value.message) == f"cannot reach NATS at {url} (is 'jetloop up' running?)"
+
+
+def test_commands_in_ups_directory_find_it_on_the_ports_it_was_given(tmp_path: Path) -> None:
+    """`up --nats-port P --gateway-port G` in a directory: the commands run there with no URL
+    of their own (as its hint says) reach that server, not 4222: send, snapshot, sessions. A
+    namespace made there is served once `namespace create` returns; `--namespace` reads that
+    namespace's sessions (the read-model commands too), and the loopback console without a
+    token opens it. When `up` ends its address file is gone."""
+    nats_port, gateway_port = free_port(), free_port()
+    env = {**os.environ, "JETLOOP_VENDOR_DB": str(tmp_path / "vendor.sqlite")}
+    env.pop("JETLOOP_STORE_DIR")
+    log = tmp_path / "up.log"
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(SCRIPT), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90
+        )
+
+    def eventually(what: str, *args: str) -> str:
+        deadline = time.monotonic() + 30
+        while True:
+            out = run(*args)
+            if out.returncode == 0 and what in out.stdout:
+                return out.stdout
+            assert time.monotonic() < deadline, (args, out.stdout, out.stderr)
+            time.sleep(0.3)
+
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [str(SCRIPT), "up", "--nats-port", str(nats_port), "--gateway-port", str(gateway_port)],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        wait_ready(proc, log)
+        assert f"hint='try: {SCRIPT} chat --agent demo'" in log.read_text(), log.read_text()
+        sent = run("send", "--agent", "demo", "--session", "p1", "list tickets")
+        assert sent.returncode == 0, sent.stderr
+        snap = run("snapshot", "p1")
+        assert snap.returncode == 0 and "p1" in snap.stdout, snap
+        eventually("p1", "sessions")
+
+        made = run("namespace", "create", "acme")
+        assert made.returncode == 0, made.stderr
+        assert "served by the running `jetloop up`" in made.stdout, made.stdout
+        # At once, not seconds later: the namespace is served when create returns.
+        sent = run("--namespace", "acme", "send", "--agent", "demo", "--session", "a1", "hi")
+        assert sent.returncode == 0, sent.stderr
+        acme = eventually("a1", "--namespace", "acme", "sessions")
+        assert "p1" not in acme, acme
+        assert "a1" not in run("sessions").stdout
+        assert "a1" in eventually("a1", "sessions", "--namespace", "acme")
+
+        async def console_reads_acme() -> None:
+            url = f"http://127.0.0.1:{gateway_port}/v1/sessions?namespace=acme"
+            async with aiohttp.ClientSession() as http, http.get(url) as resp:
+                assert resp.status == 200, await resp.text()
+                ids = [s["session_id"] for s in (await resp.json())["sessions"]]
+                assert ids == ["a1"], ids
+
+        asyncio.run(console_reads_acme())
+        assert (tmp_path / ".jetloop" / "up.json").exists()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert not (tmp_path / ".jetloop" / "up.json").exists()

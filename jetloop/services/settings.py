@@ -19,14 +19,21 @@ import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pydantic_settings import SettingsError as PydanticSettingsError
 
 from jetloop.agents.prices import Price
 from jetloop.schemas.errors import SettingsError
 from jetloop.schemas.log import LogLayout
-from jetloop.services import durability, namespaces
+from jetloop.services import durability, listening, namespaces
 from jetloop.services.gateway.config import HookTrigger, Scope, Tokens, fingerprint
 from jetloop.services.namespaces import DEFAULT as DEFAULT_NAMESPACE
 from jetloop.services.storefiles import write_once
@@ -48,7 +55,9 @@ class Settings(BaseSettings):
     )
 
     nats_url: str = Field(
-        "nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated"
+        "nats://127.0.0.1:4222",
+        description="NATS server URL(s), comma-separated; unset: the server of the store "
+        "directory's running `jetloop up` (<store dir>/up.json), else nats://127.0.0.1:4222",
     )
     store_dir: Path = Field(Path(".jetloop"), description="store directory of `jetloop up`")
     namespace: str = Field(
@@ -126,8 +135,8 @@ class Settings(BaseSettings):
     event_log: LogLayout | None = Field(
         None,
         description="the session log's layout, set for the whole deployment when a worker "
-        "applies the topology (kept in JL_EVENTS's metadata; unset: as it is, separate at "
-        "first): separate (an event and a history entry for a fact that is both) or folded "
+        "applies the topology (kept in JL_EVENTS's metadata; unset: as it is, folded for a new "
+        "deployment): separate (an event and a history entry for a fact that is both) or folded "
         "(the entry carries the event: 9 fewer messages per 7-step turn, for readers that "
         "read both; docs/protocol.md)",
     )
@@ -258,6 +267,20 @@ class Settings(BaseSettings):
     vendor_db: Path = Field(
         Path(".jetloop/vendor.sqlite"), description="the demo ticketing vendor's database"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _running_up(cls, data: Any) -> Any:
+        """No NATS URL given: the server of the store directory's running ``up``, wherever
+        it listens (``jetloop.services.listening``), else the default."""
+        if not isinstance(data, dict) or data.get("nats_url"):
+            return data
+        store = data.get("store_dir") or cls.model_fields["store_dir"].default
+        try:
+            found = listening.running(Path(store))
+        except (TypeError, ValueError):
+            return data  # a store directory that is no path: its own validator says so
+        return {**data, "nats_url": found.nats_url} if found is not None else data
 
     @field_validator("nats_url")
     @classmethod

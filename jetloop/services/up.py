@@ -22,6 +22,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import shlex
 import signal
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ import structlog
 from pydantic import SecretStr
 
 from jetloop.agents import App, load_app
-from jetloop.services import durability, namespaces
+from jetloop.services import durability, listening, namespaces
 from jetloop.services.embedded import (
     EmbeddedServer,
     PortInUse,
@@ -135,6 +136,14 @@ async def _accepted(urls: list[str], timeout: float = 10.0) -> None:
         return
 
 
+def in_store(store_dir: Path) -> str:
+    """What a command pasted from a hint needs to find this ``up`` (its store directory,
+    which says where it listens): nothing in the directory it runs in, with the default."""
+    if store_dir == Path(".jetloop"):
+        return ""
+    return f"JETLOOP_STORE_DIR={shlex.quote(str(store_dir))} "
+
+
 def nats_port_taken(port: int) -> str:
     return f"port {port} of the embedded nats-server is in use: set {NATS_PORT_SETTING}"
 
@@ -195,6 +204,7 @@ async def run_up(settings: Settings, external: bool, command: str = "jetloop") -
     except GaveUp as exc:
         raise UpError(str(exc)) from None
     finally:
+        listening.forget(settings.store_dir)
         release_store(lock)
 
 
@@ -265,12 +275,19 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
         # (nats-server, a tool's subprocess).
         settings = settings.model_copy(update={"seal_key": SecretStr(seal_key(settings.store_dir))})
     gw_config = GatewayConfig.from_settings(settings)
+    # The namespaces a request without a token may act in (None: the default one alone).
+    anonymous_namespaces: Callable[[], frozenset[str]] | None = None
     if settings.gateway_anonymous_scopes is None and not gw_config.tokens:
-        # Without tokens a person at this machine may do all (the default host is loopback);
-        # on any other address that is refused below, unless the user allowed it in words.
+        # Without tokens a person at this machine may do all (the default host is loopback),
+        # in every namespace of the store (the console opens each); on any other address
+        # that is refused below, unless the user allowed it in words.
         gw_config = gw_config.model_copy(
             update={"anonymous_scopes": frozenset({"read", "write", "approve"})}
         )
+
+        def anonymous_namespaces() -> frozenset[str]:
+            return frozenset(namespaces.names(settings.store_dir))
+
     refused = exposure_error(gw_config, host)
     if refused is not None:
         raise UpError(refused)
@@ -353,6 +370,7 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
                     host,
                     port,
                     urls_for=lambda ns: settings.for_namespace(ns).nats_urls,
+                    anonymous_namespaces=anonymous_namespaces,
                 ),
                 gateway_fatal(host, port),
             ),
@@ -374,11 +392,13 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
     def announce() -> None:
         settle_heap(settings.gc_threshold)
         gateway = sup.instance("gateway")
+        # Where every other command run on this store finds the server (a custom port too).
+        listening.record(settings.store_dir, settings.nats_url, getattr(gateway, "url", None))
         log.info(
             "jetloop.up",
             nats=settings.nats_url,
             gateway=getattr(gateway, "url", None),
-            hint=f"try: {command} chat --agent demo",
+            hint=f"try: {in_store(settings.store_dir)}{command} chat --agent demo",
         )
 
     sup = Supervisor(stages, on_started=announce)

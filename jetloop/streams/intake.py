@@ -170,7 +170,10 @@ class Intake:
                 return []
             self._woken.clear()
             try:
-                await asyncio.wait_for(self._woken.wait(), left)
+                # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that comes as the
+                # wait ends, and a taker cancelled then would go on taking.
+                async with asyncio.timeout(left):
+                    await self._woken.wait()
             except TimeoutError:
                 return []
 

@@ -77,6 +77,7 @@ class Pauses:
         # The watch's consumer now (None: not made yet, or being made again).
         self.watching: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
 
     @classmethod
     async def open(cls, js: JetStreamContext) -> Pauses:
@@ -85,10 +86,18 @@ class Pauses:
         return pauses
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Stop following. Cancelled again while it runs on: a cancel can be lost in a wait
+        that ends as it comes (``asyncio.wait_for`` in Python 3.11, also inside nats-py), and
+        a stop must not hang on it (a worker's stop did, until its supervisor gave up)."""
+        task = self._task
+        if task is None:
+            return
+        self._closed = True
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            task.result()
 
     def remaining(self, key: str | None) -> float:
         """Seconds the endpoint of ``key`` is still paused (0: not paused)."""
@@ -125,7 +134,7 @@ class Pauses:
 
     async def _follow(self) -> None:
         assert self.js is not None
-        while True:
+        while not self._closed:
             try:
                 await self._watch(self.js)
             except asyncio.CancelledError:
@@ -156,7 +165,7 @@ class Pauses:
         self.watching = name
         try:
             checked = time.monotonic()
-            while True:
+            while not self._closed:
                 again = False
                 for m in await intake.take(64, timeout=1.0):
                     if consumer_guard.stripped(m):

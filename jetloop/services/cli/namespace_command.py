@@ -4,15 +4,20 @@ server, and give people credentials in them (``jetloop.services.namespaces``; do
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from jetloop.services import namespaces
+from jetloop.services import listening, namespaces
 from jetloop.services.cli.main import _settings, main
+
+if TYPE_CHECKING:
+    from jetloop.services.settings import Settings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -109,6 +114,39 @@ def create(name: str, store_dir: str | None, **given: str | None) -> None:
     path = namespaces.credential_path(s.store_dir, name)
     click.echo(f"namespace {name}: client credential in {path} (user {cred.user})")
     click.echo(f"  limits: {_described(limits)}")
+    up = listening.running(s.store_dir)
+    if up is None:
+        return  # served once `jetloop up` starts on this store
+    # An `up` runs on this store: back once its workers serve the namespace, so the next
+    # command (a send, a client of the credential) finds it ready.
+    if asyncio.run(_served(s.for_namespace(name), SERVED_WITHIN)):
+        click.echo(f"  served by the running `jetloop up` (pid {up.pid})")
+    else:
+        raise click.ClickException(
+            f"namespace {name} was made, but the running `jetloop up` (pid {up.pid}) does "
+            f"not serve it after {SERVED_WITHIN:g} s: its log says why"
+        )
+
+
+# How long ``namespace create`` waits for a running ``up`` to serve the new namespace (it
+# looks at the store every second, reloads the server's accounts, starts the workers).
+SERVED_WITHIN = 30.0
+
+
+async def _served(ns: Settings, within: float) -> bool:
+    """Whether a worker of the namespace advertises itself within ``within`` seconds."""
+    from jetloop.services.client import Client
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            async with await Client.connect(ns.nats_urls, verify=False, give_up_after=2) as c:
+                if await (await c.registry()).workers():
+                    return True
+        except Exception:  # refused until the server knows the credential; no topology yet
+            pass
+        await asyncio.sleep(0.2)
+    return False
 
 
 @namespace.command("limits")

@@ -352,8 +352,12 @@ def turn(session_id: str, turn_id: str, nats_url: str | None, limit: int, as_jso
 @click.option("--agent")
 @click.option("--limit", default=50, show_default=True)
 @click.option(
-    "--db", type=click.Path(), help="the read model (default <store dir>/readmodel.sqlite)"
+    "--db",
+    type=click.Path(),
+    help="the read model (default the namespace's in the store directory: "
+    "readmodel.sqlite for default)",
 )
+@namespace_option
 @click.option("--json", "as_json", is_flag=True)
 def sessions(
     query: str | None,
@@ -366,10 +370,13 @@ def sessions(
     """List and search sessions (from the projector's read model)."""
     from pathlib import Path
 
+    from jetloop.services.namespaces import readmodel_path
     from jetloop.services.readmodel.model import ReadModel, ReadModelMissing
 
     s = _settings()
-    path = Path(db) if db else (s.readmodel_db or s.store_dir / "readmodel.sqlite")
+    # Each namespace's read model is its own database (the projector of `up` writes one each).
+    default_db = s.readmodel_db or s.store_dir / "readmodel.sqlite"
+    path = Path(db) if db else readmodel_path(default_db, s.namespace)
 
     async def go() -> None:
         try:

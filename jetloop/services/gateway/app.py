@@ -61,7 +61,7 @@ import functools
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -85,6 +85,7 @@ from jetloop.services.gateway.config import (
 )
 from jetloop.services.gateway.guard import ConnectionGuard
 from jetloop.services.gateway.http import (
+    ANONYMOUS_NAMESPACES,
     AUTH_FAILURES,
     CONFIG,
     GRANT,
@@ -553,12 +554,15 @@ def make_app(
     config: GatewayConfig,
     nats_urls: Sequence[str] | str,
     urls_for: UrlsFor | None = None,
+    anonymous_namespaces: Callable[[], frozenset[str]] | None = None,
 ) -> web.Application:
     """The gateway's aiohttp application; NATS is connected when it starts.
 
     ``nats_urls`` reach the default namespace; ``urls_for(namespace)`` the server URLs, with a
     credential of that namespace, for the others (``Settings.for_namespace(ns).nats_urls``).
-    Without it the gateway acts in the default namespace alone."""
+    Without it the gateway acts in the default namespace alone. ``anonymous_namespaces``: the
+    namespaces a request without a token may act in, when ``anonymous_scopes`` lets it in
+    (default: the default namespace)."""
     if isinstance(nats_urls, str):
         nats_urls = [u.strip() for u in nats_urls.split(",") if u.strip()]
     app = web.Application(
@@ -576,6 +580,8 @@ def make_app(
     app[CONFIG] = config
     app[NATS_URLS] = tuple(nats_urls)
     app[URLS_FOR] = urls_for
+    if anonymous_namespaces is not None:
+        app[ANONYMOUS_NAMESPACES] = anonymous_namespaces
     app[TOKENS] = {digest(token): grant for token, grant in config.tokens.items()}
     app[SCOPES] = {r.name: r.scope for r in ROUTES}
     app[METRICS] = Metrics()
@@ -608,12 +614,14 @@ class Gateway(Service):
         port: int = 8080,
         shutdown_timeout: float = 10.0,
         urls_for: UrlsFor | None = None,
+        anonymous_namespaces: Callable[[], frozenset[str]] | None = None,
     ) -> None:
-        """``nats_urls`` and ``urls_for``: as ``make_app``'s."""
+        """``nats_urls``, ``urls_for`` and ``anonymous_namespaces``: as ``make_app``'s."""
         super().__init__()
         self.config = config
         self.nats_urls = nats_urls
         self.urls_for = urls_for
+        self.anonymous_namespaces = anonymous_namespaces
         self.host = host
         self.port = port
         self.shutdown_timeout = shutdown_timeout
@@ -631,7 +639,7 @@ class Gateway(Service):
                 scopes=sorted(config.anonymous_scopes),
                 hint="anyone who reaches this address has these scopes without a token",
             )
-        app = make_app(config, self.nats_urls, self.urls_for)
+        app = make_app(config, self.nats_urls, self.urls_for, self.anonymous_namespaces)
         runner = web.AppRunner(
             app,
             access_log=None,  # the `measure` middleware logs requests through structlog

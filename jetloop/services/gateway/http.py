@@ -37,6 +37,7 @@ from jetloop.schemas.errors import (
     UnknownSession,
     UnknownTurn,
 )
+from jetloop.services import namespaces
 from jetloop.services.gateway.config import GatewayConfig, Scope, TokenGrant
 from jetloop.streams.clock import CHECK_EVERY, ClockOff
 from jetloop.streams.connection import TRANSIENT, PayloadTooLarge
@@ -213,6 +214,9 @@ CONFIG = web.AppKey("config", GatewayConfig)
 TOKENS: web.AppKey[dict[bytes, TokenGrant]] = web.AppKey("tokens")
 SCOPES: web.AppKey[dict[str, Scope | None]] = web.AppKey("scopes")
 METRICS = web.AppKey("metrics", Metrics)
+# The namespaces a request without a token may act in (``jetloop up`` with no tokens: every
+# namespace of its store, for the person at this machine); unset: the default one alone.
+ANONYMOUS_NAMESPACES: web.AppKey[Callable[[], frozenset[str]]] = web.AppKey("anonymous_namespaces")
 GRANT = web.RequestKey("grant", TokenGrant)
 
 
@@ -310,7 +314,14 @@ def authorize(request: web.Request, scope: Scope) -> TokenGrant:
     header = request.headers.get("Authorization")
     if header is None:
         if scope in cfg.anonymous_scopes:
-            return TokenGrant(name="anonymous", scopes=cfg.anonymous_scopes)
+            names = request.app.get(ANONYMOUS_NAMESPACES)
+            if names is None:
+                return TokenGrant(name="anonymous", scopes=cfg.anonymous_scopes)
+            return TokenGrant(
+                name="anonymous",
+                scopes=cfg.anonymous_scopes,
+                namespaces=names() | {namespaces.DEFAULT},
+            )
         raise Problem(
             401,
             "authentication required",

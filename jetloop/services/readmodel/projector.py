@@ -58,6 +58,7 @@ from nats.js.errors import NotFoundError
 
 from jetloop.consumers.faults import Faults
 from jetloop.schemas.errors import SettingsError
+from jetloop.services import namespaces
 from jetloop.services.lifecycle import Service
 from jetloop.services.logs import configure
 from jetloop.services.readmodel.model import Incoming, ReadModel
@@ -370,7 +371,9 @@ def projector_command(
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from None
     configure(settings.log_format, settings.log_level)
-    path = db_path or Path(getattr(settings, "readmodel_db", settings.store_dir / DEFAULT_DB.name))
+    # The namespace's own database (as `up`'s projectors keep them), unless --db names one.
+    default_db = settings.readmodel_db or settings.store_dir / DEFAULT_DB.name
+    path = db_path or namespaces.readmodel_path(default_db, settings.namespace)
     try:
         asyncio.run(
             run_projector(

@@ -20,6 +20,10 @@ Errors (catch ``JetloopError`` for all of them)::
     ├── WrongNamespace          a credential of one namespace used to act in another (also
     │                           a ValueError)
     ├── SettingsError           a setting has a wrong value
+    ├── NamespaceError          a namespace name that cannot be, or no such namespace
+    ├── AppLoadError            an app (module:attr) that does not load, and where it failed
+    ├── UpError                 `jetloop up` cannot run (one line naming the setting)
+    ├── DecodeError             a message body that cannot be read
     ├── InvalidName             a session id or name no subject or key can hold
     ├── ModelError              a model call failed: the step is tried again
     │   └── ProviderError       a provider's HTTP API failed (.provider, .status, .message)
@@ -41,10 +45,12 @@ __all__ = [
     "TOOL_CALL_NOT_RUN_ERROR_PREFIX",
     "Agent",
     "App",
+    "AppLoadError",
     "Budget",
     "CallView",
     "Client",
     "ControlError",
+    "DecodeError",
     "Effect",
     "EmbeddedServer",
     "Event",
@@ -60,6 +66,7 @@ __all__ = [
     "ModelError",
     "ModelRequest",
     "ModelResponse",
+    "NamespaceError",
     "NotAuthorized",
     "NotFound",
     "ProviderError",
@@ -94,6 +101,7 @@ __all__ = [
     "UnknownId",
     "UnknownSession",
     "UnknownTurn",
+    "UpError",
     "Worker",
     "WrongNamespace",
     "adapter_from_spec",

@@ -39,10 +39,13 @@ from jetloop.agents.tools import Found, NotFound
 from jetloop.consumers import TOOL_CALL_NOT_RUN_ERROR_PREFIX
 from jetloop.schemas import Event, EventType, TurnRecord, TurnStatus
 from jetloop.schemas.errors import (
+    AppLoadError,
     ControlError,
+    DecodeError,
     InvalidName,
     JetloopError,
     ModelError,
+    NamespaceError,
     NotAuthorized,
     ProviderError,
     ProviderRejected,
@@ -58,6 +61,7 @@ from jetloop.schemas.errors import (
     UnknownId,
     UnknownSession,
     UnknownTurn,
+    UpError,
     WrongNamespace,
 )
 from jetloop.services.client import Client, TurnHandle, TurnResult

@@ -45,6 +45,7 @@ def crash_test(
     seed: int | None = None,
     quick: bool = False,
     vendor_dedupes: Sequence[str] = (),
+    pure: Sequence[str] = (),
     work_dir: str | Path | None = None,
 ) -> CrashReport:
     """Crash-test ``app`` on ``messages`` (texts for an app with one agent, else
@@ -54,8 +55,10 @@ def crash_test(
     ``mode``: ``worker_kill`` or ``server_restart``; ``rounds``: random kills besides the
     systematic ones; ``quick``: the first boundary of each kind only; ``vendor_dedupes``:
     the ``IDEMPOTENT_WRITE`` tools whose vendor dedupes on the idempotency key (their repeats
-    pass); ``work_dir``: keep logs, store and ledger there. Callable from a running event
-    loop too (it then runs on a thread of its own); ``crash_test_async`` is the coroutine.
+    pass); ``pure``: the ``READ`` tools you vouch change nothing (their repeats are not
+    warned of, ``report.warnings``); ``work_dir``: keep logs, store and ledger there.
+    Callable from a running event loop too (it then runs on a thread of its own);
+    ``crash_test_async`` is the coroutine.
     """
     coro = crash_test_async(
         app,
@@ -66,6 +69,7 @@ def crash_test(
         seed=seed,
         quick=quick,
         vendor_dedupes=vendor_dedupes,
+        pure=pure,
         work_dir=Path(work_dir) if work_dir is not None else None,
     )
     try:

@@ -8,7 +8,11 @@ import json
 import msgpack
 import pytest
 
-from jetloop.services.client import Client, TurnFailed
+from jetloop.schemas import TurnRequest, encode
+from jetloop.schemas.errors import ControlError
+from jetloop.schemas.ids import scoped_msg_id, turn_id_for
+from jetloop.services.client import Client, TurnFailed, TurnHandle
+from jetloop.streams.topology import turn_subject
 from tests.conftest import WorkerFactory, call, script, until
 
 
@@ -67,18 +71,29 @@ async def test_ten_megabyte_tool_result(client: Client, workers: WorkerFactory) 
     assert f'"len": {size}' in res.text and digest in res.text
 
 
-async def test_a_message_to_another_agents_session_fails_its_turn(
+async def test_a_message_to_another_agents_session_is_refused(
     client: Client, workers: WorkerFactory
 ) -> None:
-    """A session belongs to the agent that started it. A message for it under another agent
-    is not run, but its caller is told: the turn ends failed naming the owner (the wait
-    returns at once, not after its timeout), the request is dead-lettered with the same
-    reason, and the owner's next message runs."""
+    """A session belongs to the agent that started it. The client refuses a message for it
+    under another agent before anything is written (409, naming the owner: before, it became
+    a failed turn in the owner's session). A raw publisher, with no client to ask first, is
+    refused by the worker: the turn ends failed naming the owner and the request is
+    dead-lettered with the same reason. The owner's next message runs."""
     workers.start()
     first = await client.send("tester", "owned", script([call("write", name="mine")]))
     await client.wait(first, timeout=30)
 
-    stray = await client.send("compactor", "owned", "hello")
+    with pytest.raises(ControlError, match="belongs to agent 'tester', not 'compactor'") as no:
+        await client.send("compactor", "owned", "hello")
+    assert no.value.status == 409
+    assert [t.turn_id for t in (await client.turns("owned")).turns] == [first.turn_id]
+
+    await client.js.publish(
+        turn_subject("compactor", "owned"),
+        encode(TurnRequest(text="hello")),
+        headers={"Nats-Msg-Id": scoped_msg_id("owned", "raw-1"), "Jl-Request-Id": "raw-1"},
+    )
+    stray = TurnHandle("compactor", "owned", "raw-1", turn_id_for("owned", "raw-1"), False)
     with pytest.raises(TurnFailed, match="belongs to agent 'tester', not 'compactor'"):
         await client.wait(stray, timeout=20)
 

@@ -360,3 +360,44 @@ def test_console_in_a_browser(up: tuple[str, str, Path], browser: Browser) -> No
     # A signed-out tab (no token) is asked to sign in again.
     viewer.locator("#signout").click()
     expect(viewer.locator("#signin-form")).to_be_visible(timeout=WAIT_MS)
+
+
+def test_the_tokenless_console_opens_every_namespace(tmp_path: Path, browser: Browser) -> None:
+    """`jetloop up` without tokens on loopback: the console needs no sign-in, offers every
+    namespace of the store (one made while it runs too), and shows the chosen one's sessions
+    (before: 403 "the token may not act in 'acme'" with no token sent)."""
+    store = tmp_path / "store"
+    env = {
+        **os.environ,
+        "JETLOOP_VENDOR_DB": str(tmp_path / "vendor.sqlite"),
+        "JETLOOP_GATEWAY_PORT": "0",
+        "JETLOOP_STORE_DIR": str(store),
+    }
+
+    def cli(*args: str) -> None:
+        ran = subprocess.run(
+            [sys.executable, "-m", "jetloop.services.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert ran.returncode == 0, ran.stderr
+
+    errors: list[str] = []
+    for gateway in running_up(store, tmp_path / "up.log", env, free_port()):
+        cli("namespace", "create", "acme")  # back once up serves it
+        cli("--namespace", "acme", "send", "--agent", "demo", "--session", "acme-s1", "hi")
+        cli("send", "--agent", "demo", "--session", "home-s1", "hi")
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(gateway + "/#/sessions")
+        expect(page.locator("#whoami")).to_contain_text("anonymous", timeout=WAIT_MS)
+        expect(page.locator('#sessions [data-session="home-s1"]')).to_be_visible(timeout=WAIT_MS)
+        choice = page.locator("#namespace")
+        expect(choice.locator("option")).to_have_count(2)
+        choice.select_option("acme")
+        expect(page.locator('#sessions [data-session="acme-s1"]')).to_be_visible(timeout=WAIT_MS)
+        expect(page.locator('#sessions [data-session="home-s1"]')).to_have_count(0)
+        shot(page, "09-tokenless-namespace")
+        assert errors == [], errors

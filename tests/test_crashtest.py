@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
+import jetloop as jl
 from jetloop.services.natsauth import make_users
 from jetloop.testing import Message, crash_test_async
-from jetloop.tooling.crashtest.judge import format_report
+from jetloop.tooling.crashtest.judge import format_report, judge
+from jetloop.tooling.crashtest.ledger import Invocation
 from tests.conftest import call, script
 from tests.test_readme import blocks
 
@@ -100,6 +103,91 @@ async def test_a_wrong_declaration_fails_with_the_calls_made_twice(in_app_dir: P
         "repeated_calls",
         "outcome_unknown",
     }
+
+
+async def test_a_read_that_writes_is_said(in_app_dir: Path) -> None:
+    """The same agent with `send_sms` declared a read (it appends to its outbox): the kills
+    inside it make it again, and the report says so for that tool, in the table and as a
+    warning naming `--pure` (before: `verdict: pass`, `repeated 4`, no remark, while its file
+    got duplicate lines). A read the user vouches for with `pure` is not warned of."""
+    wrong = (
+        (in_app_dir / "shop.py")
+        .read_text()
+        .replace(
+            "@jl.tool(effect=jl.Effect.NON_IDEMPOTENT_WRITE)", "@jl.tool(effect=jl.Effect.READ)"
+        )
+    )
+    (in_app_dir / "shop_read.py").write_text(wrong)
+    report = await crash_test_async(
+        "shop_read:app",
+        [Message(None, "refund order 42")],
+        vendor_dedupes=["refund"],
+        quick=True,
+        seed=54,
+        work_dir=in_app_dir / "run",
+    )
+    text = format_report(report)
+    print(text)
+    sms = report.tools["send_sms"]
+    assert sms.effect == "read" and sms.repeated_calls >= 1, sms
+    (warned,) = [w for w in report.warnings if w.startswith("send_sms (read)")]
+    assert "safe only if it changes nothing" in warned and "--pure send_sms" in warned
+    assert f"WARN {warned}" in text
+    assert "made again: safe only if it changes nothing" in text
+    sent = (in_app_dir / "outbox.jsonl").read_text().splitlines()
+    assert len(sent) > sms.calls, "the read that writes did write twice"
+
+
+def test_a_read_vouched_pure_is_not_warned_of() -> None:
+    """The judge with a read made twice: warned of, unless it is in ``pure``; a read made
+    once is not warned of either way."""
+    agent = jl.Agent(name="a", instructions="", model=jl.ScriptedModel([]), tools=[lookup, other])
+    loaded = jl.App([agent])
+
+    def made(tool: str, call: str, attempt: int) -> Invocation:
+        return Invocation(tool, "read", "s", "t", call, f"k-{call}", attempt, 1, 0.0, 1.0, "ok")
+
+    invocations = [
+        made("lookup", "t-0-0", 1),
+        made("lookup", "t-0-0", 2),
+        made("other", "t-0-1", 1),
+    ]
+    common: dict[str, Any] = dict(
+        app="x:app",
+        loaded=loaded,
+        mode="worker_kill",
+        seed=1,
+        quick=True,
+        boundaries=[],
+        clean=[],
+        rounds=[],
+        invocations=invocations,
+        events=[],
+        vendor_dedupes=set(),
+        seconds=1.0,
+        workers=1,
+    )
+    warned = judge(**common).warnings
+    assert len(warned) == 1 and warned[0].startswith("lookup (read) was made again in 1 calls")
+    vouched = judge(**common, pure={"lookup"})
+    assert vouched.warnings == [] and vouched.tools["lookup"].pure
+    assert "(it does not, you said)" in format_report(vouched)
+
+
+class Order(BaseModel):
+    order: str
+
+
+@jl.tool(effect=jl.Effect.READ)
+async def lookup(args: Order, ctx: jl.ToolContext) -> str:
+    """Look up an order."""
+    return args.order
+
+
+@jl.tool(effect=jl.Effect.READ)
+async def other(args: Order, ctx: jl.ToolContext) -> str:
+    """Look up another."""
+    return args.order
 
 
 async def test_the_readme_mcp_agent_passes(

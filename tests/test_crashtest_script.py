@@ -38,6 +38,27 @@ def test_messages_are_lines_or_a_json_list(tmp_path: Path) -> None:
         read_messages(tmp_path / "empty.txt")
 
 
+def test_json_that_is_no_list_is_read_as_lines_of_json_or_refused(tmp_path: Path) -> None:
+    """JSON Lines (one {agent, text} a line) are messages; one JSON object, over one line or
+    several, or a line of JSON Lines that is not one, is refused with where it is: never
+    sent to the agent as raw text (before: the object's text was the message)."""
+    jsonl = tmp_path / "m.jsonl"
+    jsonl.write_text(
+        '{"agent": "shop", "text": "hi"}\n# a comment\n{"agent": "crm", "text": "yo"}\n'
+    )
+    assert read_messages(jsonl) == [Message("shop", "hi"), Message("crm", "yo")]
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"agent": "shop", "text": "hi"}, indent=2))
+    with pytest.raises(ScriptError, match=r"one\.json: one JSON object over several lines"):
+        read_messages(one)
+    jsonl.write_text('{"agent": "shop", "text": "hi"}\n{"agent": "shop", "text": \n')
+    with pytest.raises(ScriptError, match=r"m\.jsonl:2: JSON Lines expected"):
+        read_messages(jsonl)
+    jsonl.write_text('{"text": "no agent"}\n')
+    with pytest.raises(ScriptError, match=r"m\.jsonl:1: JSON Lines expected"):
+        read_messages(jsonl)
+
+
 def request(*said: Said) -> ModelRequest:
     return ModelRequest(agent="shop", instructions="", messages=list(said), tools=[], attempt=1)
 

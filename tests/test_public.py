@@ -77,8 +77,12 @@ def test_public_names_are_pinned() -> None:
             "TurnStatus",
             "TurnSummary",
             # the error tree
+            "AppLoadError",
             "ControlError",
+            "DecodeError",
             "JetloopError",
+            "NamespaceError",
+            "UpError",
             "NotAuthorized",
             "WrongNamespace",
             "RecordNotTrusted",
@@ -120,6 +124,10 @@ def test_errors_form_one_documented_tree() -> None:
         jetloop.ControlError: jetloop.JetloopError,
         jetloop.TurnFailed: jetloop.JetloopError,
         jetloop.SettingsError: jetloop.JetloopError,
+        jetloop.NamespaceError: jetloop.JetloopError,
+        jetloop.AppLoadError: jetloop.JetloopError,
+        jetloop.UpError: jetloop.JetloopError,
+        jetloop.DecodeError: jetloop.JetloopError,
         jetloop.InvalidName: jetloop.JetloopError,
         jetloop.NotAuthorized: jetloop.JetloopError,
         jetloop.WrongNamespace: jetloop.JetloopError,
@@ -137,6 +145,8 @@ def test_errors_form_one_documented_tree() -> None:
     assert issubclass(jetloop.NotAuthorized, nats.errors.Error)
     assert issubclass(jetloop.SettingsError, ValueError)
     assert issubclass(jetloop.InvalidName, ValueError)
+    for valueish in (jetloop.NamespaceError, jetloop.AppLoadError, jetloop.DecodeError):
+        assert issubclass(valueish, ValueError), valueish
     assert issubclass(SealBroken, jetloop.RecordNotTrusted)
     assert "JETLOOP_SEAL_KEY" in str(jetloop.SealKeyMissing("the turn"))
 
@@ -178,7 +188,11 @@ def test_every_public_error_is_defined_in_one_module() -> None:
                 bases = {getattr(b, "id", None) or getattr(b, "attr", "") for b in node.bases}
                 if bases & public:
                     derived.add(f"{path.relative_to(root).as_posix()}:{node.name}")
-    assert derived == {"streams/seal.py:SealBroken", "streams/clock.py:ClockOff"}
+    assert derived == {
+        "streams/seal.py:SealBroken",
+        "streams/clock.py:ClockOff",
+        "schemas/codec.py:NewerWriter",
+    }
 
 
 def test_every_public_name_is_documented() -> None:

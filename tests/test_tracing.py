@@ -70,6 +70,12 @@ async def test_one_trace_across_a_worker_kill(client: Client, workers: WorkerFac
     assert turn.attributes["gen_ai.usage.input_tokens"] == 320
     assert turn.attributes["gen_ai.usage.output_tokens"] == 70
     assert turn.attributes["jetloop.status"] == "completed"
+    # The turn's span holds every step's: from its acceptance to its end (before: from its
+    # last model step's first attempt, after its first children had begun).
+    children = [s for s in spans if s.parent_span_id == turn.span_id]
+    assert len(children) >= 3
+    assert turn.start_ns <= min(s.start_ns for s in children)
+    assert turn.end_ns >= max(s.end_ns for s in children)
 
     chats = sorted(
         (s for s in spans if s.name == f"chat {MODEL}"),
@@ -161,5 +167,25 @@ async def test_waits_are_spans_of_their_own(client: Client, workers: WorkerFacto
     (timer,) = [s for s in spans if s.name.startswith("await_timer")]
     assert timer.parent_span_id == turns["tw2"].span_id
     assert timer.end_ns - timer.start_ns >= 0.9e9, "the span covers the second waited"
+    assert turns["tw2"].start_ns <= timer.start_ns and turns["tw2"].end_ns >= timer.end_ns
     (answer,) = [s for s in spans if s.name.startswith("await_answer")]
     assert answer.parent_span_id == turns["tw3"].span_id
+
+
+async def test_console_exporter_prints_the_turns_spans(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """``OTEL_TRACES_EXPORTER=console`` (the standard variable), no collector: the worker
+    prints each span as JSON on its output, the turn's among them (before: ignored, and
+    traces needed an OTLP endpoint to be seen at all)."""
+    w = workers.start(env={"OTEL_TRACES_EXPORTER": "console"}, app="jetloop.demo.agent:app")
+    h = await client.send("demo", "tc", "list tickets")
+    await client.wait(h, timeout=30)
+
+    async def printed() -> bool:
+        return '"name": "invoke_agent demo"' in w.log_path.read_text(errors="replace")
+
+    await until(printed, timeout=15)
+    text = w.log_path.read_text(errors="replace")
+    assert '"name": "chat ' in text
+    assert f'"jetloop.turn_id": "{h.turn_id}"' in text

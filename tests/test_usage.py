@@ -20,10 +20,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from jetloop.agents.prices import DEFAULT_PRICES, Price, Prices
 from jetloop.schemas.errors import TurnFailed
+from jetloop.schemas.records import Spent
 from jetloop.services.client import Client, TurnHandle
 from jetloop.services.gateway.app import make_app
 from jetloop.services.readmodel.projector import Projector
-from jetloop.sessions.usage import totals
+from jetloop.sessions.usage import UsageLine, totals, totals_json
 from jetloop.streams.registry import Registry
 from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import WorkerFactory, until
@@ -53,6 +54,43 @@ def test_prices_by_name_prefix_and_override() -> None:
     assert prices.cost("my-model", usage) == pytest.approx(1.0 + 1.0)  # cached at input price
     assert prices.cost("nobody-knows", usage) is None
     assert prices.cost(None, usage) is None
+
+
+def test_a_total_with_an_unpriced_call_has_no_cost() -> None:
+    """A total with one unpriced call in it says null, never the priced part as the whole
+    ($0 when all are unpriced), with the priced calls' sum and the count beside; a record's
+    spent counts the unpriced calls too."""
+
+    def line(n: int, cost: float | None, model: str) -> UsageLine:
+        return UsageLine(
+            key=f"s.t.m{n}.a1.usage",
+            session_id="s",
+            turn_id="t",
+            at=0.0,
+            agent="a",
+            model=model,
+            purpose="turn",
+            model_step=n,
+            attempt=1,
+            input_tokens=10,
+            output_tokens=5,
+            cached_input_tokens=0,
+            cost_usd=cost,
+        )
+
+    mixed = [line(0, 0.25, "gpt-4o"), line(1, None, "local"), line(2, 0.5, "gpt-4o")]
+    report = totals_json(mixed, "model")
+    assert report["total"]["cost_usd"] is None
+    assert report["total"]["priced_cost_usd"] == 0.75 and report["total"]["unpriced_calls"] == 1
+    by_model = {g["group"]: g for g in report["groups"]}
+    assert by_model["gpt-4o"]["cost_usd"] == 0.75 and by_model["local"]["cost_usd"] is None
+    assert totals_json([line(0, None, "local")])["total"]["cost_usd"] is None
+    assert totals_json(mixed[:1])["total"]["cost_usd"] == 0.25
+
+    spent = Spent().plus(10, 5, 0.25).plus(10, 5, None)
+    assert (spent.cost_usd, spent.unpriced_calls) == (0.25, 1)
+    assert spent.add(spent).unpriced_calls == 2
+    assert Spent.model_validate({"calls": 1, "cost_usd": 0.1}).unpriced_calls == 0  # before 0.2
 
 
 async def test_usage_equals_what_the_provider_billed_across_a_worker_kill(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -318,3 +319,59 @@ def test_commands_in_ups_directory_find_it_on_the_ports_it_was_given(tmp_path: P
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert not (tmp_path / ".jetloop" / "up.json").exists()
+
+
+def test_an_app_that_does_not_load_says_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A misspelt module is told apart from an error inside the user's module: the first
+    says where it was looked for, the second gives the user's file and line (an import of a
+    package that is not installed, a bug at import time, a syntax error), each one line."""
+    from jetloop import AppLoadError
+    from jetloop.agents import load_app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(AppLoadError, match=r"no module named 'no_such_bank' \(looked in "):
+        load_app("no_such_bank:app")
+    (tmp_path / "bank_imports.py").write_text("import os\nimport not_installed_pkg\napp = None\n")
+    with pytest.raises(AppLoadError) as info:
+        load_app("bank_imports:app")
+    assert str(info.value) == (
+        f"--app 'bank_imports:app': {tmp_path / 'bank_imports.py'}:2: "
+        "ModuleNotFoundError: No module named 'not_installed_pkg'"
+    )
+    (tmp_path / "bank_bug.py").write_text(
+        "x = 1\n\ndef make():\n    return {}['k']\n\napp = make()\n"
+    )
+    with pytest.raises(AppLoadError, match=r"bank_bug\.py:4: KeyError: 'k'$"):
+        load_app("bank_bug:app")
+    (tmp_path / "bank_syntax.py").write_text("app = (\n")
+    with pytest.raises(AppLoadError, match=r"bank_syntax\.py:1: SyntaxError: "):
+        load_app("bank_syntax:app")
+    with pytest.raises(AppLoadError, match=r"module os has no 'nope'$"):
+        load_app("os:nope")
+    assert "\n" not in str(info.value)
+
+
+def test_up_names_both_ports_when_both_are_taken(tmp_path: Path) -> None:
+    """Both ports in use: one line naming both settings, not one per attempt."""
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        a.listen()
+        b.bind(("127.0.0.1", 0))
+        b.listen()
+        nats_port, gateway_port = a.getsockname()[1], b.getsockname()[1]
+        env = {**os.environ, "JETLOOP_STORE_DIR": str(tmp_path / "store")}
+        ran = subprocess.run(
+            [str(SCRIPT), "up", "--nats-port", str(nats_port), "--gateway-port", str(gateway_port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert ran.returncode == 1, ran
+    lines = ran.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert f"port {nats_port} of the embedded nats-server is in use" in lines[0], lines
+    assert f"gateway port {gateway_port} on 127.0.0.1 is in use" in lines[0], lines

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import sysconfig
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -14,6 +16,7 @@ from jetloop.agents.mcp import MCPServer
 from jetloop.agents.model import ModelAdapter
 from jetloop.agents.tools import Tool
 from jetloop.schemas import validate_name
+from jetloop.schemas.errors import AppLoadError
 
 log = structlog.get_logger("jetloop.agents")
 
@@ -161,22 +164,64 @@ class App:
 
 
 def load_app(spec: str) -> App:
-    """Load ``module:attr``; the attribute is an ``App``, an ``Agent`` or a factory of one."""
+    """Load ``module:attr``; the attribute is an ``App``, an ``Agent`` or a factory of one.
+    :class:`AppLoadError` in one line when it does not load: a module that is not there is
+    told apart from an error raised inside the user's module (given with its file and line)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"--app {spec!r}: expected module:attr")
+        raise AppLoadError(f"--app {spec!r}: expected module:attr")
     # As uvicorn does: a module in the working directory is importable without PYTHONPATH.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise AppLoadError(
+                f"--app {spec!r}: no module named {missing!r} (looked in {os.getcwd()} and "
+                "on sys.path: run from the directory that holds it, or set PYTHONPATH)"
+            ) from None
+        raise AppLoadError(f"--app {spec!r}: {raised_at(exc)}") from None
+    except Exception as exc:  # the user's module: anything may come out of its import
+        raise AppLoadError(f"--app {spec!r}: {raised_at(exc)}") from None
     try:
         obj = getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"--app {spec!r}: module {module_name} has no {attr!r}") from None
+        raise AppLoadError(f"--app {spec!r}: module {module_name} has no {attr!r}") from None
     if callable(obj) and not isinstance(obj, App | Agent):
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise AppLoadError(f"--app {spec!r}: {raised_at(exc)}") from None
     if isinstance(obj, Agent):
         return App([obj])
     if isinstance(obj, App):
         return obj
-    raise ValueError(f"--app {spec!r}: expected an App or an Agent, got {type(obj).__name__}")
+    raise AppLoadError(f"--app {spec!r}: expected an App or an Agent, got {type(obj).__name__}")
+
+
+def raised_at(exc: BaseException) -> str:
+    """An error with where the user's code raised it: ``file:line: Type: message``, at the
+    innermost frame that is neither Python's, an installed package's nor jetloop's (else the
+    innermost); a SyntaxError names its own place."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    theirs = [f for f in frames if not f.filename.startswith(_NOT_THE_USERS)]
+    at = (theirs or frames)[-1:]
+    if not at:
+        return text
+    return f"{at[0].filename}:{at[0].lineno}: {text}"
+
+
+# Where code that is not the user's lives: Python's, installed packages', jetloop's own.
+_NOT_THE_USERS = tuple(
+    {
+        sysconfig.get_path("stdlib"),
+        sysconfig.get_path("purelib"),
+        sysconfig.get_path("platlib"),
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    }
+)

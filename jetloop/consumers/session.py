@@ -9,6 +9,7 @@ duplicate request is dropped however late it comes. ``turn_done`` moves the sess
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 
 import structlog
@@ -102,6 +103,7 @@ async def on_turn_request(d: Delivery) -> None:
             text_ref=text_ref,
             parent=req.parent,
             traceparent=_traceparent(d.msg.headers, req),
+            accepted_at=time.time(),
         )
         try:
             turn_rev = await rt.state.write(turn_key(sid, tid), record, None)

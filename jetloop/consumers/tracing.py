@@ -2,15 +2,16 @@
 
 On when the ``otel`` extra is installed and an OTLP endpoint is set
 (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``; every other
-standard ``OTEL_*`` setting applies too: headers, service name, batch delays); off
+standard ``OTEL_*`` setting applies too: headers, service name, batch delays), or
+``OTEL_TRACES_EXPORTER=console`` prints each span on the worker's output; off
 otherwise, and then nothing of OpenTelemetry is imported and a step pays one ``None`` check.
 
 A turn is one trace. Its spans are made by whichever processes run its steps, so their ids
 come from the turn's identity, not from one process's memory: the trace id is the caller's
 (the ``traceparent`` given with the message, kept in the turn record) or one derived from
 the session and turn ids; the turn span's id is derived from them too, and every step's span
-names it as parent before it is itself exported (when the turn ends, with the time its first
-model step started). A model call is a ``chat <model>`` span with the GenAI semantic
+names it as parent before it is itself exported (when the turn ends, from the time a worker
+accepted it). A model call is a ``chat <model>`` span with the GenAI semantic
 conventions' attributes (``gen_ai.operation.name``, ``gen_ai.request.model``,
 ``gen_ai.usage.input_tokens``/``output_tokens``, ``gen_ai.response.finish_reasons`` …), a
 tool call an ``execute_tool <tool>`` span with its effect and idempotency key, and each has
@@ -78,29 +79,56 @@ class Tracing:
 
     @classmethod
     def from_env(cls, service: str) -> Tracing | None:
-        """On when an OTLP endpoint is set and the ``otel`` extra is installed."""
-        if not any(os.environ.get(k) for k in ENDPOINTS):
+        """On when the ``otel`` extra is installed and an OTLP endpoint is set, or
+        ``OTEL_TRACES_EXPORTER`` names ``console`` (each span printed as JSON on the worker's
+        standard output, to look at traces with no collector) or ``otlp``; ``none`` (or
+        ``OTEL_SDK_DISABLED=true``) turns it off."""
+        exporters = {
+            e.strip().lower()
+            for e in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")
+            if e.strip()
+        }
+        if not exporters:
+            exporters = {"otlp"} if any(os.environ.get(k) for k in ENDPOINTS) else set()
+        exporters.discard("none")
+        if not exporters or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
             return None
-        if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
-            return None
+        unknown = exporters - {"otlp", "console"}
+        if unknown:
+            log.warning(
+                "tracing.exporter_unknown",
+                exporters=sorted(unknown),
+                hint="OTEL_TRACES_EXPORTER takes otlp, console or none",
+            )
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.sdk.trace.export import (
+                BatchSpanProcessor,
+                ConsoleSpanExporter,
+                SimpleSpanProcessor,
+            )
+
+            if "otlp" in exporters:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
         except ImportError as exc:
             log.warning(
                 "tracing.unavailable",
                 error=str(exc),
-                fix="pip install 'jetloop[otel]' (an OTLP endpoint is set)",
+                fix="pip install 'jetloop[otel]' (traces were asked for)",
             )
             return None
         name = os.environ.get("OTEL_SERVICE_NAME") or service
         provider = TracerProvider(
             resource=Resource.create({"service.name": name}), id_generator=_fixed_ids()
         )
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        log.info("tracing.on", service=name)
+        if "otlp" in exporters:
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        if "console" in exporters:
+            provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+        log.info("tracing.on", service=name, exporters=sorted(exporters & {"otlp", "console"}))
         return cls(provider)
 
     def shutdown(self) -> None:
@@ -242,7 +270,9 @@ class Tracing:
         ).end()
 
     def turn_ended(self, turn: TurnRecord) -> None:
-        """The turn's own span, made when it ended: from its first model step to now."""
+        """The turn's own span, made when it ended: from when a worker accepted it (its
+        record made; a record of an older release: its current model step's first attempt)
+        to now, so it holds every step's span."""
         from opentelemetry.trace import (
             NonRecordingSpan,
             SpanContext,
@@ -256,7 +286,7 @@ class Tracing:
         if given is not None:
             caller = SpanContext(given[0], given[1], is_remote=True, trace_flags=TraceFlags(1))
             context = self._trace.set_span_in_context(NonRecordingSpan(caller))
-        started = turn.first_attempt_at or time.time()
+        started = turn.accepted_at or turn.first_attempt_at or time.time()
         span = self._start(
             turn,
             turn_span_id(turn),

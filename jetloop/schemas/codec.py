@@ -7,17 +7,14 @@ from typing import Any, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 
+# Defined with the rest of the public tree; importable from here too.
+from jetloop.schemas.errors import DecodeError as DecodeError
+
 SCHEMA_VERSION = 1
 # The pydantic error type of a step kind this code does not know (a newer writer's).
 UNKNOWN_KIND = "unknown_step_kind"
 
 M = TypeVar("M", bound=BaseModel)
-
-
-class DecodeError(ValueError):
-    """A body that is not msgpack, is of a schema version this code does not know, or does
-    not validate against its model. No retry cures it: a message that raises it is
-    dead-lettered with the reason."""
 
 
 class NewerWriter(DecodeError):

@@ -19,6 +19,13 @@ of them::
     ├── WrongNamespace          a credential of one namespace used to act in another (also
     │                           a ValueError)
     ├── SettingsError           a setting has a wrong value (also a ValueError)
+    ├── NamespaceError          a namespace name that cannot be, or no such namespace (also
+    │                           a ValueError)
+    ├── AppLoadError            an app (module:attr) that does not load: where it failed
+    │                           (also a ValueError)
+    ├── UpError                 `jetloop up` cannot run: one line naming the setting or part
+    ├── DecodeError             a message body that cannot be read: not msgpack, an unknown
+    │                           schema version, or invalid (also a ValueError)
     ├── InvalidName             a session id or name no subject or key can hold (also a
     │                           ValueError)
     ├── ModelError              a model call failed: the step is tried again within its attempts
@@ -40,9 +47,10 @@ the provider's message before the error is built, so ``str``, ``repr`` and logs 
 Not here, because no program using jetloop sees them: the outcomes a step handler raises
 for the dispatcher to decide a message's fate (``jetloop.consumers.errors``: ``RetryLater``,
 ``TakenOver``, ``DeadLetter``), and the errors one module raises and its caller handles
-(a CAS ``Conflict``, for one). Two layers raise a public error under a name of their
-own, a subclass of it: ``jetloop.streams.seal.SealBroken`` (a ``RecordNotTrusted``) and
-``jetloop.streams.clock.ClockOff`` (a ``SealError``). Errors of NATS itself
+(a CAS ``Conflict``, for one). Three layers raise a public error under a name of their
+own, a subclass of it: ``jetloop.streams.seal.SealBroken`` (a ``RecordNotTrusted``),
+``jetloop.streams.clock.ClockOff`` (a ``SealError``) and ``jetloop.schemas.codec.NewerWriter``
+(a ``DecodeError``: a body a newer jetloop wrote). Errors of NATS itself
 (``nats.errors.*``) pass through: an outage longer than the client rides out is one.
 """
 
@@ -170,6 +178,26 @@ class WrongNamespace(JetloopError, ValueError):
 
 class SettingsError(JetloopError, ValueError):
     """A setting has a wrong value; the message names it."""
+
+
+class NamespaceError(JetloopError, ValueError):
+    """A namespace or identity name that cannot be, or one that does not exist: one line."""
+
+
+class AppLoadError(JetloopError, ValueError):
+    """An app spec (``module:attr``, ``--app``) that does not load: no such module or
+    attribute, not an app, or an error raised while its module was imported (the message
+    gives the file and line where it was raised)."""
+
+
+class UpError(JetloopError):
+    """``jetloop up`` cannot run: one line naming the setting or the component."""
+
+
+class DecodeError(JetloopError, ValueError):
+    """A body that is not msgpack, is of a schema version this code does not know, or does
+    not validate against its model. No retry cures it: a message that raises it is
+    dead-lettered with the reason."""
 
 
 class InvalidName(JetloopError, ValueError):

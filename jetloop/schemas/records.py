@@ -41,13 +41,17 @@ class Summary(BaseModel):
 
 
 class Spent(BaseModel):
-    """What model calls used: calls answered, tokens, and the US dollars of the priced ones
-    (every attempt, those a crash made repeat too; the usage ledger holds each call)."""
+    """What model calls used: calls answered, tokens, the US dollars of the priced ones
+    and how many had no price (every attempt, those a crash made repeat too; the usage
+    ledger holds each call). ``cost_usd`` is the priced calls' sum (a budget's cap counts
+    it): with ``unpriced_calls`` above 0 it is only part of the cost."""
 
     calls: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float = 0.0
+    # Added in 0.2 (a record without it was written before: read as 0).
+    unpriced_calls: int = 0
 
     @property
     def tokens(self) -> int:
@@ -59,6 +63,7 @@ class Spent(BaseModel):
             input_tokens=self.input_tokens + input_tokens,
             output_tokens=self.output_tokens + output_tokens,
             cost_usd=round(self.cost_usd + (cost_usd or 0.0), 9),
+            unpriced_calls=self.unpriced_calls + (cost_usd is None),
         )
 
     def add(self, other: Spent) -> Spent:
@@ -67,6 +72,7 @@ class Spent(BaseModel):
             input_tokens=self.input_tokens + other.input_tokens,
             output_tokens=self.output_tokens + other.output_tokens,
             cost_usd=round(self.cost_usd + other.cost_usd, 9),
+            unpriced_calls=self.unpriced_calls + other.unpriced_calls,
         )
 
 
@@ -161,6 +167,9 @@ class TurnRecord(BaseModel):
     attempt: Attempt | None = None
     attempts: int = 0
     first_attempt_at: float | None = None
+    # When a worker accepted the request and made this record (0.2: absent before), the
+    # start of the turn's trace span.
+    accepted_at: float | None = None
     answer_text: str | None = None
     answer_ref: BlobRef | None = None
     usage: dict[str, int] = Field(default_factory=dict)  # tokens of the current model step

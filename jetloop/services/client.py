@@ -36,6 +36,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError
 
 from jetloop.agents.agent import Trigger
+from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import (
     ApprovalRecord,
     CallRecord,
@@ -54,6 +55,7 @@ from jetloop.schemas import (
 )
 from jetloop.schemas.errors import (
     ControlError,
+    DecodeError,
     RecordNotTrusted,
     SealKeyMissing,
     UnknownSession,
@@ -95,7 +97,7 @@ from jetloop.streams.history import HistoryReader
 from jetloop.streams.intake import Intake
 from jetloop.streams.registry import AgentStatus, Registry
 from jetloop.streams.seal import Sealer
-from jetloop.streams.state import StateStore
+from jetloop.streams.state import StateStore, Versioned
 
 T = TypeVar("T")
 R = TypeVar("R", bound=BaseModel)
@@ -352,14 +354,36 @@ class Client:
             raise UnknownAgent(agent)
         rid = request_id or uuid.uuid4().hex
         tid = turn_id_for(session_id, rid)
-        if request_id is not None:
-            state = await self._state()
+        state = await self._state()
+
+        async def earlier_turn() -> Versioned[TurnRecord] | None:
+            if request_id is None:
+                return None
             # Existence and status only, so a client with another seal key can send too.
-            earlier = await retrying(
-                lambda: state.turn(session_id, tid, verify=False), self.retry_for, "read"
+            return await state.turn(session_id, tid, verify=False)
+
+        async def session_agent() -> str | None:
+            try:
+                cur = await state.session(session_id, verify=False)
+            except DecodeError:
+                return None  # a newer writer's record: the worker tells
+            return cur.value.agent if cur is not None else None
+
+        # Read side by side: one round trip for both.
+        earlier, owner = await retrying(
+            lambda: side_by_side(earlier_turn(), session_agent()), self.retry_for, "read"
+        )
+        if earlier is not None:
+            return TurnHandle(agent, session_id, rid, tid, True, earlier.value.status)
+        if owner is not None and owner != agent:
+            # Refused here, before anything is written: the worker would refuse it too, as a
+            # failed turn in the other agent's session.
+            raise ControlError(
+                409,
+                "session of another agent",
+                f"session {session_id} belongs to agent {owner!r}, not {agent!r}: "
+                "send to a session id of its own",
             )
-            if earlier is not None:
-                return TurnHandle(agent, session_id, rid, tid, True, earlier.value.status)
         body = TurnRequest(text=text)
         data = text.encode()
         if len(data) > self.inline_text_limit:

@@ -35,6 +35,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
+# Defined with the rest of the public tree; importable from here too.
+from jetloop.schemas.errors import NamespaceError as NamespaceError
 from jetloop.schemas.ids import DEFAULT_NAMESPACE
 from jetloop.services.storefiles import replace, write_once
 
@@ -58,10 +60,6 @@ RESERVED_IDENTITIES = frozenset({WORKER, OPERATOR, "watch", LIMITS})
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
 NAME_RULE = "1 to 40 of a-z, 0-9, _ and -, starting with a letter or digit"
-
-
-class NamespaceError(ValueError):
-    """A namespace or identity name that cannot be, or one that does not exist: one line."""
 
 
 def check_name(name: str) -> str:

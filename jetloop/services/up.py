@@ -34,6 +34,9 @@ import structlog
 from pydantic import SecretStr
 
 from jetloop.agents import App, load_app
+
+# Defined with the rest of the public tree; importable from here too.
+from jetloop.schemas.errors import UpError as UpError
 from jetloop.services import durability, listening, namespaces
 from jetloop.services.embedded import (
     EmbeddedServer,
@@ -60,10 +63,6 @@ def seal_key(store_dir: Path) -> str:
     """The embedded default's checkpoint key: made once, kept in the store directory, where
     every other process finds it (``jetloop.services.settings``)."""
     return make_seal_key(store_dir)
-
-
-class UpError(Exception):
-    """Why ``up`` cannot run: one line naming the setting or the component."""
 
 
 LOCK_FILE = "up.lock"
@@ -213,10 +212,14 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
     apps = load_apps(settings)
     app = apps[settings.app_of(settings.namespace)]
     host, port = settings.gateway_host, settings.gateway_port
+    # Both ports told at once: a person mends both before the next try.
+    taken = []
     if not external and port_in_use(settings.embedded_port):
-        raise UpError(nats_port_taken(settings.embedded_port))
+        taken.append(nats_port_taken(settings.embedded_port))
     if port_in_use(port, host):
-        raise UpError(gateway_port_taken(host, port))
+        taken.append(gateway_port_taken(host, port))
+    if taken:
+        raise UpError("; ".join(taken))
 
     stages: list[list[Component]] = []
     server: EmbeddedServer | None = None

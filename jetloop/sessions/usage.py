@@ -89,16 +89,22 @@ class UsageLine:
 
 @dataclass
 class Totals:
-    """What a group of model calls used. ``cost_usd`` sums the priced calls;
-    ``unpriced_calls`` says how many had no price (their tokens are in the sums)."""
+    """What a group of model calls used. ``priced_cost_usd`` sums the priced calls;
+    ``unpriced_calls`` says how many had no price (their tokens are in the sums);
+    ``cost_usd`` is the cost of them all, so ``None`` when one is unpriced: never a guess,
+    and never a sum that reads as the whole (a dashboard adding it up would say $0)."""
 
     calls: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
     cached_input_tokens: int = 0
-    cost_usd: float = 0.0
+    priced_cost_usd: float = 0.0
     unpriced_calls: int = 0
     models: list[str] = field(default_factory=list)
+
+    @property
+    def cost_usd(self) -> float | None:
+        return None if self.unpriced_calls else self.priced_cost_usd
 
     def add(self, line: UsageLine) -> None:
         self.calls += 1
@@ -108,7 +114,7 @@ class Totals:
         if line.cost_usd is None:
             self.unpriced_calls += 1
         else:
-            self.cost_usd = round(self.cost_usd + line.cost_usd, 9)
+            self.priced_cost_usd = round(self.priced_cost_usd + line.cost_usd, 9)
         model = line.model or "unknown"
         if model not in self.models:
             self.models.append(model)
@@ -118,7 +124,7 @@ class Totals:
         return self.input_tokens + self.output_tokens
 
     def as_json(self) -> dict[str, Any]:
-        return {**asdict(self), "tokens": self.tokens}
+        return {**asdict(self), "cost_usd": self.cost_usd, "tokens": self.tokens}
 
 
 def distinct(lines: Iterable[UsageLine]) -> list[UsageLine]:

@@ -352,6 +352,12 @@ def credentials(store_dir: str | None) -> None:
     metavar="TOOL",
     help="with --app: an IDEMPOTENT_WRITE tool whose vendor dedupes on the key (its repeats pass)",
 )
+@click.option(
+    "--pure",
+    multiple=True,
+    metavar="TOOL",
+    help="with --app: a READ tool that changes nothing (its repeats are not warned of)",
+)
 def trials(
     modes: tuple[str, ...],
     rounds: int | None,
@@ -367,6 +373,7 @@ def trials(
     model_script: str | None,
     quick: bool,
     vendor_dedupes: tuple[str, ...],
+    pure: tuple[str, ...],
 ) -> None:
     """Kill trials: random SIGKILLs of workers, servers or leaders, and power cuts, judged
     from state: lost turns, duplicates, reverted decisions, detection and completion times,
@@ -399,12 +406,15 @@ def trials(
                 model_script=Path(model_script) if model_script else None,
                 quick=quick,
                 vendor_dedupes=vendor_dedupes,
+                pure=pure,
                 out_json=Path(out_json) if out_json else None,
                 keep=Path(keep) if keep else None,
             )
         )
-    if messages or model_script or quick or vendor_dedupes:
-        raise click.UsageError("--messages, --model-script, --quick, --vendor-dedupes need --app")
+    if messages or model_script or quick or vendor_dedupes or pure:
+        raise click.UsageError(
+            "--messages, --model-script, --quick, --vendor-dedupes, --pure need --app"
+        )
 
     from jetloop.tooling.trials.run import main as run
 

@@ -456,10 +456,13 @@ def usage(
         for name, t in [*groups.items(), ("total", totals(lines)["all"])]:
             if t.unpriced_calls == t.calls:
                 cost = f"{'–':>12}  (no price for {', '.join(t.models)})"
-            else:
-                cost = f"{t.cost_usd:12.6f}" + (
-                    f"  ({t.unpriced_calls} unpriced)" if t.unpriced_calls else ""
+            elif t.unpriced_calls:
+                # The priced calls' sum is not the cost: said as a part, with what is missing.
+                cost = (
+                    f"{t.priced_cost_usd:12.6f}  (priced calls only; {t.unpriced_calls} unpriced)"
                 )
+            else:
+                cost = f"{t.priced_cost_usd:12.6f}"
             click.echo(
                 f"{name:<{width}}  {t.calls:>6}  {t.input_tokens:>10}  "
                 f"{t.output_tokens:>10}  {cost}"

@@ -344,14 +344,16 @@ class UsageQuery(Query):
 
 
 class UsageTotals(BaseModel):
-    """What a group of model calls used; ``cost_usd`` sums the priced ones."""
+    """What a group of model calls used; ``cost_usd`` is null when one of them has no price
+    (``priced_cost_usd`` then sums the others)."""
 
     calls: int
     input_tokens: int  # cached ones included
     output_tokens: int
     cached_input_tokens: int
     tokens: int  # input + output
-    cost_usd: float
+    cost_usd: float | None  # every call's cost; null when any is unpriced (never a guess)
+    priced_cost_usd: float  # the priced calls' cost
     unpriced_calls: int  # calls of a model without a price (tokens counted, no cost)
     models: list[str]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def main(
     quick: bool,
     vendor_dedupes: Sequence[str],
     out_json: Path | None,
+    pure: Sequence[str] = (),
     keep: Path | None,
 ) -> int:
     """Each mode in turn; prints each report; 0 when every verdict is pass."""
@@ -38,6 +40,12 @@ def main(
         raise click.UsageError(f"--messages: {exc}") from None
     seed = default_seed() if seed is None else seed
     click.echo(f"JETLOOP_KILL_SEED={seed}")
+    # Said before anything runs: this is no simulation.
+    click.echo(
+        f"The tools really run: every call of these {len(msgs)} message(s) is made, and made "
+        f"again after each kill, by worker processes working in {os.getcwd()}: point them at "
+        "test accounts and sandboxes, not production."
+    )
     configure("console", "warning")
     reports: list[CrashReport] = []
     for i, mode in enumerate(modes):
@@ -52,6 +60,7 @@ def main(
                     seed=seed + i,
                     quick=quick,
                     vendor_dedupes=vendor_dedupes,
+                    pure=pure,
                     work_dir=keep / mode if keep is not None else None,
                 )
             )

@@ -10,7 +10,10 @@ deadline, or failed or cancelled where the clean conversation completed),
 The verdict fails on a lost turn, a duplicated answer, a write recorded done that never ran,
 a ``NON_IDEMPOTENT_WRITE`` made twice, and an ``IDEMPOTENT_WRITE`` made twice unless its
 vendor is said to dedupe on the key (``vendor_dedupes``): the ledger sees invocations, not
-their effects, so only the user can vouch for that. Reads may repeat.
+their effects, so only the user can vouch for that. Reads may repeat, but each one made
+again is said (``warnings``): a tool declared ``READ`` that writes (appends to a file, posts
+a message) is the likeliest mistake a crash test exists to catch, and the ledger cannot see
+it either; ``pure`` lists the reads the user vouches change nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class ToolReport:
     unknown: list[dict[str, Any]] = field(default_factory=list)  # call, why
     succeeded_without_invocation: list[str] = field(default_factory=list)
     vendor_dedupes: bool = False
+    pure: bool = False  # a READ the user vouches changes nothing (its repeats are not said)
 
 
 @dataclass
@@ -71,6 +75,7 @@ class CrashReport:
     lost: list[str]
     duplicated_answers: list[str]
     failures: list[str]  # why the verdict is fail (empty: pass)
+    warnings: list[str]  # what passed only if the user's word holds (a read made again)
     seconds: float
     workers: int  # worker processes started
 
@@ -102,6 +107,7 @@ def judge(
     events: list[tuple[str, dict[str, Any]]],
     vendor_dedupes: set[str],
     seconds: float,
+    pure: set[str] = frozenset(),  # type: ignore[assignment]
     workers: int,
 ) -> CrashReport:
     tools: dict[str, ToolReport] = {}
@@ -148,6 +154,16 @@ def judge(
     for name in vendor_dedupes:
         if name in tools:
             tools[name].vendor_dedupes = True
+    for name in pure:
+        if name in tools:
+            tools[name].pure = True
+    warnings = [
+        f"{rep.tool} (read) was made again in {rep.repeated_calls} calls: safe only if it "
+        "changes nothing; a tool that writes must not be declared read (say --pure "
+        f"{rep.tool} if it only reads)"
+        for rep in tools.values()
+        if rep.repeated_calls and rep.effect == Effect.READ.value and not rep.pure
+    ]
 
     failures: list[str] = []
     completes = {t.text for t in clean if t.status == "completed"}
@@ -198,6 +214,7 @@ def judge(
         lost=lost,
         duplicated_answers=twice,
         failures=failures,
+        warnings=warnings,
         seconds=seconds,
         workers=workers,
     )
@@ -223,6 +240,10 @@ def format_report(rep: CrashReport) -> str:
             note = "  same key: safe only if the vendor dedupes on it" + (
                 " (it does, you said)" if t.vendor_dedupes else ""
             )
+        elif t.repeated_calls and t.effect == Effect.READ.value:
+            note = "  made again: safe only if it changes nothing" + (
+                " (it does not, you said)" if t.pure else ""
+            )
         lines.append(
             f"{t.tool:<24}{t.effect:<22}{t.invocations:>12}{t.calls:>7}{t.repeated_calls:>10}"
             f"{t.outcome_unknown:>9}{note}"
@@ -235,6 +256,8 @@ def format_report(rep: CrashReport) -> str:
     )
     for what in rep.lost:
         lines.append(f"  LOST {what}")
+    for what in rep.warnings:
+        lines.append(f"  WARN {what}")
     for what in rep.failures:
         lines.append(f"  FAIL {what}")
     lines.append(f"verdict: {rep.verdict}")

@@ -317,6 +317,7 @@ async def crash_test(
     seed: int | None = None,
     quick: bool = False,
     vendor_dedupes: Sequence[str] = (),
+    pure: Sequence[str] = (),
     work_dir: Path | None = None,
     json_out: Path | None = None,
 ) -> CrashReport:
@@ -377,6 +378,7 @@ async def crash_test(
             invocations=invocations,
             events=events,
             vendor_dedupes=set(vendor_dedupes),
+            pure=set(pure),
             seconds=time.monotonic() - began,
             workers=run.started,
         )

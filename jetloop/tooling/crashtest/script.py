@@ -43,22 +43,55 @@ class ScriptError(ValueError):
 
 
 def read_messages(path: Path) -> list[Message]:
+    """The messages of a file: a JSON list of ``{agent, text}``, JSON Lines (one such object
+    a line), or plain text (a message a line, ``#`` comments); anything else that looks like
+    JSON is an error, never sent as text."""
     raw = path.read_text()
+    lines = [
+        (n, ln.strip())
+        for n, ln in enumerate(raw.splitlines(), 1)
+        if ln.strip() and not ln.lstrip().startswith("#")
+    ]
     if raw.lstrip().startswith("["):
         try:
             items = json.loads(raw)
-            out = [Message(str(i["agent"]), str(i["text"])) for i in items]
+            if not isinstance(items, list):
+                raise TypeError("not a list")
+            out = [_message(i) for i in items]
         except (ValueError, TypeError, KeyError) as exc:
             raise ScriptError(f"{path}: expected a JSON list of {{agent, text}}: {exc}") from None
+    elif lines and lines[0][1].startswith("{"):
+        try:
+            whole = json.loads(raw)
+        except ValueError:
+            whole = None
+        if isinstance(whole, dict) and len(lines) > 1:
+            raise ScriptError(
+                f"{path}: one JSON object over several lines: give a JSON list of "
+                "{agent, text} ([...]), or one object a line (JSON Lines)"
+            )
+        out = []
+        for n, ln in lines:
+            try:
+                out.append(_message(json.loads(ln)))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ScriptError(
+                    f"{path}:{n}: JSON Lines expected (one {{agent, text}} object a line): {exc}"
+                ) from None
     else:
-        out = [
-            Message(None, ln.strip())
-            for ln in raw.splitlines()
-            if ln.strip() and not ln.lstrip().startswith("#")
-        ]
+        out = [Message(None, ln) for _, ln in lines]
     if not out:
         raise ScriptError(f"{path}: no messages")
     return out
+
+
+def _message(item: object) -> Message:
+    if not isinstance(item, dict):
+        raise TypeError(f"{item!r} is not an object with agent and text")
+    text = item["text"]
+    if not isinstance(text, str):
+        raise TypeError(f"text {text!r} is not a string")
+    return Message(str(item["agent"]), text)
 
 
 def messages_of(items: list[str] | list[dict[str, str]] | list[Message]) -> list[Message]:

@@ -167,6 +167,15 @@ def test_a_read_vouched_pure_is_not_warned_of() -> None:
         seconds=1.0,
         workers=1,
     )
+    # An attempt whose call could not be sent (an MCP server unreachable) ran nothing: it is
+    # no repeat, and no invocation (before: counted, failing a correct agent).
+    refused = Invocation(
+        "pay", "non_idempotent_write", "s", "t", "t-0-2", "k", 1, 1, 0.0, 1.0, "not sent: X"
+    )
+    sent = Invocation("pay", "non_idempotent_write", "s", "t", "t-0-2", "k", 2, 1, 0.0, 1.0, "ok")
+    counted = judge(**{**common, "invocations": [*invocations, refused, sent]})
+    assert counted.tools["pay"].invocations == 1 and counted.tools["pay"].not_sent == 1
+    assert counted.tools["pay"].repeated_calls == 0 and counted.failures == []
     warned = judge(**common).warnings
     assert len(warned) == 1 and warned[0].startswith("lookup (read) was made again in 1 calls")
     vouched = judge(**common, pure={"lookup"})
@@ -341,12 +350,14 @@ async def test_a_claude_agent_sdk_agent_passes(
 async def test_the_readme_agent_passes_with_the_server_restarted(in_app_dir: Path) -> None:
     """`--mode server_restart`: at each boundary the nats-server is SIGKILLed and started
     again on its store, under the running worker; the README's agent passes, its SMS never
-    sent twice."""
+    sent twice. A random round restarts the server too (before: it killed the worker, and
+    the report called it a server restart)."""
     report = await crash_test_async(
         "shop:app",
         [Message(None, "refund order 42")],
         vendor_dedupes=["refund"],
         mode="server_restart",
+        rounds=1,
         quick=True,
         seed=39,
         work_dir=in_app_dir / "run",
@@ -354,4 +365,6 @@ async def test_the_readme_agent_passes_with_the_server_restarted(in_app_dir: Pat
     print(format_report(report))
     assert report.ok, report.failures
     assert report.mode == "server_restart" and sum(1 for r in report.rounds if not r.missed) >= 5
+    assert {r.mode for r in report.rounds} == {"server_restart"}
+    assert [r for r in report.rounds if r.boundary is None and r.killed_at is not None]
     assert report.tools["send_sms"].repeated_calls == 0

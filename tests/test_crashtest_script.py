@@ -99,3 +99,32 @@ def test_a_script_that_is_not_the_documented_shape_names_its_file(tmp_path: Path
         path.write_text(body)
         with pytest.raises(ScriptError, match=r"bad\.json"):
             read_script(path)
+
+
+async def test_the_model_script_gives_each_session_its_own_arguments() -> None:
+    """``{session}`` in a scripted call's arguments is the session's id, in nested values
+    too: sessions of a crash test that run side by side work on things of their own."""
+    model = scripted_model(
+        {
+            "commit": [
+                {
+                    "calls": [
+                        {
+                            "tool": "git_commit",
+                            "args": {"repo": "/r/{session}", "n": 1, "tags": ["{session}-a"]},
+                        }
+                    ]
+                }
+            ]
+        }
+    )
+    req = ModelRequest(
+        agent="shop",
+        instructions="",
+        messages=[Said(role="user", text="commit")],
+        tools=[],
+        attempt=1,
+        session_id="k3",
+    )
+    (made,) = (await model.complete(req)).tool_calls
+    assert made.arguments == {"repo": "/r/k3", "n": 1, "tags": ["k3-a"]}

@@ -224,6 +224,42 @@ async def test_the_mcp_server_killed_mid_call(
     assert invocations(ledger.log)[-1]["pid"] != pid
 
 
+async def test_a_single_attempt_write_is_not_sent_on_a_dead_connection(ledger: Ledger) -> None:
+    """The stdio server died between two calls: the single-attempt write finds the dead
+    connection before anything is sent (a ping), connects again and is made once, on the new
+    server process (before: sent on the dead connection, it failed at once, "no answer to the
+    call (Connection closed)", and was settled outcome_unknown though it never left)."""
+    server = MCPServer.stdio(
+        "ledger", sys.executable, [str(SERVER)], env={"PATH": os.environ["PATH"], **ledger.env()}
+    )
+    try:
+        tools = {t.name: t for t in await server.list_tools()}
+        transfer = tools["transfer"]
+        assert transfer.effect is Effect.NON_IDEMPOTENT_WRITE
+        args = transfer.args_model.model_validate({"account": "a", "amount": 5})
+        assert await transfer.fn(args, _Ctx("k-1")) == "moved 5 out of a"
+        (first,) = {i["pid"] for i in invocations(ledger.log)}
+        os.kill(first, signal.SIGKILL)
+
+        async def gone() -> bool:
+            return b"Z" in _state(first)
+
+        await until(gone, timeout=10)
+        assert await transfer.fn(args, _Ctx("k-2")) == "moved 5 out of a"
+        made = invocations(ledger.log)
+        assert [i["key"] for i in made] == ["k-1", "k-2"]
+        assert made[-1]["pid"] != first
+    finally:
+        await server.close()
+
+
+def _state(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1][:3]
+    except FileNotFoundError:
+        return b" Z "
+
+
 async def test_tools_no_provider_accepts_are_left_out() -> None:
     """A server (here a stub of one: names are the server's to choose) that lists a tool
     under a name no model provider accepts, or two tools under one name: those are left out,

@@ -65,6 +65,9 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # How many pages of a tool list are read before the rest is ignored (a server that pages
 # forever must not stall a model step).
 MAX_LIST_PAGES = 50
+# How long a ping before a single-attempt call may take: past it the connection is made again
+# (a live server answers a ping in milliseconds).
+PING_SECONDS = 5.0
 
 
 class MCPUnreachable(Exception):
@@ -262,7 +265,7 @@ class MCPServer:
             name=name,
             description=t.description or t.title or "",
             args_model=json_args_model(name, schema),
-            fn=_caller(self, t.name),
+            fn=_caller(self, t.name, single_attempt=effect is Effect.NON_IDEMPOTENT_WRITE),
             effect=effect,
             max_attempts=self.max_attempts,
             approval=approval,
@@ -273,16 +276,30 @@ class MCPServer:
 
     # -- calls ---------------------------------------------------------------------------
 
-    async def call(self, tool: str, arguments: dict[str, Any], ctx: ToolContext) -> Any:
+    async def call(
+        self,
+        tool: str,
+        arguments: dict[str, Any],
+        ctx: ToolContext,
+        *,
+        single_attempt: bool = False,
+    ) -> Any:
         """Call ``tool`` with the call's identity in ``_meta``; the result as the model reads
-        it (the text, else the structured content, else the content blocks)."""
+        it (the text, else the structured content, else the content blocks).
+
+        ``single_attempt``: the call may not be made twice (a ``NON_IDEMPOTENT_WRITE``): the
+        connection is pinged first, and one found dead (a stdio server that exited, an HTTP
+        server gone) is made again before the call is sent, so a call that never left is
+        tried again (``RetryableToolError``), not settled ``outcome_unknown``."""
         from mcp.shared.exceptions import MCPError
         from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
         try:
             client = await self._client()
+            if single_attempt:
+                client = await self._live(client)
         except MCPUnreachable as exc:
-            raise RetryableToolError(f"{exc}; the call was not sent") from exc
+            raise RetryableToolError(f"{exc}; the call was not sent", not_sent=True) from exc
         meta: Any = {
             META_IDEMPOTENCY_KEY: ctx.idempotency_key,
             META_CALL_ID: ctx.call_id,
@@ -340,6 +357,17 @@ class MCPServer:
             log.info("mcp.connected", server=self.name)
             return conn.client_now()
 
+    async def _live(self, client: Client) -> Client:
+        """``client`` if it answers a ping, else a new connection's (``MCPUnreachable`` when
+        none can be made): nothing of the call is sent before this returns."""
+        try:
+            await asyncio.wait_for(client.send_ping(), min(self.timeout_seconds, PING_SECONDS))
+            return client
+        except Exception as exc:  # closed, broken, no answer: the connection is gone
+            log.info("mcp.reconnect_before_call", server=self.name, error=repr(exc))
+            await self._drop()
+        return await self._client()
+
     async def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -350,9 +378,11 @@ class MCPServer:
         await self._drop()
 
 
-def _caller(server: MCPServer, tool: str) -> Callable[[BaseModel, ToolContext], Any]:
+def _caller(
+    server: MCPServer, tool: str, *, single_attempt: bool = False
+) -> Callable[[BaseModel, ToolContext], Any]:
     async def call(args: BaseModel, ctx: ToolContext) -> Any:
-        return await server.call(tool, args.model_dump(), ctx)
+        return await server.call(tool, args.model_dump(), ctx, single_attempt=single_attempt)
 
     return call
 

@@ -266,4 +266,9 @@ class ToolError(JetloopError):
 
 
 class RetryableToolError(JetloopError):
-    """A transient failure: the call is tried again, within its attempts."""
+    """A transient failure: the call is tried again, within its attempts. ``not_sent``: the
+    call never reached the tool's vendor (it could not be sent), so nothing of it ran."""
+
+    def __init__(self, *args: object, not_sent: bool = False) -> None:
+        super().__init__(*args)
+        self.not_sent = not_sent

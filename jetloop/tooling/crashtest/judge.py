@@ -26,7 +26,7 @@ from typing import Any
 from jetloop.agents.agent import App
 from jetloop.agents.tools import Effect
 from jetloop.schemas import EventType
-from jetloop.tooling.crashtest.ledger import Invocation, call_key_of
+from jetloop.tooling.crashtest.ledger import NOT_SENT, Invocation, call_key_of
 
 
 @dataclass
@@ -60,6 +60,7 @@ class ToolReport:
     unknown: list[dict[str, Any]] = field(default_factory=list)  # call, why
     succeeded_without_invocation: list[str] = field(default_factory=list)
     vendor_dedupes: bool = False
+    not_sent: int = 0  # invocations whose call could not be sent (nothing ran)
     pure: bool = False  # a READ the user vouches changes nothing (its repeats are not said)
 
 
@@ -117,6 +118,9 @@ def judge(
     by_call: dict[str, list[Invocation]] = defaultdict(list)
     for inv in invocations:
         rep = tools.setdefault(inv.tool, ToolReport(inv.tool, inv.effect))
+        if (inv.outcome or "").startswith(NOT_SENT):
+            rep.not_sent += 1  # the call never reached the vendor: nothing ran, no repeat
+            continue
         rep.invocations += 1
         by_call[call_key_of(inv)].append(inv)
     calls: dict[str, set[str]] = defaultdict(set)

@@ -55,7 +55,7 @@ class Invocation:
     pid: int
     started: float
     ended: float | None
-    outcome: str | None  # "ok", "error: …", or None when the process died inside
+    outcome: str | None  # "ok", "error: …", "not sent: …", or None: the process died inside
 
 
 def call_key_of(inv: Invocation) -> str:
@@ -130,6 +130,9 @@ class _closing:
 # The point a crash test may hold at once the invocation is in the ledger, before the tool's
 # own function starts (``jetloop.consumers.faults``): a kill there is a kill inside the tool.
 RUNNING = "tool.running"
+# The outcome of an invocation whose call never reached the tool's vendor
+# (``RetryableToolError(not_sent=True)``, an MCP server that could not be reached).
+NOT_SENT = "not sent"
 
 
 def watched_tool(tool: Tool, ledger: Ledger, faults: Faults) -> Tool:
@@ -142,7 +145,9 @@ def watched_tool(tool: Tool, ledger: Ledger, faults: Faults) -> Tool:
         try:
             result = await inner(args, ctx)
         except BaseException as exc:
-            await asyncio.shield(asyncio.to_thread(ledger.ended, row, f"error: {exc!r}"[:500]))
+            # A call that never reached the vendor ran nothing: the judge does not count it.
+            said = NOT_SENT if getattr(exc, "not_sent", False) else "error"
+            await asyncio.shield(asyncio.to_thread(ledger.ended, row, f"{said}: {exc!r}"[:500]))
             raise
         await asyncio.to_thread(ledger.ended, row, "ok")
         return result

@@ -291,18 +291,25 @@ async def boundary_batch(
     return list(rounds.values())
 
 
-async def random_round(c: Client, run: Run, i: int, within: float, rng: random.Random) -> Round:
+async def random_round(
+    c: Client, run: Run, i: int, within: float, rng: random.Random, mode: str = "worker_kill"
+) -> Round:
+    """A conversation struck at a random moment: its worker killed (and a new one started),
+    or, in ``server_restart``, the server restarted under the worker that goes on."""
     session = f"r{i}"
     w = run.worker
     assert w is not None
     run.set_plan([])
-    rnd = Round(session=session, mode="worker_kill", boundary=None)
+    rnd = Round(session=session, mode=mode, boundary=None)
     talk = asyncio.create_task(converse(c, run, session))
     # The random moment is the point of the round, not a wait for a condition.
     await asyncio.sleep(rng.uniform(0.0, within))
     rnd.killed_at = time.time()
-    w.kill()
-    await run.fresh_worker()
+    if mode == "worker_kill":
+        w.kill()
+        await run.fresh_worker()
+    else:
+        await run.server.fail("server_restart", w, rng)
     rnd.turns = await talk
     return rnd
 
@@ -359,7 +366,7 @@ async def crash_test(
                     batch = chosen[at : at + BATCH]
                     run.rounds += await boundary_batch(c, run, batch, mode, rng)
                 for i in range(rounds):
-                    run.rounds.append(await random_round(c, run, i, max(took, 0.2), rng))
+                    run.rounds.append(await random_round(c, run, i, max(took, 0.2), rng, mode))
                 events = await _events(c, [clean[0].session, *(r.session for r in run.rounds)])
             invocations = await asyncio.to_thread(run.ledger.invocations)
         finally:

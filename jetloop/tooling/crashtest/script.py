@@ -126,6 +126,23 @@ def read_script(path: Path) -> dict[str, list[dict[str, Any]]]:
     return body
 
 
+def _per_session(value: Any, session_id: str) -> Any:
+    """``value`` with ``{session}`` in its strings replaced by the session id: the crash
+    test's sessions run side by side, and a stateful tool (a file, a repository, an account)
+    then works on a thing of each session's own."""
+    if isinstance(value, str):
+        return value.replace(SESSION_PLACEHOLDER, session_id)
+    if isinstance(value, dict):
+        return {k: _per_session(v, session_id) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_per_session(v, session_id) for v in value]
+    return value
+
+
+# In a model script's call arguments: the id of the session the call is made in.
+SESSION_PLACEHOLDER = "{session}"
+
+
 def scripted_model(script: dict[str, list[dict[str, Any]]]) -> ScriptedModel:
     def reply(req: ModelRequest) -> ModelResponse:
         start = max((i for i, m in enumerate(req.messages) if m.role == "user"), default=None)
@@ -140,7 +157,10 @@ def scripted_model(script: dict[str, list[dict[str, Any]]]) -> ScriptedModel:
             return ModelResponse(text=f"(the model script has no more replies to {text!r})")
         r = replies[steps]
         calls = [
-            ToolCallRequest(name=str(c["tool"]), arguments=dict(c.get("args", {})))
+            ToolCallRequest(
+                name=str(c["tool"]),
+                arguments=_per_session(dict(c.get("args", {})), req.session_id),
+            )
             for c in r.get("calls", [])
         ]
         return ModelResponse(text=str(r.get("text", "")), tool_calls=calls)

@@ -128,3 +128,30 @@ async def test_the_model_script_gives_each_session_its_own_arguments() -> None:
     )
     (made,) = (await model.complete(req)).tool_calls
     assert made.arguments == {"repo": "/r/k3", "n": 1, "tags": ["k3-a"]}
+
+
+async def test_a_scripted_model_counts_as_a_model_with_tokens() -> None:
+    """A user's ``ScriptedModel`` is model ``scripted`` in the usage ledger (or the name it
+    is given), with the tokens its script reports, else an estimate (before: ``unknown``,
+    0 tokens)."""
+    from jetloop.agents.model import ModelResponse, ScriptedModel
+    from jetloop.consumers.usage import model_of
+
+    req = ModelRequest(
+        agent="shop",
+        instructions="Help.",
+        messages=[Said(role="user", text="refund order 42 please")],
+        tools=[],
+        attempt=1,
+    )
+    plain = ScriptedModel(lambda r: ModelResponse(text="Refunded order 42."))
+    out = await plain.complete(req)
+    assert out.usage["input_tokens"] > 0 and out.usage["output_tokens"] > 0
+    assert model_of(plain, out) == "scripted"
+    told = ScriptedModel(
+        lambda r: ModelResponse(text="x", usage={"input_tokens": 7, "output_tokens": 3}),
+        model="gpt-4o-mini",
+    )
+    out = await told.complete(req)
+    assert out.usage == {"input_tokens": 7, "output_tokens": 3}
+    assert model_of(told, out) == "gpt-4o-mini"

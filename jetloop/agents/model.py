@@ -7,6 +7,8 @@ and the tools; the adapter answers with text and the tool calls it wants. Provid
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -107,15 +109,13 @@ class ModelAdapter(Protocol):
 
 def rough_tokens(messages: list[Message]) -> int:
     """About four characters a token: good enough to decide when to compact."""
-    import json as _json
-
     total = 0
     for m in messages:
         total += len(m.text or "") + 16
         if m.result is not None:
-            total += len(m.result) if isinstance(m.result, str) else len(_json.dumps(m.result))
+            total += len(m.result) if isinstance(m.result, str) else len(json.dumps(m.result))
         for c in m.calls:
-            total += len(c.name) + len(_json.dumps(c.arguments))
+            total += len(c.name) + len(json.dumps(c.arguments))
     return total // 4
 
 
@@ -123,16 +123,31 @@ ScriptFn = Callable[[ModelRequest], ModelResponse | Awaitable[ModelResponse]]
 
 
 class ScriptedModel:
-    """A deterministic model from a plain function: for demos and tests, no network."""
+    """A deterministic model from a plain function: for demos and tests, no network.
 
-    def __init__(self, script: ScriptFn) -> None:
+    Its calls count in the usage ledger as model ``model`` (``"scripted"``; a subclass or
+    the ``model`` argument names another, a priced one to try budgets) with the tokens the
+    script's response reports, else an estimate (about four characters a token), so the
+    ledger and budgets have something to count; a scripted model has no price."""
+
+    model = "scripted"
+
+    def __init__(self, script: ScriptFn, model: str | None = None) -> None:
         self.script = script
+        if model is not None:
+            self.model = model
 
     def estimate_tokens(self, messages: list[Message]) -> int:
         return rough_tokens(messages)
 
     async def complete(self, request: ModelRequest) -> ModelResponse:
         out = self.script(request)
-        if isinstance(out, ModelResponse):
+        if not isinstance(out, ModelResponse):
+            out = await out
+        if out.usage:
             return out
-        return await out
+        read = rough_tokens(request.messages) + len(request.instructions) // 4
+        wrote = len(out.text) // 4 + sum(
+            8 + len(json.dumps(c.arguments)) // 4 for c in out.tool_calls
+        )
+        return dataclasses.replace(out, usage={"input_tokens": read, "output_tokens": wrote})

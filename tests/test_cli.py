@@ -315,3 +315,19 @@ def test_a_model_step_without_text_reads_cleanly() -> None:
     ):
         data = ModelAnsweredData(model_step=0, text=text, calls=[call])
         assert _describe(Event.of(data, key="k", session_id="s", turn_id="t")) == line
+
+
+async def test_events_show_the_users_words_and_the_answer(
+    nats_ready: EmbeddedServer, client: Client, workers: WorkerFactory
+) -> None:
+    """`jetloop events` says what the user sent (on the turn's accepted line, from its
+    record) and the answer (on its completed line): before, neither was there."""
+    workers.start()
+    sent = script([call("write", name="w")], answer="all written, line one\nline two")
+    h = await client.send("tester", "ev-words", sent)
+    await client.wait(h, timeout=60)
+    out = await acli(nats_ready.url, "events", "ev-words", "--no-follow")
+    assert out.returncode == 0, out.stderr
+    accepted = [ln for ln in out.stdout.splitlines() if ln.startswith("· accepted")]
+    assert accepted == [f"· accepted: {json.dumps(sent)}"], out.stdout
+    assert "· completed: all written, line one\n  line two" in out.stdout, out.stdout

@@ -375,3 +375,36 @@ def test_up_names_both_ports_when_both_are_taken(tmp_path: Path) -> None:
     assert len(lines) == 1, lines
     assert f"port {nats_port} of the embedded nats-server is in use" in lines[0], lines
     assert f"gateway port {gateway_port} on 127.0.0.1 is in use" in lines[0], lines
+
+
+def test_the_demos_and_then_is_a_step_after_the_calls_before() -> None:
+    """ "create ticket X and then list tickets": the list is asked for in a model step of its
+    own, after the create's result is back (before: both at once, and the first answer
+    showed `list_tickets: []` right after the create); ";" and "and" stay one step."""
+    from jetloop.agents.model import Message, ModelRequest, ToolCallRequest
+    from jetloop.demo.agent import script
+
+    def asked(*messages: Message) -> list[str]:
+        req = ModelRequest(
+            agent="demo", instructions="", messages=list(messages), tools=[], attempt=1
+        )
+        return [c.name for c in script(req).tool_calls]
+
+    user = Message(role="user", text="create ticket printer on fire and then list tickets")
+    assert asked(user) == ["create_ticket"]
+    create = ToolCallRequest("create_ticket", {"title": "printer on fire"})
+    first = [
+        user,
+        Message(role="assistant", text="", calls=[create]),
+        Message(role="tool", tool="create_ticket", status="ok", result={"id": "T-1"}),
+    ]
+    assert asked(*first) == ["list_tickets"]
+    listing = ToolCallRequest("list_tickets", {})
+    done = [
+        *first,
+        Message(role="assistant", text="", calls=[listing]),
+        Message(role="tool", tool="list_tickets", status="ok", result=[{"id": "T-1"}]),
+    ]
+    assert asked(*done) == []
+    both = Message(role="user", text="create ticket a; list tickets and look up T-1")
+    assert asked(both) == ["create_ticket", "list_tickets", "get_ticket"]

@@ -1,6 +1,6 @@
 """The demo agent: a deterministic scripted model and ticketing tools, fully offline.
 
-The model reads the user's message as clauses separated by ";" or " and then ":
+The model reads the user's message as clauses separated by ";", " and " or " and then ":
 
     create ticket <title>        → create_ticket   (idempotent write)
     look up <T-n> / get <T-n>    → get_ticket      (read)
@@ -10,8 +10,10 @@ The model reads the user's message as clauses separated by ";" or " and then ":
     ask <question>               → ask_user        (waits for your answer)
     wait <n> seconds             → wait            (a durable timer)
 
-All the calls of one message run in parallel; when their results are back the model
-answers with a summary. Anything else is answered directly.
+Clauses joined by ";" or " and " are calls of one model step, run in parallel; " and then "
+starts the next step, made once the calls before are back (so "create ticket X and then list
+tickets" lists the new ticket). When every step's results are back the model answers with a
+summary. Anything else is answered directly.
 
 Each namespace has a ticketing vendor of its own (``vendor(ctx.namespace)``): one `jetloop
 up` serves every namespace with this app, and a tenant must never list, read or comment on
@@ -120,9 +122,15 @@ PATTERNS: list[tuple[re.Pattern[str], str]] = [
 ]
 
 
+def steps(text: str) -> list[list[ToolCallRequest]]:
+    """The calls of each model step: the parts of ``text`` between " and then ", each part's
+    clauses made at once (``plan``); parts that ask for nothing are left out."""
+    return [calls for part in re.split(r"\band then\b", text) if (calls := plan(part))]
+
+
 def plan(text: str) -> list[ToolCallRequest]:
     calls = []
-    for clause in re.split(r";|\band then\b|\band\b", text):
+    for clause in re.split(r";|\band\b", text):
         clause = clause.strip().rstrip(".")
         for pattern, name in PATTERNS:
             m = pattern.match(clause)
@@ -145,10 +153,12 @@ def script(req: ModelRequest) -> ModelResponse:
     if not turn:
         return ModelResponse(text="Hello! Ask me to create, look up, comment on or close tickets.")
     results = [m for m in turn if m.role == "tool"]
+    planned = steps(turn[0].text or "")
+    made = sum(1 for m in turn if m.role == "assistant" and m.calls)
+    if made < len(planned):
+        calls = planned[made]
+        return ModelResponse(text=f"Working on {len(calls)} request(s).", tool_calls=calls)
     if not results:
-        calls = plan(turn[0].text or "")
-        if calls:
-            return ModelResponse(text=f"Working on {len(calls)} request(s).", tool_calls=calls)
         return ModelResponse(
             text=f"You said: {turn[0].text}. Try: 'create ticket printer on fire; list tickets'."
         )

@@ -313,6 +313,13 @@ def _describe(ev: Any) -> str:
             err = f": {d['error']}" if d.get("error") else ""
             return f"· {d.get('tool')} {d.get('state')}{err}"
         case EventType.TURN_COMPLETED:
+            if d.get("text"):
+                return "· completed: " + "\n  ".join(str(d["text"]).splitlines())
+            if d.get("text_ref"):
+                return (
+                    f"· completed (the answer is in the blob store: {invoked_as()} turn "
+                    f"{ev.session_id} {ev.turn_id})"
+                )
             return "· completed"
         case EventType.TURN_FAILED:
             return f"· failed: {d.get('error')}"

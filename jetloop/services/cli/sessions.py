@@ -122,9 +122,37 @@ def events(session_id: str, nats_url: str | None, follow: bool, as_json: bool) -
             raise click.ClickException(f"no session {session_id}")
         # --no-follow stops once the events stored when it started are shown.
         async for ev in jl.events(session_id, follow=follow):
-            click.echo(ev.model_dump_json() if as_json else _describe(ev))
+            if as_json:
+                click.echo(ev.model_dump_json())
+                continue
+            line = _describe(ev)
+            if ev.type == EventType.TURN_ACCEPTED and ev.turn_id:
+                # The user's words are the turn's (its record), not the event's: said here.
+                said = await _request_text(jl, session_id, ev.turn_id)
+                if said is not None:
+                    line += f": {said}"
+            click.echo(line)
 
     _client_cmd(nats_url, body)
+
+
+# How much of a user's message `events` shows on its line.
+SHOWN_TEXT = 200
+
+
+async def _request_text(jl: Client, session_id: str, turn_id: str) -> str | None:
+    """The user's message of a turn, quoted and cut to ``SHOWN_TEXT`` (None when the record
+    cannot be read: gone, or not trusted)."""
+    try:
+        turn = await jl.turn(session_id, turn_id)
+    except Exception:
+        return None
+    if turn is None:
+        return None
+    if turn.text_ref is not None and not turn.text:
+        return f"({turn.text_ref.size} bytes, in the blob store)"
+    text = turn.text if len(turn.text) <= SHOWN_TEXT else turn.text[:SHOWN_TEXT] + "…"
+    return json.dumps(text, ensure_ascii=False)
 
 
 @main.command()

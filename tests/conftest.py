@@ -220,6 +220,37 @@ async def until(check: Any, timeout: float = 30.0, every: float = 0.05) -> Any:
         await asyncio.sleep(every)
 
 
+# The end-to-end suites that take most of a run's time (the crash matrix and its soak, the
+# mutations, the kill and power-cut trials, crash tests of whole agents, upgrades and deploys,
+# the framework adapters' takeovers, the attacks and noisy neighbours, the soak of `up`): marked
+# `long`, so `pytest -m "not long"` is a quick run (the README says how long each takes).
+LONG = {
+    "test_matrix",
+    "test_matrix_soak",
+    "test_mutations",
+    "test_trials",
+    "test_crashtest",
+    "test_upgrade",
+    "test_deploy",
+    "test_framework_claude",
+    "test_framework_openai_agents",
+    "test_framework_pydantic_ai",
+    "test_bus_attack",
+    "test_tenant_neighbours",
+    "test_power_loss",
+    "test_cluster_harness",
+    "test_up_soak",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of ``LONG``'s modules ``long`` (before ``-m`` deselects)."""
+    for item in items:
+        if item.path.stem in LONG:
+            item.add_marker(pytest.mark.long)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Where this run's soak of ``up`` would run, named once by the process that runs the
     tests (or, with pytest-xdist, hands them out) for every process of the run; made only if

@@ -358,14 +358,27 @@ class MCPServer:
             return conn.client_now()
 
     async def _live(self, client: Client) -> Client:
-        """``client`` if it answers a ping, else a new connection's (``MCPUnreachable`` when
-        none can be made): nothing of the call is sent before this returns."""
+        """``client``, unless a ping finds its connection closed or broken: then a new
+        connection's (``MCPUnreachable`` when none can be made). Nothing of the call is sent
+        before this returns. Any answer, an error too (a server may not implement ``ping``),
+        and no answer in time (a busy server) leave the connection as it is: only a dead
+        one is made again, so a live server's calls in flight are never cut."""
+        from mcp.shared.exceptions import MCPError
+        from mcp_types import CONNECTION_CLOSED
+
         try:
             await asyncio.wait_for(client.send_ping(), min(self.timeout_seconds, PING_SECONDS))
             return client
-        except Exception as exc:  # closed, broken, no answer: the connection is gone
-            log.info("mcp.reconnect_before_call", server=self.name, error=repr(exc))
-            await self._drop()
+        except TimeoutError:
+            return client
+        except MCPError as exc:
+            if exc.code != CONNECTION_CLOSED:
+                return client  # it answered
+            error = repr(exc)
+        except Exception as exc:  # the transport broke
+            error = repr(exc)
+        log.info("mcp.reconnect_before_call", server=self.name, error=error)
+        await self._drop()
         return await self._client()
 
     async def _drop(self) -> None:

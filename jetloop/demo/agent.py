@@ -22,7 +22,6 @@ another's tickets.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -44,7 +43,6 @@ from jetloop.agents import (
     ToolContext,
     adapter_from_spec,
     ask_user,
-    rough_tokens,
     tool,
     wait,
 )
@@ -171,27 +169,14 @@ def script(req: ModelRequest) -> ModelResponse:
     return ModelResponse(text="Done.\n" + "\n".join(lines))
 
 
-def counted(req: ModelRequest) -> ModelResponse:
-    """``script``'s answer with the usage a provider would report for it, estimated (about
-    four characters a token), so the usage ledger of the demo has something to count; the
-    scripted model has no price (``jetloop usage`` counts its tokens, its cost stays null)."""
-    answer = script(req)
-    read = rough_tokens(req.messages) + len(req.instructions) // 4
-    wrote = len(answer.text) // 4 + sum(
-        8 + len(json.dumps(c.arguments)) // 4 for c in answer.tool_calls
-    )
-    return dataclasses.replace(
-        answer, usage={"input_tokens": read, "output_tokens": wrote}, model="demo-scripted"
-    )
-
-
 def demo_model() -> ModelAdapter:
     """The scripted model, or a real provider when JETLOOP_MODEL names one."""
     from jetloop.services.settings import load_settings
 
     s = load_settings()
     if s.model is None:
-        return ScriptedModel(counted)
+        # Its calls counted in the usage ledger with estimated tokens (ScriptedModel), no price.
+        return ScriptedModel(script, model="demo-scripted")
     return adapter_from_spec(s.model, api_key=s.model_api_key, base_url=s.model_base_url)
 
 

@@ -313,3 +313,26 @@ def test_deleting_a_namespace_says_what_it_removes(tmp_path: Path) -> None:
     assert namespaces.names(store) == ["default"]
     out = cli(tmp_path, "namespace", "delete", "default", "--yes")
     assert out.returncode == 1 and "cannot be deleted" in out.stderr, out
+
+
+def test_create_beside_an_up_on_servers_of_the_users_own_does_not_wait(tmp_path: Path) -> None:
+    """An `up` that dials the user's servers (`JETLOOP_NATS_URL`) cannot make them know a new
+    account: `namespace create` says what serves it and returns at once, instead of waiting
+    30 s to fail. An address file of an older `up` (no "embedded") is one that runs its
+    server, as every `up` before did."""
+    from jetloop.services import listening
+
+    store = tmp_path / ".jetloop"
+    store.mkdir()
+    # This test's process stands for the running `up` (its pid is alive).
+    listening.record(store, "nats://127.0.0.1:1", None, embedded=False)
+    out = cli(tmp_path, "namespace", "create", "acme")
+    assert out.returncode == 0, out.stderr
+    assert "serves it once your NATS servers know its account" in out.stdout, out.stdout
+    found = listening.running(store)
+    assert found is not None and not found.embedded
+    body = json.loads((store / listening.LISTENING_FILE).read_text())
+    del body["embedded"]
+    (store / listening.LISTENING_FILE).write_text(json.dumps(body))
+    older = listening.running(store)
+    assert older is not None and older.embedded

@@ -26,11 +26,21 @@ class Listening:
     pid: int
     nats_url: str
     gateway_url: str | None
+    # Whether ``up`` runs the nats-server itself (and so serves a new namespace on its own);
+    # with ``JETLOOP_NATS_URL`` the user's servers must learn the namespace's account first.
+    embedded: bool = True
 
 
-def record(store_dir: Path, nats_url: str, gateway_url: str | None) -> None:
+def record(
+    store_dir: Path, nats_url: str, gateway_url: str | None, *, embedded: bool = True
+) -> None:
     """Say where this process's ``up`` listens (``nats_url`` without credentials)."""
-    body = {"pid": os.getpid(), "nats_url": nats_url, "gateway_url": gateway_url}
+    body = {
+        "pid": os.getpid(),
+        "nats_url": nats_url,
+        "gateway_url": gateway_url,
+        "embedded": embedded,
+    }
     replace(store_dir / LISTENING_FILE, json.dumps(body) + "\n")
 
 
@@ -55,11 +65,17 @@ def _load(store_dir: Path) -> Listening | None:
         body = json.loads((store_dir / LISTENING_FILE).read_text())
         pid, nats_url = body["pid"], body["nats_url"]
         gateway_url = body.get("gateway_url")
+        embedded = body.get("embedded", True)
     except (OSError, ValueError, KeyError, TypeError):
         return None  # none, or not ours to read: the defaults apply
     if not isinstance(pid, int) or not isinstance(nats_url, str):
         return None
-    return Listening(pid, nats_url, gateway_url if isinstance(gateway_url, str) else None)
+    return Listening(
+        pid,
+        nats_url,
+        gateway_url if isinstance(gateway_url, str) else None,
+        embedded=embedded if isinstance(embedded, bool) else True,
+    )
 
 
 def _alive(pid: int) -> bool:

@@ -396,7 +396,12 @@ async def _run_up(settings: Settings, external: bool, command: str) -> None:
         settle_heap(settings.gc_threshold)
         gateway = sup.instance("gateway")
         # Where every other command run on this store finds the server (a custom port too).
-        listening.record(settings.store_dir, settings.nats_url, getattr(gateway, "url", None))
+        listening.record(
+            settings.store_dir,
+            settings.nats_url,
+            getattr(gateway, "url", None),
+            embedded=server is not None,
+        )
         log.info(
             "jetloop.up",
             nats=settings.nats_url,

@@ -117,6 +117,14 @@ def create(name: str, store_dir: str | None, **given: str | None) -> None:
     up = listening.running(s.store_dir)
     if up is None:
         return  # served once `jetloop up` starts on this store
+    if not up.embedded:
+        # `up` dials servers of the user's (JETLOOP_NATS_URL): they know the namespace's
+        # account only once their configuration has it, which is not this command's to wait on.
+        click.echo(
+            f"  the running `jetloop up` (pid {up.pid}) serves it once your NATS servers "
+            "know its account (docs/design.md, Namespaces)"
+        )
+        return
     # An `up` runs on this store: back once its workers serve the namespace, so the next
     # command (a send, a client of the credential) finds it ready.
     if asyncio.run(_served(s.for_namespace(name), SERVED_WITHIN)):

@@ -10,8 +10,8 @@
 the app ``module:attr`` with every tool watched, sends the messages to one session, finds
 every step boundary the conversation reaches, then kills the worker at each of them (and at
 ``rounds`` random moments) and judges the whole from state and a ledger of tool invocations:
-lost turns, calls run more than once, ``outcome_unknown``, answers delivered twice. README,
-"Crash-test your own agent", has the report's fields and the model script's shape.
+lost turns, calls run more than once, ``outcome_unknown``, answers delivered twice.
+docs/crash-testing.md has the report's fields and the model script's shape.
 """
 
 from __future__ import annotations

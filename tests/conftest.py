@@ -52,9 +52,9 @@ from jetloop.tooling.trials.harness import WorkerProcess  # noqa: E402
 from tests.apps import app as test_app  # noqa: E402
 
 LEASE = 2.0
-# Under `coverage run -m pytest` (README "Coverage") every subprocess measures too; a worker
-# writes its data only when it exits, so teardown stops workers with SIGTERM (and waits)
-# instead of SIGKILL. Off by default: SIGKILL is instant.
+# Under `coverage run -m pytest` (docs/testing.md, "Coverage") every subprocess measures
+# too; a worker writes its data only when it exits, so teardown stops workers with SIGTERM
+# (and waits) instead of SIGKILL. Off by default: SIGKILL is instant.
 COVERAGE = bool(
     os.environ.get("COVERAGE_PROCESS_CONFIG") or os.environ.get("COVERAGE_PROCESS_START")
 )
@@ -223,7 +223,8 @@ async def until(check: Any, timeout: float = 30.0, every: float = 0.05) -> Any:
 # The end-to-end suites that take most of a run's time (the crash matrix and its soak, the
 # mutations, the kill and power-cut trials, crash tests of whole agents, upgrades and deploys,
 # the framework adapters' takeovers, the attacks and noisy neighbours, the soak of `up`): marked
-# `long`, so `pytest -m "not long"` is a quick run (the README says how long each takes).
+# `long`, so `pytest -m "not long"` is a quick run (the README and docs/testing.md say how
+# long each takes).
 LONG = {
     "test_matrix",
     "test_matrix_soak",

@@ -263,17 +263,17 @@ async def test_an_mcp_toolset_is_served_by_jetloops_mcp_client(tmp_path: Any) ->
 
 
 async def test_the_readme_example_runs_on_pydantic_ais_test_model() -> None:
-    """README's "### pydantic-ai" block, with pydantic-ai's ``TestModel`` for the real model:
-    the app it builds serves ``weather``, whose model step asks for its tool, whose tool step
+    """docs/agents.md's "### pydantic-ai" block, with pydantic-ai's ``TestModel`` for the real
+    model: the app it builds serves ``weather``, whose model step asks for its tool, whose tool step
     runs, and whose next model step answers."""
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "agents.md").read_text()
     section = readme.split("### pydantic-ai\n", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert '"openai:gpt-4o"' in code
     scope: dict[str, Any] = {}
-    exec(compile(code.replace('"openai:gpt-4o"', '"test"'), "README.md", "exec"), scope)
+    exec(compile(code.replace('"openai:gpt-4o"', '"test"'), "agents.md", "exec"), scope)
     weather = scope["app"].agent("weather")
     assert [(t.name, t.effect) for t in weather.tools] == [("forecast", Effect.READ)]
     first = await weather.model.complete(

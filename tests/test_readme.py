@@ -1,6 +1,7 @@
-"""The README's Python blocks run, so they cannot rot.
+"""The Python blocks of the user's documents (the README and the guides it leads to) run, so
+they cannot rot.
 
-Each ```python block of README.md is either a file (its first line is ``# <name>.py``) or
+Each ```python block of :data:`USER_DOCS` is either a file (its first line is ``# <name>.py``) or
 marked ``<!-- snippet: not run (why) -->`` on the line before it. The files are written to
 a directory: ``myapp.py`` is served by a real worker, ``client.py`` is run against it as a
 user would run it (``python client.py``). The blocks not run must at least parse.
@@ -25,11 +26,22 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 NOT_RUN = re.compile(r"<!-- snippet: not run \(.+\) -->\n$")
 FILE = re.compile(r"^# ([a-z_]+\.py)\n")
+# What a user follows: the README and the guides in docs/ it leads to, in reading order.
+USER_DOCS = [
+    ROOT / "README.md",
+    *(ROOT / "docs" / f"{name}.md" for name in ("tour", "agents", "crash-testing", "operating")),
+    ROOT / "docs" / "testing.md",
+]
+
+
+def user_docs() -> str:
+    """The user's documents as one text, in reading order."""
+    return "\n".join(p.read_text() for p in USER_DOCS)
 
 
 def blocks() -> tuple[dict[str, str], list[str]]:
-    """The README's files by name, and the blocks marked not run."""
-    text = (ROOT / "README.md").read_text()
+    """The user documents' files by name, and the blocks marked not run."""
+    text = user_docs()
     files: dict[str, str] = {}
     skipped: list[str] = []
     for m in BLOCK.finditer(text):
@@ -38,7 +50,9 @@ def blocks() -> tuple[dict[str, str], list[str]]:
         if NOT_RUN.search(text[: m.start()]):
             skipped.append(code)
         else:
-            assert named, f"a README python block is neither a file nor marked not run:\n{code}"
+            assert named, (
+                f"a python block of the user docs is neither a file nor marked not run:\n{code}"
+            )
             files[named.group(1)] = code
     return files, skipped
 
@@ -89,3 +103,12 @@ async def test_readme_app_and_client_run(
     assert any(ln.endswith("refund succeeded {'order': '42', 'refunded': 500}") for ln in lines)
     assert lines[-1] == "refund succeeded", out.stdout
     assert lines.count("refund succeeded") == 1, out.stdout
+
+
+def test_the_readme_is_one_screen_that_leads_to_every_guide() -> None:
+    """The README is the set-up and a first look (a screen or so, not a manual); every guide
+    the rest lives in is linked from it, so a reader finds each."""
+    readme = USER_DOCS[0].read_text()
+    assert len(readme.splitlines()) <= 100, "the README grew past a quickstart: move it to docs/"
+    for guide in USER_DOCS[1:]:
+        assert f"](docs/{guide.name})" in readme, f"the README does not lead to docs/{guide.name}"

@@ -8,7 +8,6 @@ workers that serve it; the demo worker dead-letters nothing.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,17 +22,15 @@ from jetloop.services.embedded import free_port
 from jetloop.services.natsauth import url_as
 from jetloop.streams.seal import Sealer, key_bytes
 from tests.conftest import until
+from tests.test_readme import blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 JETLOOP = [sys.executable, "-m", "jetloop.services.cli"]
 
 
 def readme_app() -> str:
-    """The ``# myapp.py`` block of the README, as a reader would copy it."""
-    text = (ROOT / "README.md").read_text()
-    match = re.search(r"```python\n(# myapp\.py\n.*?)```", text, re.S)
-    assert match, "README.md has no ```python block starting with # myapp.py"
-    return match.group(1)
+    """The ``# myapp.py`` block of the user docs (docs/agents.md), as a reader would copy it."""
+    return blocks()[0]["myapp.py"]
 
 
 class Here:

@@ -1,4 +1,4 @@
-"""A small MCP server for the README's MCP example and the MCP tests: a bank ledger.
+"""A small MCP server for the MCP example of docs/agents.md and the MCP tests: a bank ledger.
 
 Tools of each kind MCP's annotations describe:
 

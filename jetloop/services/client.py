@@ -328,8 +328,8 @@ class Client:
         will not (nothing is then held for a wait that never comes).
 
         ``traceparent`` (W3C Trace Context, ``00-<trace id>-<span id>-<flags>``) makes the
-        turn's trace a child of the caller's span (README, "Traces"); a malformed one is a
-        ``ValueError``.
+        turn's trace a child of the caller's span (docs/operating.md, "Traces"); a malformed
+        one is a ``ValueError``.
 
         A repeat is told from state: the turn id is derived from the request id, so a turn
         record that exists means the request was accepted before; it is not published

@@ -48,7 +48,7 @@ DEFAULT_GC_THRESHOLD = 5_000
 
 class Settings(BaseSettings):
     """Every setting, read from ``JETLOOP_<NAME>`` environment variables (and
-    ``jetloop.env``); the README's settings table lists them."""
+    ``jetloop.env``); docs/operating.md's settings table lists them."""
 
     model_config = SettingsConfigDict(
         env_prefix="JETLOOP_", env_file="jetloop.env", extra="ignore", frozen=True

@@ -50,7 +50,7 @@ def inspect(
     last: int,
 ) -> None:
     """Streams and every consumer (pending, redelivered); or jl_state keys, a key's value
-    or history, dead letters, a stream's messages (what the README's `nats` commands show)."""
+    or history, dead letters, a stream's messages (what docs/tour.md's `nats` commands show)."""
     from jetloop.services.cli import inspector
 
     given = {

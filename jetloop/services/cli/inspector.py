@@ -1,4 +1,4 @@
-"""What ``jetloop inspect`` shows: what the README's ``nats`` CLI commands would show, for
+"""What ``jetloop inspect`` shows: what docs/tour.md's ``nats`` CLI commands would show, for
 a machine where the ``nats`` CLI is not installed.
 
     jetloop inspect                     streams, consumers   (nats stream ls, consumer report)

@@ -140,7 +140,8 @@ class Run:
             "JETLOOP_TOOL_CONCURRENCY": SLOTS,
             "JETLOOP_SESSION_CONCURRENCY": SLOTS,
             # The credentials of this run's own server (never those of a `jetloop up` store
-            # in the working directory: the README's tour leaves one there) and its watch user.
+            # in the working directory: the README's first look leaves one there) and its watch
+            # user.
             **worker_env(self.server),
             "JETLOOP_CRASHTEST_APP": self.app_spec,
             "JETLOOP_CRASHTEST_LEDGER": str(self.ledger.path),

@@ -135,3 +135,19 @@ def test_what_a_turn_costs_is_counted_and_shown() -> None:
     text = render(result)
     assert "| jetloop, 50 in flight | 70.0 | 120.0 | 5.0 | 10.0 | 1.0 |" in text
     assert "| floor, 50 in flight | 7.0 | 9.0 | n/a | 500.0 | 0.0 |" in text
+
+
+def test_lever_1s_floor_is_shown_against_restate() -> None:
+    """`jetloop bench peer --lever1`: the floor of lever 1's write pattern has its row and a
+    table of its own against Restate (what the change could reach, measured in the run)."""
+    from jetloop.tooling.bench.peer import FLOOR1
+
+    result = _result()
+    for row, run in zip(
+        result.rows, (_run(5.0, 10.0, 900.0), _run(100.0, 140.0, 2400.0)), strict=True
+    ):
+        row.systems[FLOOR1] = run
+    text = render(result)
+    assert "| floor, lever 1 | 5.0 | 10.0 | 900 |" in text
+    assert "| floor, lever 1 ÷ | sequential p50 |" in text
+    assert "| Restate | 0.50× | 0.50× | 1.50× | 0.40× | 0.40× | 2.00× |" in text

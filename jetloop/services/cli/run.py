@@ -474,6 +474,12 @@ def trials(
     "stream (the trace slows the servers: read the counts, not the timings)",
 )
 @click.option(
+    "--lever1",
+    is_flag=True,
+    help="peer: also run the floor of lever 1's write pattern (a step's commit is its "
+    "successor's work item; docs/performance.md) and print it against Restate",
+)
+@click.option(
     "--turn-rate",
     type=click.FloatRange(min=0),
     default=20.0,
@@ -491,6 +497,7 @@ def bench(
     nats_sync: str | None,
     lazy_fsync: bool,
     count_syncs: bool,
+    lever1: bool,
     turn_rate: float,
     out_json: str | None,
     keep: str | None,
@@ -516,6 +523,8 @@ def bench(
         nats_sync = "2m"
     if count_syncs and "peer" not in which:
         raise click.UsageError("--count-syncs counts the peer benchmark's: `jetloop bench peer`")
+    if lever1 and "peer" not in which:
+        raise click.UsageError("--lever1 runs beside the peer benchmark: `jetloop bench peer`")
     sys.exit(
         run(
             which or ("overhead", "throughput", "history"),
@@ -527,6 +536,7 @@ def bench(
             event_log,
             nats_sync,
             count_syncs,
+            lever1,
         )
     )
 

@@ -34,7 +34,8 @@ import asyncio
 import signal
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import nats
 from nats.aio.client import Client
@@ -218,15 +219,16 @@ class FloorWorker:
         await asyncio.gather(*(call(i) for i in range(fan)))
 
 
-async def _pull(
+async def pull(
     js: JetStreamContext,
     stream: str,
     consumer: str,
-    worker: FloorWorker,
+    handle: Callable[[Msg], Coroutine[Any, Any, None]],
     concurrency: int,
     stop: asyncio.Event,
 ) -> None:
-    """Fetch as many messages as there are free slots, like ``jetloop.services.worker``."""
+    """Fetch as many messages as there are free slots, like ``jetloop.services.worker``, and
+    ``handle`` each in a task of its own."""
     sub = await js.pull_subscribe_bind(durable=consumer, stream=stream)
     running: set[asyncio.Task[None]] = set()
     free = asyncio.Event()
@@ -241,14 +243,15 @@ async def _pull(
         except (NatsTimeoutError, TimeoutError):
             continue
         for m in msgs:
-            task = asyncio.create_task(worker.handle(m))
+            task = asyncio.create_task(handle(m))
             running.add(task)
 
             def done(t: asyncio.Task[None]) -> None:
                 running.discard(t)
                 free.set()
                 if not t.cancelled() and t.exception() is not None:
-                    print(f"floor step failed: {t.exception()!r}", file=sys.stderr, flush=True)
+                    failed = f"{consumer}: a step failed: {t.exception()!r}"
+                    print(failed, file=sys.stderr, flush=True)
 
             task.add_done_callback(done)
     if running:
@@ -265,8 +268,8 @@ async def run_floor_worker(url: str, kv_bytes: int, msg_bytes: int, concurrency:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(_pull(js, TURNS, TURNS_CONSUMER, worker, concurrency, stop))
-            tg.create_task(_pull(js, STEPS, STEPS_CONSUMER, worker, concurrency, stop))
+            for stream, consumer in ((TURNS, TURNS_CONSUMER), (STEPS, STEPS_CONSUMER)):
+                tg.create_task(pull(js, stream, consumer, worker.handle, concurrency, stop))
             print("ready", flush=True)
     finally:
         await nc.close()

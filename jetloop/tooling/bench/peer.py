@@ -89,6 +89,9 @@ JETLOOP, RESTATE, DBOS = "jetloop", "Restate", "DBOS"
 # The same turn on raw JetStream (``jetloop.tooling.bench.floor``): the same CAS writes,
 # publishes and acks as the engine's, nothing else; the floor a step's messages cannot go under.
 FLOOR = "floor"
+# Lever 1's write pattern on raw JetStream (``jetloop.tooling.bench.floor_lever1``): a step's
+# commit is its successor's work item; what the engine would cost if it stored that alone.
+FLOOR1 = "floor, lever 1"
 # The systems whose every message and CPU second on this machine the bench can count.
 METERED = (JETLOOP, FLOOR)
 
@@ -126,10 +129,10 @@ class PeerRow:
     in_flight: int
     systems: dict[str, SystemRun]
 
-    def ratios(self, peer: str) -> tuple[float, float, float]:
-        """jetloop ÷ ``peer``: p50, p99 (below 1, jetloop's turns are faster) and steps per
-        second (above 1, jetloop runs more)."""
-        j, p = self.systems[JETLOOP], self.systems[peer]
+    def ratios(self, peer: str, of: str = JETLOOP) -> tuple[float, float, float]:
+        """``of`` (jetloop) ÷ ``peer``: p50, p99 (below 1, ``of``'s turns are faster) and
+        steps per second (above 1, ``of`` runs more)."""
+        j, p = self.systems[of], self.systems[peer]
         return (
             j.latency.p50_ms / p.latency.p50_ms,
             j.latency.p99_ms / p.latency.p99_ms,
@@ -269,16 +272,18 @@ async def peer_side_by_side(
     workers: int = 1,
     floor: bool = True,
     event_log: str = "folded",
+    lever1: bool = False,
 ) -> PeerResult:
     """The 7-step turn on jetloop (``workers`` worker processes) and on each installed peer
     (Restate, DBOS),
     sequential and ``in_flight`` at once, their batches alternating in ``chunks``; each
     system is warmed up first, and the jetloop side is quiet (every trailing step acked)
     before each batch of any system. With ``floor`` the raw JetStream floor runs the same
-    batches too; the messages and CPU time of jetloop's batches and the floor's are counted
-    (``PeerResult.costs``). On a rig whose server's syncs are traced (``Rig.sync_trace``),
-    Restate's server is traced too, and the syncs per turn of each are counted
-    (``PeerResult.syncs``); the rig is closed at the end then."""
+    batches too, and with ``lever1`` the floor of lever 1's write pattern
+    (``jetloop.tooling.bench.floor_lever1``); the messages and CPU time of jetloop's batches
+    and the floor's are counted (``PeerResult.costs``). On a rig whose server's syncs are
+    traced (``Rig.sync_trace``), Restate's server is traced too, and the syncs per turn of
+    each are counted (``PeerResult.syncs``); the rig is closed at the end then."""
     if peers is None:
         peers, skipped = available()
     load_before = os.getloadavg()
@@ -309,7 +314,8 @@ async def peer_side_by_side(
         await jetloop_batch(WARM_TURNS, WARM_IN_FLIGHT)
         if floor:
             # Sized to store what the engine stores per write and per message.
-            await start_sized_floor(r, await count_ops(r, r.engine_turn, FAN, 20, True))
+            engine_ops = await count_ops(r, r.engine_turn, FAN, 20, True)
+            await start_sized_floor(r, engine_ops)
 
             async def floor_batch(turns: int, width: int) -> tuple[list[float], float]:
                 b = await run_batch(r.floor_turn, FAN, turns, width, tag("floor"))
@@ -318,6 +324,19 @@ async def peer_side_by_side(
             await floor_batch(WARM_TURNS, WARM_IN_FLIGHT)
             versions[FLOOR] = "the raw JetStream floor (the engine's writes, publishes, acks)"
             runners[FLOOR] = floor_batch
+        if floor and lever1:
+            await r.start_floor1(engine_ops)
+
+            async def floor1_batch(turns: int, width: int) -> tuple[list[float], float]:
+                b = await run_batch(r.floor1_turn, FAN, turns, width, tag("floor1"))
+                return b.latencies, b.wall
+
+            await floor1_batch(WARM_TURNS, WARM_IN_FLIGHT)
+            versions[FLOOR1] = (
+                "lever 1's write pattern on raw JetStream (a step's commit is its successor's"
+                " work item)"
+            )
+            runners[FLOOR1] = floor1_batch
         if restate is not None:
             side = restate
 
@@ -392,7 +411,7 @@ async def peer_side_by_side(
     if tracing:
         ours = bench_syncs.per_turn(
             await r.traced_syncs(),
-            [w for w in windows if w.system in (JETLOOP, FLOOR)],
+            [w for w in windows if w.system in (JETLOOP, FLOOR, FLOOR1)],
             bench_syncs.nats_where,
             stored,
         )
@@ -464,6 +483,13 @@ def format_peer(result: PeerResult) -> str:
             continue
         cells = " | ".join(" | ".join(f"{x:.2f}×" for x in w.ratios(name)) for w in result.rows)
         lines.append(f"| {name} | {cells} |")
+    if FLOOR1 in systems and RESTATE in systems:
+        # What lever 1 could reach, against the peer to beat, measured in the same run.
+        cells = " | ".join(
+            " | ".join(f"{x:.2f}×" for x in w.ratios(RESTATE, of=FLOOR1)) for w in result.rows
+        )
+        lines += ["", f"| {FLOOR1} ÷ | {header} |", "|---|" + "---:|" * (3 * len(result.rows))]
+        lines.append(f"| {RESTATE} | {cells} |")
     notes = [
         f"Latencies in ms; {result.steps_per_turn} steps per turn; each system's batches"
         f" alternate in {result.chunks} chunks per load, jetloop's quiet (every trailing step"

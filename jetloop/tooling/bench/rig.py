@@ -44,6 +44,7 @@ from jetloop.services.settings import load_settings
 from jetloop.streams import topology
 from jetloop.streams.bus import H_TURN
 from jetloop.tooling.bench import floor as bench_floor
+from jetloop.tooling.bench import floor_lever1
 from jetloop.tooling.bench import syncs as bench_syncs
 from jetloop.tooling.bench.costs import PROBE_NAME, Meter, connections
 from jetloop.tooling.trials.harness import WorkerProcess
@@ -210,12 +211,15 @@ class Rig:
         self.sync_trace = sync_trace
         self.workers: list[WorkerProcess] = []
         self.floor: subprocess.Popen[bytes] | None = None
+        # The floor of lever 1's write pattern (``jetloop.tooling.bench.floor_lever1``).
+        self.floor1: subprocess.Popen[bytes] | None = None
         self._nc: Nats | None = None
         # The connection that asks for consumer and stream state (``quiet``, ``counters``):
         # apart, so that what a batch costs is counted without the bench's own questions.
         self._probe: Nats | None = None
         self.engine_ends: Ends | None = None
         self.floor_ends: Ends | None = None
+        self.floor1_ends: Ends | None = None
         self._client: Client | None = None
         self._ids = 0
 
@@ -255,6 +259,7 @@ class Rig:
         cfg = topology.TopologyConfig(event_log=LogLayout(self.event_log))
         await topology.apply(self.js, cfg)
         await bench_floor.apply_topology(self.js)
+        await floor_lever1.apply_topology(self.js)
         self._client = Client(self.nc, sealer=load_settings(seal_key=SEAL_KEY).sealer())
         # Subscribed while the raw driver runs turns only (``send``): through the public API
         # (``api_turn``) it would hear every turn's events, messages no user of it pays.
@@ -262,6 +267,8 @@ class Rig:
         self.engine_ends = Ends(self.nc, "jl.event.*.turn.*", *answers)
         self.floor_ends = Ends(self.nc, bench_floor.COMPLETED)
         await self.floor_ends.start()
+        self.floor1_ends = Ends(self.nc, floor_lever1.COMPLETED)
+        await self.floor1_ends.start()
 
     async def close(self) -> None:
         self.stop_workers()
@@ -333,23 +340,19 @@ class Rig:
 
     async def start_floor(self, ops: OpCounts) -> None:
         """The floor worker process, with payloads sized like the engine's."""
-        self.floor = _spawn_floor(self.server.url, ops)
-        assert self.floor.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(self.floor.stdout.readline), 60)
-        if line.strip() != b"ready":
-            raise RuntimeError(f"the floor worker did not start: {line!r}")
+        self.floor = await _spawn_floor(
+            bench_floor.__name__, "floor_worker_main", self.server.url, ops
+        )
+
+    async def start_floor1(self, ops: OpCounts) -> None:
+        """The worker of lever 1's write pattern, with the floor's payload sizes."""
+        self.floor1 = await _spawn_floor(floor_lever1.__name__, "worker_main", self.server.url, ops)
 
     def stop_floor(self) -> None:
-        if self.floor is not None and self.floor.poll() is None:
-            self.floor.send_signal(signal.SIGTERM)
-            try:
-                self.floor.wait(15)
-            except subprocess.TimeoutExpired:
-                self.floor.kill()
-                self.floor.wait()
-        if self.floor is not None and self.floor.stdout is not None:
-            self.floor.stdout.close()
-        self.floor = None
+        for proc in (self.floor, self.floor1):
+            if proc is not None:
+                _stop(proc)
+        self.floor = self.floor1 = None
 
     # turns
 
@@ -387,6 +390,15 @@ class Rig:
         )
         return fut
 
+    async def floor1_turn(self, sid: str, rid: str, fan: int) -> asyncio.Future[float]:
+        assert self.floor1_ends is not None
+        tid = turn_id_for(sid, rid)
+        fut = self.floor1_ends.expect(tid)
+        await self.js.publish(
+            floor_lever1.turn_subject(sid, tid, fan), b"r" * 64, headers={"Nats-Msg-Id": tid}
+        )
+        return fut
+
     async def floor_turn(self, sid: str, rid: str, fan: int) -> asyncio.Future[float]:
         assert self.floor_ends is not None
         tid = turn_id_for(sid, rid)
@@ -399,7 +411,7 @@ class Rig:
     async def quiet(self, timeout: float = 60.0) -> None:
         """Wait until every consumer has delivered and had acked everything (the steps
         after a turn's end, such as turn_done, have run)."""
-        consumers = [*ENGINE_CONSUMERS, *FLOOR_CONSUMERS]
+        consumers = [*ENGINE_CONSUMERS, *FLOOR_CONSUMERS, *FLOOR1_CONSUMERS]
         deadline = time.monotonic() + timeout
         while True:
             busy = 0
@@ -462,12 +474,34 @@ class Rig:
         return total
 
 
-def _spawn_floor(url: str, ops: OpCounts) -> subprocess.Popen[bytes]:
-    code = "from jetloop.tooling.bench.floor import floor_worker_main; floor_worker_main()"
+async def _spawn_floor(module: str, entry: str, url: str, ops: OpCounts) -> subprocess.Popen[bytes]:
+    """A floor worker process (``module.entry``), once it says it is ready."""
+    code = f"from {module} import {entry}; {entry}()"
     args = [url, str(ops.kv_bytes), str(ops.msg_bytes), str(FLOOR_CONCURRENCY)]
-    return subprocess.Popen(
-        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, start_new_session=True
+    proc = await asyncio.to_thread(
+        subprocess.Popen,
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
     )
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+    if line.strip() != b"ready":
+        _stop(proc)
+        raise RuntimeError(f"the floor worker {module} did not start: {line!r}")
+    return proc
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 # The bench app's agents (jetloop.tooling.bench.app): each has its own durables.
@@ -475,6 +509,10 @@ ENGINE_CONSUMERS = [*topology.agent_consumers("bench"), *topology.agent_consumer
 FLOOR_CONSUMERS = [
     (bench_floor.TURNS, bench_floor.TURNS_CONSUMER),
     (bench_floor.STEPS, bench_floor.STEPS_CONSUMER),
+]
+FLOOR1_CONSUMERS = [
+    (floor_lever1.TURNS, floor_lever1.TURNS_CONSUMER),
+    (floor_lever1.STATE_STREAM, floor_lever1.WORK_CONSUMER),
 ]
 
 

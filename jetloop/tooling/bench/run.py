@@ -472,6 +472,8 @@ class Sizes:
     nats_sync: str = durability.ALWAYS
     # peer: trace both servers' syncs to disk (jetloop.tooling.bench.syncs).
     count_syncs: bool = False
+    # peer: also the floor of lever 1's write pattern (jetloop.tooling.bench.floor_lever1).
+    lever1: bool = False
     limit_calls: int = 2000
 
 
@@ -592,6 +594,7 @@ async def _run_one(
                 skipped=skipped,
                 workers=sizes.peer_workers,
                 event_log=sizes.event_log,
+                lever1=sizes.lever1,
             )
         else:
             # Kept after the run (the report names it): the text tree and pstats.
@@ -615,6 +618,7 @@ def main(
     event_log: str | None = None,
     nats_sync: str | None = None,
     count_syncs: bool = False,
+    lever1: bool = False,
 ) -> int:
     """What ``jetloop bench`` runs: prints the tables; 0 if every measured target is met,
     1 if one is not, 2 if a benchmark could not run (each said in one line on stderr)."""
@@ -632,6 +636,8 @@ def main(
         sizes = replace(sizes, event_log=event_log)
     if count_syncs:
         sizes = replace(sizes, count_syncs=True)
+    if lever1:
+        sizes = replace(sizes, lever1=True)
     if nats_sync is not None:
         try:
             sizes = replace(sizes, nats_sync=durability.check(nats_sync))

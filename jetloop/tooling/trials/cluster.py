@@ -60,14 +60,17 @@ class ClusterNode:
     store_dir: Path
     log_file: Path
     proc: subprocess.Popen[bytes] | None = None
+    # The address it listens on: loopback, or its own network namespace's
+    # (``jetloop.tooling.trials.netns``).
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     @property
     def route_url(self) -> str:
-        return f"nats://127.0.0.1:{self.route_port}"
+        return f"nats://{self.host}:{self.route_port}"
 
     @property
     def running(self) -> bool:
@@ -167,7 +170,7 @@ class LocalCluster:
             "--server_name",
             node.name,
             "--addr",
-            "127.0.0.1",
+            node.host,
             "--port",
             str(node.port),
             "--cluster",
@@ -181,10 +184,18 @@ class LocalCluster:
             args += ["--http_port", str(self.monitor_ports[node.index])]
         return args
 
+    def _command(self, node: ClusterNode) -> list[str]:
+        """How node's process is started: its arguments (a subclass may run it elsewhere)."""
+        return self._args(node)
+
+    def answering(self) -> list[ClusterNode]:
+        """The nodes a query asks: the running ones (a subclass leaves out those cut off)."""
+        return [n for n in self.nodes if n.running]
+
     def connection_names(self, i: int) -> list[str]:
         """The names of the client connections node ``i`` holds now, every account's (its
         monitoring endpoint's ``/connz``; the cluster must be made with ``monitor``)."""
-        url = f"http://127.0.0.1:{self.monitor_ports[i]}/connz?limit=4096"
+        url = f"http://{self.nodes[i].host}:{self.monitor_ports[i]}/connz?limit=4096"
         with urllib.request.urlopen(url, timeout=5) as reply:
             conns = json.load(reply).get("connections") or []
         return [str(c.get("name") or "") for c in conns]
@@ -209,7 +220,7 @@ class LocalCluster:
         node.store_dir.mkdir(parents=True, exist_ok=True)
         with open(node.log_file, "ab") as out:  # the child keeps its own descriptor
             node.proc = subprocess.Popen(
-                self._args(node),
+                self._command(node),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -310,7 +321,7 @@ class LocalCluster:
     ) -> AsyncIterator[JetStreamManager]:
         # A fresh short-lived connection per query: the harness owns no connection that a
         # test would have to close, and a query never waits on a reconnect to a dead node.
-        servers = urls if urls is not None else [n.url for n in self.nodes if n.running]
+        servers = urls if urls is not None else [n.url for n in self.answering()]
         if not servers:
             raise ConnectionError(f"no node of {self.cluster_name} is running")
         nc: Client = await connect_or_close(

@@ -30,11 +30,13 @@ from jetloop.tooling.trials.measures import (
     targets,
     worker_detection,
 )
+from jetloop.tooling.trials.netns import unavailable as netns_unavailable
 from jetloop.tooling.trials.run import format_reports, percentile, run_trials
 from jetloop.tooling.trials.servers import SingleServer, worker_env
 from tests.test_upgrade import build_previous
 
 FUSE = unavailable()
+NETNS = netns_unavailable()
 CONTROL_SEED = 5
 
 ROUNDS = int(os.environ.get("JETLOOP_TRIALS", "2"))
@@ -258,3 +260,29 @@ async def test_power_cut_trials(mode: str, tmp_path: Path) -> None:
         assert report.false_takeovers == [], report.false_takeovers
         assert report.ok
     assert control.harmed and control.ok, "the lazy control lost nothing: the cut did not bite"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(NETNS is not None, reason=f"network faults need namespaces: {NETNS}")
+async def test_cluster_fault_trials(tmp_path: Path) -> None:
+    """Network faults between the three nodes (partitions of the leader or a follower, one-way
+    loss, a flapping link, the leader paused; jetloop.tooling.trials.faults) under turns in
+    flight: every turn ends completed, no write applies twice, and no live worker's step is
+    taken over but a cut-off one's; the rounds' faults are healed and the run cleans up."""
+    print(f"JETLOOP_KILL_SEED={SEED}")
+    report = await run_trials("cluster_faults", 3, SEED, None, work_dir=tmp_path / "run")
+    print(format_reports([report]))
+    assert report.in_flight >= 1, "no turn was in flight at any fault"
+    assert report.lost == [], report.lost
+    assert report.duplicates == [], report.duplicates
+    assert report.stray_keys == [], "a write reached the vendor under a key no call owns"
+    assert report.false_takeovers == [], report.false_takeovers
+    assert {r.failure for r in report.trials} <= {
+        "partition_leader",
+        "partition_follower",
+        "one_way",
+        "netem",
+        "flap",
+        "pause_leader",
+    }

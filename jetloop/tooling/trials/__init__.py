@@ -7,6 +7,8 @@
 - ``measures`` detection, false takeovers and the targets, read from the events stream
 - ``load``     busy processes beside a trial (``--load N``)
 - ``power``    servers on disks that lose what was not synced: power cuts, OS crashes
+- ``netns``    a cluster whose nodes each run in a network namespace: partitions, loss, delay
+- ``faults``   that cluster's network faults, struck and healed in a trial's rounds
 
 The modes are named here, where the CLI can read them without loading the trials.
 """
@@ -22,4 +24,5 @@ MODES = (
     "upgrade",
     "power_loss",
     "cluster_power_loss",
+    "cluster_faults",
 )

@@ -71,6 +71,23 @@ def unavailable() -> str | None:
     return None
 
 
+def netem_unavailable() -> str | None:
+    """Why ``tc netem`` cannot shape a link here (its qdisc is not in every kernel), or None."""
+    why = unavailable()
+    if why is not None:
+        return why
+    probe = f"jlprobe{os.getpid() % 100000}"
+    try:
+        _ip("netns", "add", probe)
+        _ip("-n", probe, "link", "set", "lo", "up")
+        run("tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms")
+    except NetworkError as exc:
+        return f"tc netem: {exc.args[0].rpartition(': ')[2]}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    return None
+
+
 class Network:
     """A bridge, and one namespace per node with its address on the bridge's subnet."""
 

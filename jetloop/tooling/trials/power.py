@@ -29,7 +29,6 @@ import random
 import time
 from pathlib import Path
 
-from jetloop.services.rescue import CONNECTION_PREFIX
 from jetloop.tooling.powercut.lazyfs import LazyFS, unavailable
 from jetloop.tooling.trials.harness import WorkerProcess
 from jetloop.tooling.trials.servers import (
@@ -37,21 +36,13 @@ from jetloop.tooling.trials.servers import (
     Elections,
     Kill,
     SingleServer,
+    worker_ids,
 )
 
 # The failures that take every worker with the servers: the trial kills them at the cut and
 # starts new ones once the servers are back.
 KILLS_WORKERS = ("power_cut", "cluster_power_cut")
 PAUSE_SECONDS = 3.0
-
-
-def worker_ids(connection_names: list[str]) -> frozenset[str]:
-    """The workers among connection names (``jetloop-worker-<id>#<incarnation>``)."""
-    return frozenset(
-        n.removeprefix(CONNECTION_PREFIX).partition("#")[0]
-        for n in connection_names
-        if n.startswith(CONNECTION_PREFIX)
-    )
 
 
 async def cut_and_mount(disk: LazyFS, rng: random.Random) -> None:

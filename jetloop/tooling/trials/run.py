@@ -39,6 +39,10 @@ failure:
 - ``cluster_power_loss``: on the 3-node cluster, each node on such a disk, each round either
   cuts all three nodes and every worker at once, or crashes one node's OS (killed, its
   unsynced data discarded, restarted) while another node is paused;
+- ``cluster_faults``: on the 3-node cluster with each node in a network namespace of its own,
+  each round strikes one network fault between the nodes (a partition of the leader or of a
+  follower, one-way loss, delay with loss, a flapping link, the leader paused) for a few
+  seconds and heals it (``jetloop.tooling.trials.faults``);
 - ``control``: nothing fails. Its "completion" is what the turns in flight at a random
   moment take anyway (their timers, approvals, polls, model rounds): the part of every other
   mode's completion that no failure caused.
@@ -126,6 +130,7 @@ from jetloop.streams.connection import connect
 from jetloop.streams.seal import Sealer, key_bytes
 from jetloop.tooling.releases import BuiltRelease, build
 from jetloop.tooling.trials import MODES
+from jetloop.tooling.trials.faults import NETWORK_FAULTS, FaultCluster
 from jetloop.tooling.trials.harness import WorkerProcess
 from jetloop.tooling.trials.harness import work_dir as work_dir_of
 from jetloop.tooling.trials.load import busy
@@ -188,6 +193,7 @@ DEADLINES = {
     "power_cut": 90.0,
     "cluster_power_cut": 120.0,
     "node_crash+pause": 120.0,
+    **dict.fromkeys(NETWORK_FAULTS, 90.0),
 }
 # How long a drained worker may take to exit before the round says so (its drain is 5 s).
 DRAIN_EXIT_SECONDS = 30.0
@@ -500,6 +506,9 @@ class Trials:
             return "worker_drain"
         if self.mode == "power_loss":
             return "power_cut"
+        if self.mode == "cluster_faults":
+            assert isinstance(self.servers, FaultCluster)
+            return self.rng.choice(self.servers.faults)
         if self.mode == "cluster_power_loss":
             # The control cuts all three: one node's crash beside a paused one leaves the
             # third node whole, from which the cluster recovers even on the lazy default.
@@ -924,6 +933,8 @@ async def _run(
         servers = PowerServer(base, sync, system_account=system_account)
     elif mode == "cluster_power_loss":
         servers = PowerCluster(base, sync, system_account=system_account)
+    elif mode == "cluster_faults":
+        servers = FaultCluster(base, sync, system_account=system_account)
     elif mode in ("takeover", "mixed"):
         servers = Cluster(base, sync, system_account=system_account)
     else:
@@ -967,6 +978,8 @@ async def _run(
         judged += targets(failure, row, LEASE_SECONDS, loaded=load > 0)
     whole = summarize(done)
     info["load_1m_end"] = f"{os.getloadavg()[0]:.2f}"
+    if isinstance(servers, FaultCluster) and servers.left_out:
+        info["left_out"] = "; ".join(servers.left_out)  # faults this machine cannot make
     report = Report(
         mode=mode,
         rounds=rounds,
@@ -1093,6 +1106,8 @@ def format_reports(reports: Sequence[Report]) -> str:
             f" 1-min load {rep.machine.get('load_1m')} at its start,"
             f" {rep.machine.get('load_1m_end')} at its end)"
         )
+        if rep.machine.get("left_out"):
+            lines.append(f"  {rep.machine['left_out']}")
         if not rep.system_account:
             lines.append(
                 "  system account off: no watch user on the servers, no watch password for"
@@ -1140,7 +1155,11 @@ def format_reports(reports: Sequence[Report]) -> str:
                 f"  completion max {_s(max(rec) if rec else None)}"
                 f"  false {len(rnd.false_takeovers)}{server}"
                 + (f"  drained resumes {rnd.drained_resumes}" if rnd.drained_resumes else "")
-                + (f"  cut off (paused node) {','.join(rnd.cut_off)}" if rnd.cut_off else "")
+                + (
+                    f"  cut off (their node paused or partitioned) {','.join(rnd.cut_off)}"
+                    if rnd.cut_off
+                    else ""
+                )
             )
         for what in rep.lost:
             lines.append(f"  LOST {what}")

@@ -37,6 +37,7 @@ from nats.errors import Error as NatsError
 from jetloop.services import durability, namespaces
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.services.natsauth import SYSTEM_ACCOUNT, make_users, server_config, system_account
+from jetloop.services.rescue import CONNECTION_PREFIX
 from jetloop.services.settings import NATS_USERS_FILE, WATCH_USER
 from jetloop.services.storefiles import replace
 from jetloop.streams import topology
@@ -60,6 +61,15 @@ class Kill:
     @classmethod
     def now(cls, cut_off: frozenset[str] = frozenset()) -> Kill:
         return cls(at=time.monotonic(), wall=time.time(), cut_off=cut_off)
+
+
+def worker_ids(connection_names: list[str]) -> frozenset[str]:
+    """The workers among connection names (``jetloop-worker-<id>#<incarnation>``)."""
+    return frozenset(
+        n.removeprefix(CONNECTION_PREFIX).partition("#")[0]
+        for n in connection_names
+        if n.startswith(CONNECTION_PREFIX)
+    )
 
 
 def write_server_config(path: Path, watch_password: str) -> Path:
@@ -262,13 +272,15 @@ class Cluster:
         store_dirs: Sequence[Path] | None = None,
         monitor: bool = False,
         system_account: bool = True,
+        cluster_type: type[LocalCluster] = LocalCluster,
     ) -> None:
         """``store_dirs`` and ``monitor``: as ``LocalCluster`` takes them;
-        ``system_account``: as ``write_namespaced_config`` takes it."""
+        ``system_account``: as ``write_namespaced_config`` takes it; ``cluster_type``: the
+        nodes on loopback, or each in a network namespace (``jetloop.tooling.trials.netns``)."""
         config, self.watch_password, self.auth_store = write_namespaced_config(
             base, sync=sync, system_account=system_account
         )
-        self.cluster = LocalCluster(
+        self.cluster = cluster_type(
             base / "cluster",
             "jl-trials",
             config_file=config,

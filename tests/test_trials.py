@@ -23,6 +23,7 @@ import pytest
 from jetloop.services.natsauth import SYSTEM_ACCOUNT
 from jetloop.services.settings import Settings
 from jetloop.tooling.powercut.lazyfs import unavailable
+from jetloop.tooling.trials.faults import NETWORK_FAULTS
 from jetloop.tooling.trials.measures import (
     SeenEvent,
     engine_detection,
@@ -278,11 +279,4 @@ async def test_cluster_fault_trials(tmp_path: Path) -> None:
     assert report.duplicates == [], report.duplicates
     assert report.stray_keys == [], "a write reached the vendor under a key no call owns"
     assert report.false_takeovers == [], report.false_takeovers
-    assert {r.failure for r in report.trials} <= {
-        "partition_leader",
-        "partition_follower",
-        "one_way",
-        "netem",
-        "flap",
-        "pause_leader",
-    }
+    assert {r.failure for r in report.trials} <= set(NETWORK_FAULTS)

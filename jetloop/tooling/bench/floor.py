@@ -223,7 +223,7 @@ async def pull(
     js: JetStreamContext,
     stream: str,
     consumer: str,
-    handle: Callable[[Msg], Coroutine[Any, Any, None]],
+    handle: Callable[[Msg], Coroutine[Any, Any, None]],  # a Handler
     concurrency: int,
     stop: asyncio.Event,
 ) -> None:
@@ -259,23 +259,49 @@ async def pull(
     await sub.unsubscribe()
 
 
-async def run_floor_worker(url: str, kv_bytes: int, msg_bytes: int, concurrency: int) -> None:
-    """Serve floor steps until SIGTERM; print ``ready`` once pulling."""
-    nc = await nats.connect(url, name=CONNECTION_NAME)
+Handler = Callable[[Msg], Coroutine[Any, Any, None]]
+
+
+async def serve(
+    url: str,
+    name: str,
+    bucket: str,
+    consumers: Sequence[tuple[str, str]],
+    handler_of: Callable[[Client, KeyValue], Handler],
+    concurrency: int,
+) -> None:
+    """Pull from each of ``consumers`` (stream, durable) into the handler ``handler_of``
+    makes, until SIGTERM; print ``ready`` once pulling."""
+    nc = await nats.connect(url, name=name)
     try:
         js = nc.jetstream()
-        worker = FloorWorker(nc, await js.key_value(BUCKET), kv_bytes, msg_bytes)
+        handle = handler_of(nc, await js.key_value(bucket))
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         async with asyncio.TaskGroup() as tg:
-            for stream, consumer in ((TURNS, TURNS_CONSUMER), (STEPS, STEPS_CONSUMER)):
-                tg.create_task(pull(js, stream, consumer, worker.handle, concurrency, stop))
+            for stream, consumer in consumers:
+                tg.create_task(pull(js, stream, consumer, handle, concurrency, stop))
             print("ready", flush=True)
     finally:
         await nc.close()
 
 
-def floor_worker_main() -> None:
-    """Entry of the floor worker process: ``<url> <kv bytes> <msg bytes> <concurrency>``."""
+def worker_args() -> tuple[str, int, int, int]:
+    """A floor worker process's arguments: ``<url> <kv bytes> <msg bytes> <concurrency>``."""
     url, kv_bytes, msg_bytes, concurrency = sys.argv[1:5]
-    asyncio.run(run_floor_worker(url, int(kv_bytes), int(msg_bytes), int(concurrency)))
+    return url, int(kv_bytes), int(msg_bytes), int(concurrency)
+
+
+def floor_worker_main() -> None:
+    """Entry of the floor worker process (``worker_args``)."""
+    url, kv_bytes, msg_bytes, concurrency = worker_args()
+    asyncio.run(
+        serve(
+            url,
+            CONNECTION_NAME,
+            BUCKET,
+            ((TURNS, TURNS_CONSUMER), (STEPS, STEPS_CONSUMER)),
+            lambda nc, kv: FloorWorker(nc, kv, kv_bytes, msg_bytes).handle,
+            concurrency,
+        )
+    )

@@ -37,16 +37,13 @@ commit that completes it.
 from __future__ import annotations
 
 import asyncio
-import signal
-import sys
 
-import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
-from jetloop.tooling.bench.floor import pull
+from jetloop.tooling.bench.floor import serve, worker_args
 
 TURNS = "FLOOR1_TURNS"
 BUCKET = "floor1_state"
@@ -196,22 +193,16 @@ class Outcomes:
         await asyncio.gather(*(call(i) for i in range(fan)))
 
 
-async def run_worker(url: str, kv_bytes: int, msg_bytes: int, concurrency: int) -> None:
-    nc = await nats.connect(url, name=CONNECTION_NAME)
-    try:
-        js = nc.jetstream()
-        worker = Lever1Worker(nc, await js.key_value(BUCKET), kv_bytes, msg_bytes)
-        stop = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-        async with asyncio.TaskGroup() as tg:
-            for stream, consumer in ((TURNS, TURNS_CONSUMER), (STATE_STREAM, WORK_CONSUMER)):
-                tg.create_task(pull(js, stream, consumer, worker.handle, concurrency, stop))
-            print("ready", flush=True)
-    finally:
-        await nc.close()
-
-
 def worker_main() -> None:
-    """Entry of the worker process: ``<url> <kv bytes> <msg bytes> <concurrency>``."""
-    url, kv_bytes, msg_bytes, concurrency = sys.argv[1:5]
-    asyncio.run(run_worker(url, int(kv_bytes), int(msg_bytes), int(concurrency)))
+    """Entry of the worker process (``jetloop.tooling.bench.floor.worker_args``)."""
+    url, kv_bytes, msg_bytes, concurrency = worker_args()
+    asyncio.run(
+        serve(
+            url,
+            CONNECTION_NAME,
+            BUCKET,
+            ((TURNS, TURNS_CONSUMER), (STATE_STREAM, WORK_CONSUMER)),
+            lambda nc, kv: Lever1Worker(nc, kv, kv_bytes, msg_bytes).handle,
+            concurrency,
+        )
+    )

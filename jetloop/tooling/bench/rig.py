@@ -390,22 +390,21 @@ class Rig:
         )
         return fut
 
-    async def floor1_turn(self, sid: str, rid: str, fan: int) -> asyncio.Future[float]:
-        assert self.floor1_ends is not None
-        tid = turn_id_for(sid, rid)
-        fut = self.floor1_ends.expect(tid)
-        await self.js.publish(
-            floor_lever1.turn_subject(sid, tid, fan), b"r" * 64, headers={"Nats-Msg-Id": tid}
-        )
-        return fut
-
     async def floor_turn(self, sid: str, rid: str, fan: int) -> asyncio.Future[float]:
         assert self.floor_ends is not None
+        return await self._raw_turn(self.floor_ends, bench_floor.turn_subject, sid, rid, fan)
+
+    async def floor1_turn(self, sid: str, rid: str, fan: int) -> asyncio.Future[float]:
+        """A turn of lever 1's floor (``jetloop.tooling.bench.floor_lever1``)."""
+        assert self.floor1_ends is not None
+        return await self._raw_turn(self.floor1_ends, floor_lever1.turn_subject, sid, rid, fan)
+
+    async def _raw_turn(
+        self, ends: Ends, subject: Callable[[str, str, int], str], sid: str, rid: str, fan: int
+    ) -> asyncio.Future[float]:
         tid = turn_id_for(sid, rid)
-        fut = self.floor_ends.expect(tid)
-        await self.js.publish(
-            bench_floor.turn_subject(sid, tid, fan), b"r" * 64, headers={"Nats-Msg-Id": tid}
-        )
+        fut = ends.expect(tid)
+        await self.js.publish(subject(sid, tid, fan), b"r" * 64, headers={"Nats-Msg-Id": tid})
         return fut
 
     async def quiet(self, timeout: float = 60.0) -> None:

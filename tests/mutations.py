@@ -539,6 +539,19 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_step_reads.py::test_a_message_stored_before_the_link_is_not_a_first_delivery",
         ),
     ),
+    Mutation(
+        "retried-cas-conflict-taken-as-landed",
+        "jetloop/streams/state.py",
+        "                if again and (rev := await landed()) is not None:\n"
+        "                    return rev  # our earlier try landed; its answer was lost\n",
+        "                if again:\n                    return await self.revision(key) or 0\n",
+        "a write retried after a lost answer that then conflicts is taken for its earlier try "
+        "landed, without reading back what the key holds",
+        (
+            "tests/test_cluster_faults.py::"
+            "test_a_worker_cut_off_at_its_mark_stands_down_and_the_write_is_made_once",
+        ),
+    ),
 )
 
 # Run inside the test suite (tests/test_mutations.py): each is caught by a test that fails

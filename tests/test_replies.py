@@ -13,10 +13,16 @@ import time
 import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import StreamConfig
-from nats.js.errors import APIError, NoStreamResponseError
+from nats.js.errors import APIError, KeyNotFoundError, NoStreamResponseError
 
 from jetloop.services.embedded import EmbeddedServer
-from jetloop.streams.connection import AnswerLost, SizedClient, connect
+from jetloop.streams.connection import (
+    MSG_ID_IN_PROCESS,
+    AnswerLost,
+    SizedClient,
+    connect,
+    transient,
+)
 from jetloop.streams.direct import direct_batch, direct_get
 from jetloop.streams.replies import (
     Answer,
@@ -199,3 +205,13 @@ async def test_reads_and_writes_leave_no_reference_cycles(server: EmbeddedServer
         assert not left, left  # 100 rounds of four reads and writes: not one cycle
     finally:
         await nc.close()
+
+
+def test_transient_asks_what_an_error_says_without_requiring_an_error_code() -> None:
+    """Some of nats-py's API errors carry no ``err_code`` (``KeyNotFoundError``): asked
+    whether such an error is worth a retry, the answer is no, not an AttributeError that
+    ends the step (seen on a node cut off from its peers, tests/test_cluster_faults.py)."""
+    assert not transient(KeyNotFoundError())
+    assert transient(APIError(code=409, err_code=MSG_ID_IN_PROCESS, description="in process"))
+    assert not transient(APIError(code=400, err_code=10071, description="wrong last sequence"))
+    assert transient(NatsTimeoutError())

@@ -225,7 +225,7 @@ async def test_kill_trials(mode: str, load: int, rounds: int, tmp_path: Path) ->
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 @pytest.mark.skipif(FUSE is not None, reason=f"power cuts need FUSE: {FUSE}")
 @pytest.mark.parametrize("mode", ["power_loss", "cluster_power_loss"])
 async def test_power_cut_trials(mode: str, tmp_path: Path) -> None:
@@ -237,12 +237,15 @@ async def test_power_cut_trials(mode: str, tmp_path: Path) -> None:
     is taken over. The control, the same round on nats-server's lazy default, shows the
     harm: the harness can fail.
 
-    On the cluster two things are reported, not asserted (docs/performance.md, "Power cuts"):
+    On the cluster a second round crashes one node (its disk cut) while another is cut off
+    from its peers (where network namespaces can be made; else paused), with the same
+    judgement. Two things are reported, not asserted (docs/performance.md, "Power cuts"):
     after some cuts of all three nodes nats-server leaves a stream without a leader (once in
     ten measured), and the namespace that needs it waits; and a live worker's step may be
-    taken over after the seconds without a quorum of a node crash beside a paused node."""
+    taken over after the seconds without a quorum of a node crash beside a cut-off node."""
     print(f"JETLOOP_KILL_SEED={SEED}")
-    report = await run_trials(mode, 1, SEED, None, work_dir=tmp_path / "run")
+    rounds = 1 if mode == "power_loss" else 2  # the cluster's rounds take its failures in turn
+    report = await run_trials(mode, rounds, SEED, None, work_dir=tmp_path / "run")
     # The control's cut comes 2.6–3 s into its round (seed 5, in either mode): a cut in the
     # first fraction of a second may find nothing yet written to lose.
     control = await run_trials(
@@ -261,6 +264,9 @@ async def test_power_cut_trials(mode: str, tmp_path: Path) -> None:
         assert report.false_takeovers == [], report.false_takeovers
         assert report.ok
     assert control.harmed and control.ok, "the lazy control lost nothing: the cut did not bite"
+    if mode == "cluster_power_loss":
+        beside = "node_crash+pause" if NETNS is not None else "node_crash+partition"
+        assert [r.failure for r in report.trials] == ["cluster_power_cut", beside]
 
 
 @pytest.mark.slow
@@ -282,5 +288,8 @@ async def test_cluster_fault_trials(tmp_path: Path) -> None:
     assert report.stray_keys == [], "a write reached the vendor under a key no call owns"
     for rnd in report.trials:
         if rnd.false_takeovers:
-            assert rnd.election is not None and rnd.election > report.lease_seconds, rnd
-    assert {r.failure for r in report.trials} <= set(NETWORK_FAULTS)
+            ran_past = rnd.election is not None and rnd.election > report.lease_seconds
+            assert ran_past or rnd.leaderless, rnd
+    # The faults are taken in turn, so every round strikes another.
+    faults = [r.failure for r in report.trials]
+    assert len(set(faults)) == len(faults) and set(faults) <= set(NETWORK_FAULTS), faults

@@ -559,7 +559,8 @@ def transient(exc: BaseException) -> bool:
     """Whether asking again may succeed: no leader yet, or the same message id in process."""
     if isinstance(exc, TRANSIENT):
         return True
-    return isinstance(exc, APIError) and exc.err_code == MSG_ID_IN_PROCESS
+    # getattr: some of nats-py's APIError subclasses (KeyNotFoundError) have no err_code.
+    return isinstance(exc, APIError) and getattr(exc, "err_code", None) == MSG_ID_IN_PROCESS
 
 
 RETRY_DELAY_CAP = 0.5

@@ -474,7 +474,13 @@ class StateStore:
         tried = False
 
         async def landed() -> int | None:
-            entry = await asyncio.wait_for(self.kv.get(key), self.read_timeout)
+            try:
+                entry = await asyncio.wait_for(self.kv.get(key), self.read_timeout)
+            except KeyNotFoundError:
+                # Nothing there (deleted keys read so too): no try of ours landed. A server
+                # cut off from its peers answers a create so while an earlier try is still
+                # proposed: "wrong last sequence", and the key reads as never written.
+                return None
             return entry.revision if entry.value in sent and entry.revision else None
 
         async def once() -> int:

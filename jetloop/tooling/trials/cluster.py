@@ -21,6 +21,7 @@ naming a system account) is given to every node; the command-line flags override
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -43,6 +44,12 @@ from jetloop.services.embedded import connect_or_close, free_port, server_binary
 # notices a new leader promptly without hammering the JetStream API.
 POLL_SECONDS = 0.1
 QUERY_SECONDS = 0.5
+
+
+async def _consumer_names(jsm: JetStreamManager, stream: str, timeout: float) -> list[str]:
+    """The names of ``stream``'s consumers (the meta leader answers, no consumer leader)."""
+    reply = await jsm._nc.request(f"{jsm._prefix}.CONSUMER.NAMES.{stream}", b"{}", timeout=timeout)
+    return list(json.loads(reply.data).get("consumers") or [])
 
 
 class NoLeaderError(LookupError):
@@ -400,15 +407,26 @@ class LocalCluster:
     ) -> list[tuple[str, str | None]]:
         """The raft groups ``node`` leads among ``streams`` and their consumers, as
         ``(stream, None)`` or ``(stream, consumer)``: each elects a new leader on its own when
-        the node dies, and a step waits for every one it touches."""
+        the node dies, and a step waits for every one it touches.
+
+        Each consumer is asked on its own (its name from the meta leader's list): a listing
+        of every consumer's info waits for all their leaders, and one group without a leader
+        (nats-server leaves an idle consumer catching up for a while after a partition heals)
+        would make it time out. A group that does not answer is led by nobody now.
+        """
         led: list[tuple[str, str | None]] = []
         name = self.nodes[node].name
         async with self._admin(timeout=timeout) as jsm:
             for stream in streams:
-                info = await jsm.stream_info(stream)
-                if info.cluster is not None and info.cluster.leader == name:
-                    led.append((stream, None))
-                for c in await jsm.consumers_info(stream):
+                with contextlib.suppress(Exception):
+                    info = await jsm.stream_info(stream)
+                    if info.cluster is not None and info.cluster.leader == name:
+                        led.append((stream, None))
+                for consumer in await _consumer_names(jsm, stream, timeout):
+                    try:
+                        c = await jsm.consumer_info(stream, consumer, timeout=QUERY_SECONDS)
+                    except Exception:
+                        continue
                     # An ephemeral consumer (a follower's) lives on one node and dies with it.
                     if not c.config.durable_name:
                         continue
@@ -418,15 +436,23 @@ class LocalCluster:
 
     async def wait_groups(
         self, groups: list[tuple[str, str | None]], not_node: int, timeout: float = 60.0
-    ) -> None:
-        """Wait until every one of ``groups`` has a leader other than ``not_node``."""
+    ) -> list[str]:
+        """Wait until every one of ``groups`` has a leader other than ``not_node``; the names
+        (``stream`` or ``stream/consumer``) of those that still had none after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        leaderless: list[str] = []
         for stream, consumer in groups:
-            if consumer is None:
-                await self.wait_leader(stream, not_node=not_node, timeout=timeout)
-            else:
-                await self.wait_consumer_leader(
-                    stream, consumer, not_node=not_node, timeout=timeout
-                )
+            left = max(QUERY_SECONDS, deadline - time.monotonic())
+            try:
+                if consumer is None:
+                    await self.wait_leader(stream, not_node=not_node, timeout=left)
+                else:
+                    await self.wait_consumer_leader(
+                        stream, consumer, not_node=not_node, timeout=left
+                    )
+            except TimeoutError:
+                leaderless.append(stream if consumer is None else f"{stream}/{consumer}")
+        return leaderless
 
     async def kv_leader(self, bucket: str, timeout: float = 2.0) -> int:
         """Index of the node leading the stream behind KV bucket ``bucket``."""

@@ -32,7 +32,13 @@ from jetloop.streams import topology
 from jetloop.tooling.trials.harness import WorkerProcess
 from jetloop.tooling.trials.netns import NetnsCluster, netem_unavailable
 from jetloop.tooling.trials.netns import unavailable as netns_unavailable
-from jetloop.tooling.trials.servers import Cluster, Elections, Kill, worker_ids
+from jetloop.tooling.trials.servers import (
+    JETLOOP_STREAMS,
+    Cluster,
+    Elections,
+    Kill,
+    worker_ids,
+)
 
 NETWORK_FAULTS = (
     "partition_leader",
@@ -42,8 +48,12 @@ NETWORK_FAULTS = (
     "flap",
     "pause_leader",
 )
+# The faults that cut one node off from its peers (and the workers connected to it).
+CUTS_A_NODE = ("partition_leader", "partition_follower", "flap", "pause_leader")
 # How long a fault lasts: past a lease (2 s in the trials) and an election (seconds).
 HOLD_SECONDS = 6.0
+# How long the fault is held at most for the majority to elect new leaders of what it led.
+ELECTION_WAIT_SECONDS = 20.0
 FLAPS = 3
 
 
@@ -80,8 +90,10 @@ class FaultCluster(Cluster):
             node = rng.choice([i for i in nodes if i != leader])
         else:
             node = leader
-        cut = failure in ("partition_leader", "partition_follower", "flap", "pause_leader")
+        cut = failure in CUTS_A_NODE
         names = await asyncio.to_thread(self.cluster.connection_names, node) if cut else []
+        # What the node leads: the majority elects anew for each once the node is cut off.
+        led = await self.cluster.groups_led_by(node, JETLOOP_STREAMS) if cut else []
         kill = Kill.now(cut_off=worker_ids(names))
         if failure in ("partition_leader", "partition_follower", "flap"):
             self.net.partition(node)
@@ -92,18 +104,29 @@ class FaultCluster(Cluster):
         else:
             self.cluster.pause(node)
             self._paused = node
-        self._healing = asyncio.create_task(self._heal_later(failure, node, kill.at))
+        self._healing = asyncio.create_task(self._heal_later(failure, node, kill.at, led))
         return kill
 
-    async def _heal_later(self, failure: str, node: int, struck: float) -> Elections | None:
-        """Hold the fault (flapping it), heal it, and wait for the node to serve again; the
-        time to a ``JL_STEPS`` leader on the majority, after a fault that cut off its leader."""
+    async def _heal_later(
+        self, failure: str, node: int, struck: float, led: list[tuple[str, str | None]]
+    ) -> Elections | None:
+        """Hold the fault (flapping it), heal it, and wait for the node to serve again; after
+        a fault that cut the node off, the time until the majority had new leaders for
+        ``JL_STEPS`` (if the node led it) and for every group the node led (those it still
+        leads once the flapping heals it are not waited for)."""
         elected: Elections | None = None
         try:
-            if failure in ("partition_leader", "pause_leader", "flap"):
-                await self.cluster.wait_leader(topology.STEPS_STREAM, not_node=node, timeout=60)
-                steps = time.monotonic() - struck
-                elected = Elections(steps, steps)
+            if failure in CUTS_A_NODE:
+                steps = None
+                if failure != "partition_follower":
+                    await self.cluster.wait_leader(topology.STEPS_STREAM, not_node=node, timeout=60)
+                    steps = time.monotonic() - struck
+                # Bounded: waiting is holding the fault, and a group that cannot elect is
+                # named in the report rather than stalling the round.
+                leaderless = await self.cluster.wait_groups(
+                    led, not_node=node, timeout=ELECTION_WAIT_SECONDS
+                )
+                elected = Elections(steps, time.monotonic() - struck, tuple(leaderless))
             if failure == "flap":
                 for _ in range(FLAPS - 1):
                     self.net.heal()

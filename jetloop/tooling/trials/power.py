@@ -13,6 +13,10 @@ discards the page cache. The failures:
   restarted) while another node is paused (SIGSTOP) for ``PAUSE_SECONDS``: for a while the
   cluster has only the crashed node's remains and one healthy node to agree with. The
   workers run on; the paused node is resumed after the crashed one is back.
+- ``node_crash+partition`` (``PowerCluster`` where the machine can make network namespaces,
+  ``jetloop.tooling.trials.netns``): the same with the other node cut off from its peers
+  instead of paused — it runs on, its clients still reach it, it may still think it leads —
+  and healed after the crashed one is back.
 
 The clients (the trial's harness) run elsewhere and keep running: they ride out the outage
 and send again what they heard no answer for, as the docs allow.
@@ -30,7 +34,10 @@ import time
 from pathlib import Path
 
 from jetloop.tooling.powercut.lazyfs import LazyFS, unavailable
+from jetloop.tooling.trials.cluster import LocalCluster
 from jetloop.tooling.trials.harness import WorkerProcess
+from jetloop.tooling.trials.netns import NetnsCluster
+from jetloop.tooling.trials.netns import unavailable as netns_unavailable
 from jetloop.tooling.trials.servers import (
     Cluster,
     Elections,
@@ -42,6 +49,7 @@ from jetloop.tooling.trials.servers import (
 # The failures that take every worker with the servers: the trial kills them at the cut and
 # starts new ones once the servers are back.
 KILLS_WORKERS = ("power_cut", "cluster_power_cut")
+CLUSTER_POWER_FAILURES = ("cluster_power_cut", "node_crash+partition", "node_crash+pause")
 PAUSE_SECONDS = 3.0
 
 
@@ -89,20 +97,29 @@ class PowerServer(SingleServer):
 
 
 class PowerCluster(Cluster):
-    """Three nodes, each on a power-cut filesystem: ``cluster_power_cut`` and
-    ``node_crash+pause``."""
+    """Three nodes, each on a power-cut filesystem: ``cluster_power_cut``,
+    ``node_crash+pause`` and, where the nodes can run in network namespaces,
+    ``node_crash+partition``."""
 
     def __init__(self, base: Path, sync: str, system_account: bool = True) -> None:
         _require_fuse()
         self.disks = [LazyFS(base / f"disk{i + 1}") for i in range(3)]
+        no_netns = netns_unavailable()
         super().__init__(
             base,
             sync,
             store_dirs=[d.mountpoint for d in self.disks],
             monitor=True,  # which workers a paused node cuts off (``fail``)
             system_account=system_account,
+            cluster_type=LocalCluster if no_netns else NetnsCluster,
         )
         self._paused: int | None = None
+        self._parted: int | None = None
+        # The failures this machine can make, and a sentence for each it cannot.
+        self.failures = tuple(
+            f for f in CLUSTER_POWER_FAILURES if f != "node_crash+partition" or not no_netns
+        )
+        self.left_out = [f"node_crash+partition left out: {no_netns}"] if no_netns else []
 
     async def start(self) -> None:
         for d in self.disks:
@@ -120,33 +137,45 @@ class PowerCluster(Cluster):
             self.cluster.start()
             await self.cluster.wait_ready(timeout=90)
             return Kill(kill.at, kill.wall, restart=time.monotonic() - kill.at)
-        if failure == "node_crash+pause":
-            crashed, paused = rng.sample(list(nodes), 2)
-            names = await asyncio.to_thread(self.cluster.connection_names, paused)
-            self.cluster.pause(paused)
-            self._paused = paused
+        if failure in ("node_crash+pause", "node_crash+partition"):
+            crashed, other = rng.sample(list(nodes), 2)
+            names = await asyncio.to_thread(self.cluster.connection_names, other)
+            if failure == "node_crash+pause":
+                self.cluster.pause(other)
+                self._paused = other
+            else:
+                assert isinstance(self.cluster, NetnsCluster)
+                self.cluster.network.partition(other)
+                self._parted = other
             kill = Kill.now(cut_off=worker_ids(names))
             self.cluster.kill(crashed)
             await cut_and_mount(self.disks[crashed], rng)
             self.cluster.start_node(crashed)
-            self._healing = asyncio.create_task(self._resume_later(crashed, paused))
+            self._healing = asyncio.create_task(self._resume_later(crashed, other))
             return kill
         raise ValueError(f"a power-cut cluster cannot take the failure {failure!r}")
 
-    async def _resume_later(self, crashed: int, paused: int) -> Elections | None:
-        """Resume the paused node ``PAUSE_SECONDS`` after the crashed one is back."""
+    async def _resume_later(self, crashed: int, other: int) -> Elections | None:
+        """Resume (or heal) the other node ``PAUSE_SECONDS`` after the crashed one is back."""
         try:
             await self.cluster.wait_node(crashed, timeout=60)
             await asyncio.sleep(PAUSE_SECONDS)  # the stall is the fault, not a wait
         finally:
-            self.cluster.resume(paused)
-            self._paused = None
-        await self.cluster.wait_node(paused, timeout=60)
+            self._unfault()
+        await self.cluster.wait_node(other, timeout=60)
         return None
 
-    def close(self) -> None:
+    def _unfault(self) -> None:
         if self._paused is not None:
             self.cluster.resume(self._paused)
+            self._paused = None
+        if self._parted is not None:
+            assert isinstance(self.cluster, NetnsCluster)
+            self.cluster.network.heal()
+            self._parted = None
+
+    def close(self) -> None:
+        self._unfault()
         super().close()
         for d in self.disks:
             d.unmount()

@@ -145,6 +145,7 @@ from jetloop.tooling.trials.measures import (
     worker_detection,
 )
 from jetloop.tooling.trials.power import (
+    CLUSTER_POWER_FAILURES,
     KILLS_WORKERS,
     PowerCluster,
     PowerCutUnavailable,
@@ -160,7 +161,6 @@ from jetloop.tooling.trials.servers import (
 )
 
 MIXED_FAILURES = ("worker_kill", "node_restart", "takeover", "worker_kill+takeover")
-CLUSTER_POWER_FAILURES = ("cluster_power_cut", "node_crash+pause")
 POWER_MODES = ("power_loss", "cluster_power_loss")
 # A call's grant: the decision's time, and when the harness last granted it.
 Approvals = dict[str, tuple[float | None, float]]
@@ -193,6 +193,7 @@ DEADLINES = {
     "power_cut": 90.0,
     "cluster_power_cut": 120.0,
     "node_crash+pause": 120.0,
+    "node_crash+partition": 120.0,
     **dict.fromkeys(NETWORK_FAULTS, 90.0),
 }
 # How long a drained worker may take to exit before the round says so (its drain is 5 s).
@@ -242,6 +243,9 @@ class RoundTrial:
     kill_wall: float = math.inf  # time.time() of the kill, the clock events carry
     election: float | None = None  # the kill until all the killed node led has new leaders
     steps_election: float | None = None  # the kill until JL_STEPS alone has a new leader
+    # Groups the struck node led that had no new leader when the harness stopped waiting:
+    # the round's election is then not timed.
+    leaderless: list[str] = field(default_factory=list)
     restart: float | None = None  # seconds from the kill until the server accepted clients
     detection: float | None = None  # seconds from the kill until the engine noticed
     false_takeovers: list[str] = field(default_factory=list)
@@ -497,7 +501,7 @@ class Trials:
                 v.kill()
             self.survivor.kill()
 
-    def failure_of(self) -> str:
+    def failure_of(self, r: int) -> str:
         if self.mode == "mixed":
             return self.rng.choice(MIXED_FAILURES)
         if self.mode == "kill_and_restart":
@@ -507,18 +511,21 @@ class Trials:
         if self.mode == "power_loss":
             return "power_cut"
         if self.mode == "cluster_faults":
+            # In turn, so that a run of N rounds gives every fault N / len(faults) of them.
             assert isinstance(self.servers, FaultCluster)
-            return self.rng.choice(self.servers.faults)
+            return self.servers.faults[r % len(self.servers.faults)]
         if self.mode == "cluster_power_loss":
-            # The control cuts all three: one node's crash beside a paused one leaves the
-            # third node whole, from which the cluster recovers even on the lazy default.
-            failures = CLUSTER_POWER_FAILURES[:1] if self.control else CLUSTER_POWER_FAILURES
-            return self.rng.choice(failures)
+            assert isinstance(self.servers, PowerCluster)
+            # In turn, as cluster_faults; the control cuts all three: one node's crash beside
+            # a cut-off one leaves the third node whole, from which the cluster recovers even
+            # on the lazy default.
+            failures = self.servers.failures
+            return failures[0] if self.control else failures[r % len(failures)]
         return self.mode
 
     async def round(self, r: int) -> RoundTrial:
         """Start a victim, keep sessions busy, fail at a random moment, judge every turn."""
-        failure = self.failure_of()
+        failure = self.failure_of(r)
         kill_after = self.rng.uniform(*KILL_WINDOW)
         plans = [
             [plan_turn(self.rng, f"r{r}s{s}t{k}", covering=(s == 0 and k == 0)) for k in range(64)]
@@ -577,7 +584,10 @@ class Trials:
             deadline.append(kill.at + DEADLINES[failure])
         elected = await self.servers.heal()
         if elected is not None:
-            trial.steps_election, trial.election = elected.steps, elected.every_group
+            trial.steps_election = elected.steps
+            trial.leaderless = list(elected.leaderless)
+            if not elected.leaderless:
+                trial.election = elected.every_group
         victim.kill()
         if replacement is not None:
             replacement.kill()
@@ -978,7 +988,7 @@ async def _run(
         judged += targets(failure, row, LEASE_SECONDS, loaded=load > 0)
     whole = summarize(done)
     info["load_1m_end"] = f"{os.getloadavg()[0]:.2f}"
-    if isinstance(servers, FaultCluster) and servers.left_out:
+    if isinstance(servers, FaultCluster | PowerCluster) and servers.left_out:
         info["left_out"] = "; ".join(servers.left_out)  # faults this machine cannot make
     report = Report(
         mode=mode,
@@ -1046,10 +1056,24 @@ def summarize(rounds: Sequence[RoundTrial]) -> dict[str, Any]:
         "false_takeovers": sum(len(rnd.false_takeovers) for rnd in rounds),
         **_spread("restart", [rnd.restart for rnd in rounds if rnd.restart is not None]),
         **_spread("election", [rnd.election for rnd in rounds if rnd.election is not None]),
+        # How long each turn in flight took past the election its round waited for.
+        **_spread(
+            "past_election",
+            [
+                t.completion - rnd.election
+                for rnd in rounds
+                if rnd.election is not None
+                for t in rnd.turns
+                if t.completion is not None
+            ],
+        ),
         **_spread(
             "steps_election",
             [rnd.steps_election for rnd in rounds if rnd.steps_election is not None],
         ),
+        "leaderless": [
+            f"round {rnd.round}: {', '.join(rnd.leaderless)}" for rnd in rounds if rnd.leaderless
+        ],
     }
 
 
@@ -1127,7 +1151,11 @@ def format_reports(reports: Sequence[Report]) -> str:
                 lines.append(f"    restart    {_three(f, 'restart')}")
             if f["election_p50"] is not None:
                 lines.append(f"    election   {_three(f, 'election')} (every group it led)")
-                lines.append(f"    JL_STEPS   {_three(f, 'steps_election')}")
+                if f["steps_election_p50"] is not None:
+                    lines.append(f"    JL_STEPS   {_three(f, 'steps_election')}")
+                lines.append(f"    completion past the election {_three(f, 'past_election')}")
+            for where in f["leaderless"]:
+                lines.append(f"    NO NEW LEADER while the node was cut off, {where}")
         for target in rep.targets:
             lines.append(f"  target {target.text()}")
         if rep.harmed and not rep.control:
@@ -1144,10 +1172,12 @@ def format_reports(reports: Sequence[Report]) -> str:
             if rnd.restart is not None:
                 server = f"  restart {_s(rnd.restart)}"
             if rnd.election is not None:
-                server = (
-                    f"  new leaders after {_s(rnd.steps_election)} (JL_STEPS),"
-                    f" {_s(rnd.election)} (all)"
+                steps = (
+                    "" if rnd.steps_election is None else f"{_s(rnd.steps_election)} (JL_STEPS), "
                 )
+                server = f"  new leaders after {steps}{_s(rnd.election)} (all)"
+            elif rnd.leaderless:
+                server = f"  no new leader for {len(rnd.leaderless)} group(s)"
             lines.append(
                 f"  round {rnd.round:>3} {rnd.failure:<22} kill at {rnd.kill_after:4.2f}s"
                 f"  turns {len(rnd.turns):>3}  in flight {len(rnd.in_flight):>2}"

@@ -169,8 +169,10 @@ class Elections(NamedTuple):
     every group the killed node led (the streams a step touches and their consumers): each
     elects on its own, and a step waits for every one it needs."""
 
-    steps: float
+    steps: float | None  # None: the node did not lead JL_STEPS
     every_group: float
+    # Groups that had no new leader when the harness stopped waiting (named, not timed).
+    leaderless: tuple[str, ...] = ()
 
 
 class Servers(Protocol):
@@ -337,8 +339,8 @@ class Cluster:
         and consumers it was leader of) has a new leader; the election time is the last."""
         await self.cluster.wait_leader(topology.STEPS_STREAM, not_node=node, timeout=60)
         steps = time.monotonic() - killed_at
-        await self.cluster.wait_groups(led, not_node=node, timeout=60)
-        elected = Elections(steps, time.monotonic() - killed_at)
+        leaderless = await self.cluster.wait_groups(led, not_node=node, timeout=60)
+        elected = Elections(steps, time.monotonic() - killed_at, tuple(leaderless))
         self.cluster.start_node(node)
         await self.cluster.wait_node(node, timeout=60)
         return elected

@@ -92,13 +92,21 @@ class FaultCluster(Cluster):
             node = leader
         cut = failure in CUTS_A_NODE
         names = await asyncio.to_thread(self.cluster.connection_names, node) if cut else []
+        other = rng.choice([i for i in nodes if i != node]) if failure == "one_way" else node
+        if failure == "one_way":
+            # One direction of the link dropped stalls its TCP connection both ways (the
+            # acknowledgements are lost): the two ends cannot reach each other, each still
+            # reaches the third node. A worker on either end cannot reach the groups the other
+            # end leads, so it is cut off from them as a partitioned node's workers are.
+            for end in (node, other):
+                names += await asyncio.to_thread(self.cluster.connection_names, end)
         # What the node leads: the majority elects anew for each once the node is cut off.
         led = await self.cluster.groups_led_by(node, JETLOOP_STREAMS) if cut else []
         kill = Kill.now(cut_off=worker_ids(names))
         if failure in ("partition_leader", "partition_follower", "flap"):
             self.net.partition(node)
         elif failure == "one_way":
-            self.net.one_way(node, rng.choice([i for i in nodes if i != node]))
+            self.net.one_way(node, other)
         elif failure == "netem":
             self.net.netem(node, delay_ms=40, jitter_ms=20, loss_pct=3)
         else:

@@ -1186,7 +1186,8 @@ def format_reports(reports: Sequence[Report]) -> str:
                 f"  false {len(rnd.false_takeovers)}{server}"
                 + (f"  drained resumes {rnd.drained_resumes}" if rnd.drained_resumes else "")
                 + (
-                    f"  cut off (their node paused or partitioned) {','.join(rnd.cut_off)}"
+                    f"  cut off (their node paused, partitioned or one end of a broken link)"
+                    f" {','.join(rnd.cut_off)}"
                     if rnd.cut_off
                     else ""
                 )

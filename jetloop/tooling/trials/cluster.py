@@ -36,6 +36,7 @@ from types import TracebackType
 from typing import Self
 
 from nats.aio.client import Client
+from nats.errors import Error as NatsError
 from nats.js import JetStreamManager
 
 from jetloop.services.embedded import connect_or_close, free_port, server_binary
@@ -418,14 +419,14 @@ class LocalCluster:
         name = self.nodes[node].name
         async with self._admin(timeout=timeout) as jsm:
             for stream in streams:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(NatsError, TimeoutError):
                     info = await jsm.stream_info(stream)
                     if info.cluster is not None and info.cluster.leader == name:
                         led.append((stream, None))
                 for consumer in await _consumer_names(jsm, stream, timeout):
                     try:
                         c = await jsm.consumer_info(stream, consumer, timeout=QUERY_SECONDS)
-                    except Exception:
+                    except (NatsError, TimeoutError):
                         continue
                     # An ephemeral consumer (a follower's) lives on one node and dies with it.
                     if not c.config.durable_name:

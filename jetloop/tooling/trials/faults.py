@@ -91,15 +91,20 @@ class FaultCluster(Cluster):
         else:
             node = leader
         cut = failure in CUTS_A_NODE
-        names = await asyncio.to_thread(self.cluster.connection_names, node) if cut else []
-        other = rng.choice([i for i in nodes if i != node]) if failure == "one_way" else node
+        # The nodes whose workers the fault cuts off.
+        ends: tuple[int, ...] = (node,) if cut else ()
         if failure == "one_way":
             # One direction of the link dropped stalls its TCP connection both ways (the
             # acknowledgements are lost): the two ends cannot reach each other, each still
             # reaches the third node. A worker on either end cannot reach the groups the other
             # end leads, so it is cut off from them as a partitioned node's workers are.
-            for end in (node, other):
-                names += await asyncio.to_thread(self.cluster.connection_names, end)
+            other = rng.choice([i for i in nodes if i != node])
+            ends = (node, other)
+        names = [
+            name
+            for end in ends
+            for name in await asyncio.to_thread(self.cluster.connection_names, end)
+        ]
         # What the node leads: the majority elects anew for each once the node is cut off.
         led = await self.cluster.groups_led_by(node, JETLOOP_STREAMS) if cut else []
         kill = Kill.now(cut_off=worker_ids(names))

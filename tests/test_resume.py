@@ -131,6 +131,32 @@ async def test_one_worker_lost_is_one_loss(
     assert await vendor.effect_count("write") == 3
 
 
+async def test_a_step_its_live_worker_abandoned_is_resumed_without_a_loss(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A live worker whose delivery ended with its claim still recorded (an outage that
+    outlasted its writes' retries, made here at two points, once each) resumes the step as
+    after a crash — the model step by a new attempt, the single-attempt write it had made
+    settled in doubt, not made again — and each resume is audited as abandoned, but the turn
+    records no loss: a turn must not fail its loss limit on workers that never died."""
+    fails = "run_model.before_commit,call_tool.before_commit"
+    w = workers.start("w", env={"JETLOOP_FAULT_FAIL": fails})
+    h = await client.send("tester", "ab", script([call("once", name="o")]))
+    res = await client.wait(h, timeout=60)
+    [seen] = body(res.text)["seen"]
+    assert seen["status"] == "outcome_unknown"
+    assert await vendor.effect_count("once") == 1
+    assert len(w.find("fault.fail")) == 2
+    events = await events_of(client, "ab", ("turn.completed",))
+    resumed = [e.data for e in events if e.type == "agent.run.crash_resumed"]  # type: ignore[attr-defined]
+    assert [(r["abandoned"], r["losses"], r["lost_worker"]) for r in resumed] == [
+        (True, 0, "w"),
+        (True, 0, "w"),
+    ]
+    turn = await client.turn("ab", h.turn_id)
+    assert turn is not None and turn.lost == []
+
+
 async def test_gates_again_on_resume(
     client: Client, workers: WorkerFactory, vendor: Vendor
 ) -> None:

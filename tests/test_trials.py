@@ -26,6 +26,8 @@ from jetloop.tooling.powercut.lazyfs import unavailable
 from jetloop.tooling.trials.faults import NETWORK_FAULTS
 from jetloop.tooling.trials.measures import (
     SeenEvent,
+    abandoned_resumes,
+    drained_resumes,
     engine_detection,
     false_takeovers,
     targets,
@@ -97,6 +99,20 @@ def test_false_takeovers_name_live_holders_once_per_loss() -> None:
         "t1 lost victim0/i1: victim0 was alive",
         "t2 lost victim0/i1: victim0 was alive",
     ]
+
+
+def test_a_resume_of_a_step_its_live_holder_abandoned_is_not_false() -> None:
+    """A resume the engine audited as abandoned (the live holder's delivery had ended
+    unfinished) or drained is no false takeover, and is counted apart."""
+    abandoned = _resumed("t1", "survivor", 100.5)
+    abandoned.data["abandoned"] = True
+    drained = _resumed("t2", "survivor", 100.6)
+    drained.data["drained"] = True
+    events = [abandoned, drained, _resumed("t3", "survivor", 100.7)]
+    assert false_takeovers({}, events, {"survivor"}, None, 100.0) == [
+        "t3 lost survivor/i1: survivor was alive"
+    ]
+    assert abandoned_resumes(events) == 1 and drained_resumes(events) == 1
 
 
 def test_targets_follow_issues_14_and_31() -> None:

@@ -46,7 +46,7 @@ from jetloop.consumers.calls import (
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.followers import call_done
 from jetloop.consumers.join import StepCalls, outcome_told_and_joined
-from jetloop.consumers.liveness import holder_lost
+from jetloop.consumers.liveness import Takeover, holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import record_loss, tell_resumed
 from jetloop.consumers.runtime import Delivery
@@ -107,7 +107,7 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
     held = rec_v.value.attempt if rec_v is not None else None
     if held is not None and rec_v is not None and rec_v.value.state in LOSABLE:
         # Another attempt claimed it: settled here only once that attempt is lost.
-        await holder_lost(d, call_state_key(ckey), held, rec_v.stored_at)
+        d.takeover = await holder_lost(d, call_state_key(ckey), held, rec_v.stored_at)
     if i >= len(turn.calls):
         raise DeadLetter(f"call index {i} is out of range for step {n} of turn {tid}")
     call = turn.calls[i]
@@ -310,7 +310,8 @@ async def run(env: CallEnv) -> None:
         # counted once.
         lost = rec.attempt
         step_key = f"{env.turn.session_id}.{env.turn.turn_id}.m{env.n}.c{env.call.index}"
-        resume = await record_loss(rt, env.turn.session_id, env.turn.turn_id, step_key, lost)
+        why = env.d.takeover or Takeover.LOST
+        resume = await record_loss(rt, env.turn.session_id, env.turn.turn_id, step_key, lost, why)
         if resume is None:
             return  # one loss too many: the turn failed, close_turn settles this call
         how = await _resume_settlement(env, effect, args)

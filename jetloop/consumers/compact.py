@@ -137,9 +137,9 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
             return
         if comp.attempt is not None and comp_v is not None:
             # Another attempt claimed the summary: taken over only once that attempt is lost.
-            await holder_lost(d, ckey, comp.attempt, comp_v.stored_at)
+            why = await holder_lost(d, ckey, comp.attempt, comp_v.stored_at)
             step_key = step.step_key()
-            resumed = await record_loss(rt, sid, tid, step_key, comp.attempt)
+            resumed = await record_loss(rt, sid, tid, step_key, comp.attempt, why)
             if resumed is None:
                 return
             await tell_resumed(rt, turn, step_key, comp.attempt, resumed, {})

@@ -5,6 +5,11 @@
 file named by ``JETLOOP_FAULT_RELEASE`` exists (or forever). The test then SIGKILLs,
 SIGSTOPs or releases it. With the variable unset a point costs one set lookup.
 
+``JETLOOP_FAULT_FAIL`` lists points too: the first time this process reaches one it raises
+``InjectedOutage`` there (a NATS timeout, which the worker outlives as it outlives an outage
+longer than its writes are tried again), so the step's delivery ends with its claim still
+recorded, as it does when a store write fails past its retries; later arrivals pass.
+
 ``JETLOOP_FAULT_PLAN`` names a file of holds that may change while the worker runs (the
 crash test of a user's agent, ``jetloop.tooling.crashtest``, moves one worker from round to
 round with it): JSON ``{"holds": ["<point>@<session>#<k>", …], "pass": false}``, each entry
@@ -30,10 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from jetloop.consumers.logcontext import step_ids
 
 log = structlog.get_logger("jetloop.faults")
+
+
+class InjectedOutage(NatsTimeoutError):
+    """Raised at a point of ``JETLOOP_FAULT_FAIL``: an outage the process outlives."""
 
 
 @dataclass(frozen=True)
@@ -107,20 +117,26 @@ class Faults:
         holds: frozenset[str] = frozenset(),
         release: Path | None = None,
         plan: Path | None = None,
+        fails: frozenset[str] = frozenset(),
     ) -> None:
         self.holds = holds
         self.release = release
         self.plan = Plan(plan) if plan is not None else None
+        self.fails = set(fails)  # each fails once: removed when it does
 
     @classmethod
     def from_env(cls) -> Faults:
-        raw = os.environ.get("JETLOOP_FAULT_HOLD", "")
-        holds = frozenset(p.strip() for p in raw.split(",") if p.strip())
+        holds = _points("JETLOOP_FAULT_HOLD")
         rel = os.environ.get("JETLOOP_FAULT_RELEASE")
         plan = os.environ.get("JETLOOP_FAULT_PLAN")
-        return cls(holds, Path(rel) if rel else None, Path(plan) if plan else None)
+        fails = _points("JETLOOP_FAULT_FAIL")
+        return cls(holds, Path(rel) if rel else None, Path(plan) if plan else None, fails)
 
     async def point(self, name: str) -> None:
+        if name in self.fails:
+            self.fails.discard(name)
+            log.warning("fault.fail", point=name)
+            raise InjectedOutage
         if self.plan is not None:
             planned = self.plan.match(name)
             if planned is not None:
@@ -139,3 +155,8 @@ class Faults:
         while self.release is None or not self.release.exists():
             await asyncio.sleep(0.05)
         log.warning("fault.released", point=name)
+
+
+def _points(variable: str) -> frozenset[str]:
+    raw = os.environ.get(variable, "")
+    return frozenset(p.strip() for p in raw.split(",") if p.strip())

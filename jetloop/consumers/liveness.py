@@ -26,12 +26,19 @@ process has been linked for ``RECONNECT_GRACE``. The claim is lost when:
 - the holder is this very process, which no longer works on the step (its delivery ended).
 
 Otherwise the delivery waits: ``RetryLater`` until the lease would lapse, then it looks again.
+
+A lost claim is not always a lost worker. A holder that answers that it no longer works on
+the key, and this very process, are alive: their delivery ended without finishing the step
+(a write that failed past its retries in an outage, a fence it took for lost). The step is
+resumed all the same — a call it had begun may have run — but that is not a loss of the turn
+(``Takeover.ABANDONED``, ``jetloop.consumers.losses``): no worker died or stalled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from enum import Enum
 
 import structlog
 from nats.aio.client import Client
@@ -156,14 +163,22 @@ async def still_holds(nc: Client, incarnation: str, key: str) -> bool | None:
     return reply.data == HOLDING
 
 
-async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) -> None:
-    """Return when the attempt ``held`` (read from ``key``, stored at ``stored_at``) is lost
-    and may be taken over; raise ``RetryLater`` while its holder lives."""
+class Takeover(Enum):
+    """Why a claim may be taken over."""
+
+    LOST = "lost"  # its holder is gone, stalled or silent past the lease: a loss of the turn
+    ABANDONED = "abandoned"  # its holder lives and no longer works on it: not a loss
+
+
+async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) -> Takeover:
+    """Return when the attempt ``held`` (read from ``key``, stored at ``stored_at``) may be
+    taken over, and why; raise ``RetryLater`` while its holder still works on it."""
     rt = d.rt
     if held.incarnation == rt.incarnation:
         if key in rt.holding:
             raise RetryLater(rt.lease_seconds / 2, f"this worker still runs attempt {held.no}")
-        return  # our own earlier delivery ended without finishing it
+        log.info("step.holder_abandoned", holder=held.worker, key=key, own=True)
+        return Takeover.ABANDONED  # our own earlier delivery ended without finishing it
     linked = linked_for(rt.nc)
     # Silent since its last write, or since this process's link opened, if later: an outage
     # that cut this process off cut the holder off too.
@@ -187,7 +202,8 @@ async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) ->
             silence=round(silence, 2),
             said=said,
         )
-        return
+        # It answered: alive, and done with the key (its delivery ended unfinished).
+        return Takeover.ABANDONED if said is False else Takeover.LOST
     if (d.msg.headers or {}).get(H_HOLDER_LOST) == held.incarnation:
         if linked < RECONNECT_GRACE:
             # This process is just back from an outage (or just started): the holder may be
@@ -197,7 +213,7 @@ async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) ->
         # Asked again here, so a stale or forged header cannot take a live worker's step.
         if await gone(rt.nc, held.incarnation):
             log.info("step.holder_gone", holder=held.worker, incarnation=held.incarnation)
-            return
+            return Takeover.LOST
     wait = max(0.05, rt.lease_seconds - silence + 0.05)
     why = f"attempt {held.no} of worker {held.worker} is alive (silent {silence:.1f}s)"
     raise RetryLater(wait, why)

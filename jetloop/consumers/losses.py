@@ -14,6 +14,12 @@ A holder that stopped on purpose is not a loss: a worker whose drain ran out (SI
 (``jetloop.streams.holds.drained``). The step is resumed as after a crash — a call in doubt
 is settled the same way, since the cancelled call may have run — and audited, with
 ``drained`` set, but the turn's losses stay as they were: deploys cannot fail a turn.
+
+Nor is a holder that lives and has stopped working on the step
+(``jetloop.consumers.liveness.Takeover.ABANDONED``): its delivery ended unfinished, an outage
+outlasting its writes' retries, say. Resumed and audited with ``abandoned`` set, not counted:
+a network fault that ends deliveries on live workers cannot fail a turn this way either. The
+step's own attempts still bound how often it runs.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 from jetloop.consumers import metrics
 from jetloop.consumers.closing import fail_turn
 from jetloop.consumers.errors import RetryLater
+from jetloop.consumers.liveness import Takeover
 from jetloop.consumers.runtime import Runtime
 from jetloop.schemas import Attempt, Event, TurnRecord
 from jetloop.schemas.events import CrashResumedData, TurnLostData
@@ -55,25 +62,31 @@ def lost_event(turn: TurnRecord, losses: int, step_key: str) -> Event:
 @dataclass(frozen=True)
 class Resume:
     """A takeover of a lost attempt: the turn's losses after it, and whether the holder had
-    stopped on purpose (then not counted)."""
+    stopped on purpose or lives and had stopped working on the step (then not counted)."""
 
     losses: int
     drained: bool = False
+    abandoned: bool = False  # its holder lives and had stopped working on it
+
+    @property
+    def counted(self) -> bool:
+        return not (self.drained or self.abandoned)
 
 
 async def record_loss(
-    rt: Runtime, turn_sid: str, turn_tid: str, step_key: str, lost: Attempt
+    rt: Runtime, turn_sid: str, turn_tid: str, step_key: str, lost: Attempt, why: Takeover
 ) -> Resume | None:
     """Count the loss on the turn record; None when it was one too many (the turn failed)."""
     lid = loss_id(lost)
     metrics.TAKEOVERS.inc()
-    stopped = await drained(rt.js, lost.incarnation)
+    abandoned = why == Takeover.ABANDONED
+    stopped = not abandoned and await drained(rt.js, lost.incarnation)
     for _ in range(20):
         cur = await rt.state.turn(turn_sid, turn_tid)
         assert cur is not None
         turn = cur.value
-        if lid in turn.lost or stopped:
-            return Resume(len(turn.lost), drained=stopped)
+        if lid in turn.lost or stopped or abandoned:
+            return Resume(len(turn.lost), drained=stopped, abandoned=abandoned)
         losses = [*turn.lost, lid]
         if len(losses) > rt.max_losses:
             await fail_turn(
@@ -111,6 +124,7 @@ async def tell_resumed(
                         step=step_key,
                         losses=resume.losses,
                         drained=resume.drained,
+                        abandoned=resume.abandoned,
                         lost_attempt=lost.no,
                         lost_worker=lost.worker,
                         lost_incarnation=lost.incarnation,

@@ -33,7 +33,7 @@ from jetloop.consumers.followers import (
     results_again,
     turn_start,
 )
-from jetloop.consumers.liveness import holder_lost
+from jetloop.consumers.liveness import Takeover, holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import Resume, loss_id, lost_event, lost_reason, tell_resumed
 from jetloop.consumers.runtime import Delivery, Runtime
@@ -123,19 +123,23 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
     resumed = turn.attempt
     lost = list(turn.lost)
     stopped = False  # the lost attempt's worker stopped on purpose (jetloop.consumers.losses)
+    abandoned = False  # the lost attempt's worker lives and had stopped working on it
     spent = turn.spent
     if resumed is not None:
         # Another attempt claimed this step: taken over only once that attempt is lost.
-        await holder_lost(d, turn_key(sid, tid), resumed, cur.stored_at)
+        why = await holder_lost(d, turn_key(sid, tid), resumed, cur.stored_at)
         metrics.TAKEOVERS.inc()
         # Its call was paid for if it got an answer: the turn's count takes it in.
         paid = await lost_call(rt.js, sid, tid, n, resumed.no)
         if paid is not None:
             spent = spent.plus(paid.input_tokens, paid.output_tokens, paid.cost_usd)
-        # The attempt before this one was lost (its lease lapsed): a takeover of the turn.
-        stopped = await drained(rt.js, resumed.incarnation)
+        # The attempt before this one was lost (its lease lapsed): a takeover of the turn,
+        # unless its holder lives and had stopped working on it (abandoned) or had stopped
+        # on purpose (drained).
+        abandoned = why == Takeover.ABANDONED
+        stopped = not abandoned and await drained(rt.js, resumed.incarnation)
         lid = loss_id(resumed)
-        if lid not in lost and not stopped:
+        if lid not in lost and not stopped and not abandoned:
             lost.append(lid)
         if len(lost) > rt.max_losses:
             gone = turn.model_copy(
@@ -225,7 +229,9 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
             await d.commit(claimed.model_copy(update={"attempt": None, "attempts": turn.attempts}))
             raise RetryLater(0.25, "every slot of the model endpoint is in use")
         if resumed is not None:
-            await tell_resumed(rt, turn, step.step_key(), resumed, Resume(len(lost), stopped), {})
+            await tell_resumed(
+                rt, turn, step.step_key(), resumed, Resume(len(lost), stopped, abandoned), {}
+            )
 
         request = ModelRequest(
             agent=agent.name,

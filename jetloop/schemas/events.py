@@ -181,6 +181,9 @@ class CrashResumedData(EventData):
     settled: dict[str, Any] = Field(default_factory=dict)  # call key -> how it was settled
     # The holder stopped on purpose (its drain ran out in a deploy): not counted as a loss.
     drained: bool = False
+    # The holder lives and had stopped working on the step (its delivery ended unfinished):
+    # not counted as a loss.
+    abandoned: bool = False
 
 
 class CheckpointRejectedData(EventData):

@@ -153,7 +153,9 @@ def false_takeovers(
     ``turn_losses``: each turn's ``lost`` list (``worker/incarnation``); ``alive``: workers
     alive throughout the round; ``killed``: the worker the round killed, whose losses are
     false only when resumed before the kill. A resume of a step whose worker had stopped on
-    purpose (its drain ran out: ``drained``) is no loss; ``drained_resumes`` counts them.
+    purpose (its drain ran out: ``drained``) is no loss; ``drained_resumes`` counts them. Nor
+    is one of a step its live holder had stopped working on (its delivery ended unfinished, the
+    holder itself said so: ``abandoned``); ``abandoned_resumes`` counts them.
     """
     resumed_at: dict[tuple[str, str], list[float]] = {}
     for turn_id, lost in turn_losses.items():
@@ -162,7 +164,7 @@ def false_takeovers(
     for e in events:
         if e.type != EventType.CRASH_RESUMED.value or e.turn_id is None:
             continue
-        if e.data.get("drained") is True:
+        if e.data.get("drained") is True or e.data.get("abandoned") is True:
             continue
         lid = f"{e.data.get('lost_worker')}/{e.data.get('lost_incarnation', '')}"
         resumed_at.setdefault((e.turn_id, lid), []).append(e.at)
@@ -182,6 +184,14 @@ def drained_resumes(events: Iterable[SeenEvent]) -> int:
     hand-over of a step longer than the drain: resumed, not counted as a loss)."""
     return sum(
         1 for e in events if e.type == EventType.CRASH_RESUMED.value and e.data.get("drained")
+    )
+
+
+def abandoned_resumes(events: Iterable[SeenEvent]) -> int:
+    """How many steps were resumed after their live holder's delivery ended unfinished (an
+    outage outlasting its writes' retries): not a loss, not a false takeover, counted."""
+    return sum(
+        1 for e in events if e.type == EventType.CRASH_RESUMED.value and e.data.get("abandoned")
     )
 
 

@@ -137,6 +137,7 @@ from jetloop.tooling.trials.load import busy
 from jetloop.tooling.trials.measures import (
     VICTIM_KILLED,
     Target,
+    abandoned_resumes,
     drained_resumes,
     engine_detection,
     false_takeovers,
@@ -250,6 +251,8 @@ class RoundTrial:
     detection: float | None = None  # seconds from the kill until the engine noticed
     false_takeovers: list[str] = field(default_factory=list)
     drained_resumes: int = 0  # steps taken over from a worker whose drain ran out
+    # Steps resumed after their live holder's delivery ended unfinished (not a loss).
+    abandoned_resumes: int = 0
     survivor: str | None = None  # the worker started after a power cut took every worker
     # Workers on a node the failure paused: cut off past their lease, taken for dead by
     # design; their steps taken over are not counted false (docs/design.md).
@@ -727,6 +730,7 @@ class Trials:
             alive |= self.started  # a deploy kills nobody
         losses = {t.turn_id: t.lost for t in trial.turns}
         trial.drained_resumes = drained_resumes(events)
+        trial.abandoned_resumes = abandoned_resumes(events)
         trial.false_takeovers += false_takeovers(losses, events, alive, killed, trial.kill_wall)
 
     async def _session(
@@ -1185,6 +1189,7 @@ def format_reports(reports: Sequence[Report]) -> str:
                 f"  completion max {_s(max(rec) if rec else None)}"
                 f"  false {len(rnd.false_takeovers)}{server}"
                 + (f"  drained resumes {rnd.drained_resumes}" if rnd.drained_resumes else "")
+                + (f"  abandoned resumes {rnd.abandoned_resumes}" if rnd.abandoned_resumes else "")
                 + (
                     f"  cut off (their node paused, partitioned or one end of a broken link)"
                     f" {','.join(rnd.cut_off)}"

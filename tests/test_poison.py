@@ -8,8 +8,16 @@ import time
 
 import msgpack
 import pytest
+from nats.errors import TimeoutError as NatsTimeoutError
 
-from jetloop.consumers.dispatch import TRANSIENT_FOR, UNEXPECTED_TRIES, Failing, fate
+from jetloop.consumers.dispatch import (
+    OUTAGE_BACKOFF,
+    OUTAGE_JITTER,
+    TRANSIENT_FOR,
+    UNEXPECTED_TRIES,
+    Failing,
+    fate,
+)
 from jetloop.schemas import turn_id_for
 from jetloop.services.client import Client, TurnFailed
 from jetloop.streams.seal import SealBroken
@@ -191,3 +199,16 @@ def test_unexpected_errors_are_retried_a_bounded_number_of_times() -> None:
     outage = Failing(since=time.monotonic() - TRANSIENT_FOR - 1, count=40)
     assert fate(Conflict("turn.s.t", 1), Failing(since=time.monotonic(), count=40))[0] is not None
     assert fate(Conflict("turn.s.t", 1), outage)[0] is None
+
+
+def test_an_outage_is_waited_out_in_short_steps() -> None:
+    """A step failing in an outage is tried again at most ``OUTAGE_BACKOFF`` (+ its jitter)
+    apart however long it lasts, so it moves within seconds of the outage's end; a bug's
+    retries still back off further."""
+    waits = [
+        fate(NatsTimeoutError(), Failing(since=time.monotonic(), count=n))[0] for n in range(1, 30)
+    ]
+    assert all(w is not None and 0 < w <= OUTAGE_BACKOFF * (1 + OUTAGE_JITTER) for w in waits)
+    assert max(w for w in waits if w is not None) > OUTAGE_BACKOFF * 0.99
+    bug = fate(RuntimeError("a bug"), Failing(since=time.monotonic(), count=6, unexpected=1))[0]
+    assert bug is not None and bug > OUTAGE_BACKOFF * (1 + OUTAGE_JITTER)

@@ -14,7 +14,11 @@ Any other exception is sorted by whether a retry can cure it (``fate``):
   ``max_payload`` (``PayloadTooLarge``): dead-lettered at once, with the reason;
 - an outage or a lost race (``TRANSIENT_ERRORS``: NATS timeouts, no responders, a
   connection closed or reconnecting, ``Conflict``): nak'd with backoff (0.2 s doubling to
-  30 s) for up to ``TRANSIENT_FOR`` seconds of failing deliveries, then dead-lettered;
+  ``OUTAGE_BACKOFF`` = 2 s, each delay up to a quarter longer at random so that the steps of
+  an outage do not all come back at once) for up to ``TRANSIENT_FOR`` seconds of failing
+  deliveries, then dead-lettered. Capped low because an outage ends all at once (a node back
+  from a partition answered "JetStream temporarily unavailable" for 6 s, then everything): a
+  step waiting out a 30 s backoff would stall that long past it;
 - this process's clock found too far off to seal (``ClockOff``, ``jetloop.streams.clock``):
   handed back at once, not counted, for a worker whose clock is right;
 - anything else (a bug, a refusal from the server): nak'd with backoff for
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -90,6 +95,16 @@ def backoff(num_delivered: int) -> float:
     return float(min(MAX_BACKOFF, 0.2 * 2 ** min(num_delivered - 1, 8)))
 
 
+OUTAGE_BACKOFF = 2.0
+OUTAGE_JITTER = 0.25
+
+
+def outage_backoff(failures: int) -> float:
+    """The delay before a step that failed ``failures`` times in a row in an outage is tried
+    again: short, since an outage ends for every step at once, and spread."""
+    return min(OUTAGE_BACKOFF, backoff(failures)) * (1.0 + OUTAGE_JITTER * random.random())
+
+
 @dataclass
 class Failing:
     """The failed deliveries of one message in a row, as this worker saw them."""
@@ -134,7 +149,7 @@ def fate(exc: Exception, failing: Failing) -> tuple[float | None, str]:
     if isinstance(exc, TRANSIENT_ERRORS) and not failing.unexpected:
         if time.monotonic() - failing.since >= TRANSIENT_FOR:
             return None, f"{what} (still failing after {failing.count} deliveries)"
-        return backoff(failing.count), what
+        return outage_backoff(failing.count), what
     if failing.unexpected >= UNEXPECTED_TRIES:
         return None, f"{what} (failed {failing.unexpected} deliveries in a row)"
     return backoff(failing.count), what

@@ -105,9 +105,10 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
         log.info("call.stale_step", turn_step=turn.model_step, status=turn.status.value)
         return
     held = rec_v.value.attempt if rec_v is not None else None
+    takeover = Takeover.LOST
     if held is not None and rec_v is not None and rec_v.value.state in LOSABLE:
         # Another attempt claimed it: settled here only once that attempt is lost.
-        d.takeover = await holder_lost(d, call_state_key(ckey), held, rec_v.stored_at)
+        takeover = await holder_lost(d, call_state_key(ckey), held, rec_v.stored_at)
     if i >= len(turn.calls):
         raise DeadLetter(f"call index {i} is out of range for step {n} of turn {tid}")
     call = turn.calls[i]
@@ -145,6 +146,7 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
         agent,
         tool,
         session_v.value if session_v else None,
+        takeover,
     )
     d.watch_turn = (sid, tid)
 
@@ -310,8 +312,9 @@ async def run(env: CallEnv) -> None:
         # counted once.
         lost = rec.attempt
         step_key = f"{env.turn.session_id}.{env.turn.turn_id}.m{env.n}.c{env.call.index}"
-        why = env.d.takeover or Takeover.LOST
-        resume = await record_loss(rt, env.turn.session_id, env.turn.turn_id, step_key, lost, why)
+        resume = await record_loss(
+            rt, env.turn.session_id, env.turn.turn_id, step_key, lost, env.takeover
+        )
         if resume is None:
             return  # one loss too many: the turn failed, close_turn settles this call
         how = await _resume_settlement(env, effect, args)

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from jetloop.agents import Agent, Tool
 from jetloop.consumers import metrics
 from jetloop.consumers.join import outcome_told_and_joined
+from jetloop.consumers.liveness import Takeover
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.schemas import (
     CallOutcome,
@@ -51,6 +52,8 @@ class CallEnv:
     tool: Tool
     # The session as read with the turn and the call (its approval overrides gate the call).
     session: SessionRecord | None = None
+    # Why the attempt the record holds may be taken over (``liveness.holder_lost``), if any.
+    takeover: Takeover = Takeover.LOST
 
     @property
     def rt(self) -> Runtime:

@@ -68,9 +68,13 @@ class Resume:
     drained: bool = False
     abandoned: bool = False  # its holder lives and had stopped working on it
 
-    @property
-    def counted(self) -> bool:
-        return not (self.drained or self.abandoned)
+
+async def not_a_loss(rt: Runtime, lost: Attempt, why: Takeover) -> tuple[bool, bool]:
+    """Whether the lost attempt's holder had stopped on purpose (drained) or lives and had
+    stopped working on the step (abandoned): either way not a loss of the turn."""
+    if why == Takeover.ABANDONED:
+        return False, True
+    return await drained(rt.js, lost.incarnation), False
 
 
 async def record_loss(
@@ -79,8 +83,7 @@ async def record_loss(
     """Count the loss on the turn record; None when it was one too many (the turn failed)."""
     lid = loss_id(lost)
     metrics.TAKEOVERS.inc()
-    abandoned = why == Takeover.ABANDONED
-    stopped = not abandoned and await drained(rt.js, lost.incarnation)
+    stopped, abandoned = await not_a_loss(rt, lost, why)
     for _ in range(20):
         cur = await rt.state.turn(turn_sid, turn_tid)
         assert cur is not None

@@ -33,9 +33,16 @@ from jetloop.consumers.followers import (
     results_again,
     turn_start,
 )
-from jetloop.consumers.liveness import Takeover, holder_lost
+from jetloop.consumers.liveness import holder_lost
 from jetloop.consumers.logcontext import bind_step
-from jetloop.consumers.losses import Resume, loss_id, lost_event, lost_reason, tell_resumed
+from jetloop.consumers.losses import (
+    Resume,
+    loss_id,
+    lost_event,
+    lost_reason,
+    not_a_loss,
+    tell_resumed,
+)
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.session import end_turn
 from jetloop.consumers.side_by_side import side_by_side
@@ -56,7 +63,6 @@ from jetloop.schemas import (
 from jetloop.schemas.errors import ProviderError, ProviderRejected, ProviderRetryable
 from jetloop.schemas.ids import call_id
 from jetloop.streams.bus import event_out
-from jetloop.streams.holds import drained
 from jetloop.streams.state import Versioned, turn_key
 from jetloop.streams.topology import live_subject
 
@@ -136,8 +142,7 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
         # The attempt before this one was lost (its lease lapsed): a takeover of the turn,
         # unless its holder lives and had stopped working on it (abandoned) or had stopped
         # on purpose (drained).
-        abandoned = why == Takeover.ABANDONED
-        stopped = not abandoned and await drained(rt.js, resumed.incarnation)
+        stopped, abandoned = await not_a_loss(rt, resumed, why)
         lid = loss_id(resumed)
         if lid not in lost and not stopped and not abandoned:
             lost.append(lid)

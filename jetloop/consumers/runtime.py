@@ -46,7 +46,6 @@ from jetloop.streams.windows import EndpointLimits, Windows
 
 if TYPE_CHECKING:
     from jetloop.consumers.join import StepCalls
-    from jetloop.consumers.liveness import Takeover
 
 log = structlog.get_logger("jetloop.fence")
 
@@ -167,8 +166,6 @@ class Delivery:
         # A part's: what the parts of its message know of their step (``consumers.join``).
         self.together: StepCalls | None = None
         self.ended = False  # a part's: its call ended its work (``end_part``)
-        # Why the claim this delivery found may be taken over (``liveness.holder_lost``).
-        self.takeover: Takeover | None = None
 
     def part(self) -> Delivery:
         """One call of a message that carries several: fenced on its own (its claim, its

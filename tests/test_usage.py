@@ -22,10 +22,12 @@ from jetloop.agents.prices import DEFAULT_PRICES, Price, Prices
 from jetloop.schemas.errors import TurnFailed
 from jetloop.schemas.records import Spent
 from jetloop.services.client import Client, TurnHandle
+from jetloop.services.embedded import EmbeddedServer
 from jetloop.services.gateway.app import make_app
 from jetloop.services.readmodel.projector import Projector
 from jetloop.sessions.usage import UsageLine, totals, totals_json
 from jetloop.streams.registry import Registry
+from jetloop.streams.topology import EVENTS_STREAM, event_subject
 from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import WorkerFactory, until
 from tests.fakes.base import Failure, FakeCall, Reply
@@ -218,6 +220,41 @@ async def test_a_turn_stops_at_its_budget_and_the_next_turn_is_told(
 
     snap = await until(both_ended)
     assert snap.spent.calls == 3 and snap.spent.tokens == 360
+
+
+async def test_a_usage_record_a_server_lost_beside_its_commit_is_told_again(
+    server: EmbeddedServer, client: Client, workers: WorkerFactory
+) -> None:
+    """A model step's usage and its commit are in flight together. A server that stops
+    between them may keep the commit only (simulated: the record deleted from the log, the
+    server restarted, so its dedupe no longer knows the key): the step's next delivery finds
+    the answer committed and tells the usage again from the record, so the ledger still
+    holds every call the provider billed, each once."""
+    async with FakeOpenAIChat() as fake:
+        fake.script(
+            Reply(text="Opening it.", calls=(FakeCall("create_ticket", {"title": "a"}),)),
+            Reply(text="Ticket T-1 is open.", usage=(200, 40)),
+        )
+        victim = workers.start(
+            env=env_of(fake), app="jetloop.demo.agent:app", hold="run_model.after_commit"
+        )
+        h = await client.send("demo", "u9", "please open a ticket")
+        await victim.wait_for("fault.hold", point="run_model.after_commit", timeout=30)
+        victim.kill()
+        js = client.nc.jetstream()
+        usage = await js.get_last_msg(EVENTS_STREAM, event_subject("u9", "model.usage"))
+        await js.delete_msg(EVENTS_STREAM, usage.seq)
+        server.restart()
+        await server.wait_jetstream()
+        workers.start(env=env_of(fake), app="jetloop.demo.agent:app")
+        res = await client.wait(h, timeout=60)
+        assert res.text == "Ticket T-1 is open."
+        billed = list(fake.billed)
+    assert len(billed) == 2  # the answered step was not asked again
+    lines = await client.usage("u9")
+    got = sorted((x.model_step, x.attempt, x.input_tokens, x.output_tokens) for x in lines)
+    assert got == [(0, 1, *billed[0]), (1, 1, 200, 40)]
+    assert all(x.model == MODEL for x in lines)
 
 
 async def test_a_crash_does_not_reset_the_count(

@@ -10,6 +10,8 @@ publish, ack.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -47,7 +49,13 @@ from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.session import end_turn
 from jetloop.consumers.side_by_side import side_by_side
 from jetloop.consumers.tracing import answered, model_span
-from jetloop.consumers.usage import lost_call, model_of, record_usage, usage_event
+from jetloop.consumers.usage import (
+    lost_call,
+    model_of,
+    record_usage,
+    usage_again,
+    usage_event,
+)
 from jetloop.schemas import (
     Carried,
     HistoryEntry,
@@ -61,6 +69,7 @@ from jetloop.schemas import (
     idempotency_key,
 )
 from jetloop.schemas.errors import ProviderError, ProviderRejected, ProviderRetryable
+from jetloop.schemas.events import ModelUsageData
 from jetloop.schemas.ids import call_id
 from jetloop.streams.bus import event_out
 from jetloop.streams.state import Versioned, turn_key
@@ -109,11 +118,14 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
         raise DeadLetter(f"run_model for turn {tid} of session {sid}, which has no record")
     turn = cur.value
     if turn.status.terminal:
+        if turn.model_step == n and turn.status == TurnStatus.COMPLETED:
+            await rt.bus.publish(usage_again(rt, turn))  # its answer ended the turn
         await end_turn(rt, turn)
         return
     if turn.model_step > n:
         return
     if turn.model_step == n and turn.phase == TurnPhase.CALLS:
+        await rt.bus.publish(usage_again(rt, turn))
         await answer(turn, rt.calls_in_one_message, folded=rt.folded_log).publish(rt.bus)
         return
     if turn.model_step < n:
@@ -286,16 +298,28 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
         except Exception as exc:
             await _attempt_failed(d, claimed, attempt.no, exc)
 
-        # Paid for: in the ledger before anything else, so a crash before the commit that
-        # makes this step run again still counts this call (jetloop.consumers.usage).
-        paid = await record_usage(rt.bus, usage_event(rt.prices, agent.model, request, response))
-        spent = spent.plus(paid.input_tokens, paid.output_tokens, paid.cost_usd)
-        admission.used = paid.input_tokens + paid.output_tokens
+        # Paid for: on its way to the ledger at once, so a crash before the commit that makes
+        # this step run again still counts this call (jetloop.consumers.usage). The commit
+        # does not wait for it: both are in flight together, and the step waits for both
+        # before it publishes what follows (a commit whose usage was lost with a server is
+        # told again from the record: ``usage_again``).
+        usage = usage_event(rt.prices, agent.model, request, response)
+        ledger = asyncio.ensure_future(record_usage(rt.bus, usage))
+        bill = usage.payload()
+        assert isinstance(bill, ModelUsageData)
+        spent = spent.plus(bill.input_tokens, bill.output_tokens, bill.cost_usd)
+        admission.used = bill.input_tokens + bill.output_tokens
     finally:
         await admission.close()
-    committed = await _plan(rt, tools, claimed, response, spent)
-    await rt.faults.point("run_model.before_commit")
-    await d.commit(committed)
+    try:
+        committed = await _plan(rt, tools, claimed, response, spent)
+        await rt.faults.point("run_model.before_commit")
+        await d.commit(committed)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await ledger  # still sent: the call was paid for, whatever became of the commit
+        raise
+    await ledger  # confirmed before anything follows, or the step is handed back
     log.debug("model.answered", calls=len(committed.calls), status=committed.status.value)
     await rt.faults.point("run_model.after_commit")
     if committed.status == TurnStatus.COMPLETED:

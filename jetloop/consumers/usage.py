@@ -1,8 +1,9 @@
 """The usage ledger's writer: each model call's tokens and cost, recorded as its answer lands.
 
 A model step (and a compaction's summary call) records what its call used right after the
-answer arrived and before the step commits the answer: an attempt that a crash then makes
-repeat was paid for, and is counted, once — its record's key names the attempt
+answer arrived (a model step beside its commit of the answer, both in flight at once; a
+compaction before its commit): an attempt that a crash then makes repeat was paid for, and
+is counted, once — its record's key names the attempt
 (``<session>.<turn>.m<step>.a<attempt>.usage``), so the same attempt published again (a
 retried publish, a redelivery that finds it recorded) is the same message id, and the
 readers (``jetloop.sessions.usage``) count a key once. Records are ``model.usage`` events
@@ -12,7 +13,7 @@ tokens and dollars per agent and model in the process that paid them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -20,10 +21,13 @@ from prometheus_client import Counter
 
 from jetloop.agents import ModelRequest, ModelResponse
 from jetloop.agents.prices import Prices
-from jetloop.schemas import Event, EventType, decode
+from jetloop.schemas import Event, EventType, TurnRecord, decode
 from jetloop.schemas.events import ModelUsageData
-from jetloop.streams.bus import Bus, event_out
+from jetloop.streams.bus import Bus, Outgoing, event_out
 from jetloop.streams.topology import EVENTS_STREAM, event_subject
+
+if TYPE_CHECKING:
+    from jetloop.consumers.runtime import Runtime
 
 TOKENS = Counter(
     "jetloop_model_tokens_total",
@@ -55,29 +59,69 @@ def usage_event(
 ) -> Event:
     """The ledger's record of the call ``request`` that ``adapter`` answered with
     ``response`` (the request says whose: agent, session, turn, step, attempt, purpose)."""
-    model = model_of(adapter, response)
-    u = response.usage
+    return _ledger_record(
+        prices,
+        request.agent,
+        request.session_id,
+        request.turn_id,
+        request.model_step,
+        request.attempt,
+        request.purpose,
+        model_of(adapter, response),
+        response.usage,
+    )
+
+
+def usage_again(rt: Runtime, turn: TurnRecord) -> list[Outgoing]:
+    """The ledger's record of the call that answered ``turn``'s current model step, again,
+    from the committed record: a step found answered when delivered again tells it once more,
+    for the commit and the usage were in flight together and a server that stopped between
+    them may have kept only the commit. The same key: the stream drops it as a duplicate when
+    the first landed, and readers count a key once. Nothing for a step that no model call
+    answered (a turn failed or cancelled before), or whose agent this worker does not serve."""
+    agent = rt.app.agent(turn.agent)
+    if agent is None or not turn.usage or turn.attempts < 1:
+        return []
+    record = _ledger_record(
+        rt.prices,
+        turn.agent,
+        turn.session_id,
+        turn.turn_id,
+        turn.model_step,
+        turn.attempts,
+        "answer",
+        model_of(agent.model),
+        turn.usage,
+    )
+    return [event_out(record)]
+
+
+def _ledger_record(
+    prices: Prices,
+    agent: str,
+    session_id: str,
+    turn_id: str,
+    model_step: int,
+    attempt: int,
+    purpose: str,
+    model: str | None,
+    u: dict[str, int],
+) -> Event:
     return Event.of(
         ModelUsageData(
-            agent=request.agent,
-            model_step=request.model_step,
-            attempt=request.attempt,
-            purpose=request.purpose,
+            agent=agent,
+            model_step=model_step,
+            attempt=attempt,
+            purpose=purpose,
             model=model,
             input_tokens=int(u.get("input_tokens", 0)),
             output_tokens=int(u.get("output_tokens", 0)),
             cached_input_tokens=int(u.get("cached_input_tokens", 0)),
             cost_usd=prices.cost(model, u),
         ),
-        key=usage_key(
-            request.session_id,
-            request.turn_id,
-            request.model_step,
-            request.attempt,
-            request.purpose,
-        ),
-        session_id=request.session_id,
-        turn_id=request.turn_id,
+        key=usage_key(session_id, turn_id, model_step, attempt, purpose),
+        session_id=session_id,
+        turn_id=turn_id,
     )
 
 

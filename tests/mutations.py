@@ -209,6 +209,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no-re-emit-on-redelivery",
         "jetloop/consumers/run_model.py",
         "    if turn.model_step == n and turn.phase == TurnPhase.CALLS:\n"
+        "        await rt.bus.publish(usage_again(rt, turn))\n"
         "        await answer(turn, rt.calls_in_one_message, folded=rt.folded_log).publish("
         "rt.bus)\n"
         "        return\n",
@@ -411,8 +412,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "usage-keyed-per-step",
         "jetloop/consumers/usage.py",
-        "            request.model_step,\n            request.attempt,\n",
-        "            request.model_step,\n            1,\n",
+        "        request.model_step,\n        request.attempt,\n",
+        "        request.model_step,\n        1,\n",
         "a model call's usage is keyed by its step, not its attempt: a repeat is dropped",
         ("tests/test_usage.py::test_usage_equals_what_the_provider_billed_across_a_worker_kill",),
     ),
@@ -551,6 +552,40 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_cluster_faults.py::"
             "test_a_worker_cut_off_at_its_mark_stands_down_and_the_write_is_made_once",
         ),
+    ),
+    Mutation(
+        "usage-not-told-again",
+        "jetloop/consumers/run_model.py",
+        "        await rt.bus.publish(usage_again(rt, turn))\n        await answer(",
+        "        await answer(",
+        "a model step found answered does not tell its usage again: a server that kept the "
+        "commit and lost the usage beside it loses a paid call from the ledger",
+        (
+            "tests/test_usage.py::"
+            "test_a_usage_record_a_server_lost_beside_its_commit_is_told_again",
+        ),
+    ),
+    Mutation(
+        "kept-reads-not-joined-from",
+        "jetloop/streams/state.py",
+        "            c if c is not None else _kept_read(reads, k) for c, k in",
+        "            c for c, k in",
+        "a join from state does not see the reads its step kept together: a step whose last "
+        "call ends by its own message (a wait) never moves the turn",
+        (
+            "tests/test_call_tools.py::test_a_steps_reads_wait_for_a_sibling_that_waits",
+            "tests/test_resume.py::"
+            "test_outcome_committed_before_its_worker_died_is_told_after_the_turn_moved_on",
+        ),
+    ),
+    Mutation(
+        "kept-reads-unfenced",
+        "jetloop/consumers/call_tool.py",
+        "        kept = await _reads_fenced(env)\n",
+        "        kept = None\n",
+        "a read delivered again claims without fencing its step's reads record: the earlier "
+        "delivery, stalled, still keeps its reads after the takeover and acks its message",
+        ("tests/test_crash.py::test_stalled_unclaimed_read_commits_nothing_after_a_takeover",),
     ),
 )
 

@@ -13,12 +13,13 @@ from typing import Any
 
 import msgpack
 from nats.aio.msg import Msg
+from nats.js.errors import NoKeysError
 
 from jetloop.demo.vendor import Vendor
-from jetloop.schemas import CallState
+from jetloop.schemas import CallState, StepKind
 from jetloop.services.client import Client
-from jetloop.streams.topology import WORKERS_BUCKET
-from tests.conftest import WorkerFactory, call, script, until
+from jetloop.streams.topology import STATE_BUCKET, WORKERS_BUCKET
+from tests.conftest import WorkerFactory, body, call, script, until
 
 
 async def _tool_steps(client: Client) -> collections.Counter[str]:
@@ -186,3 +187,115 @@ async def test_a_call_whose_wait_ends_while_its_siblings_run_still_joins(
         f"ct6.{h.turn_id}.0.0": "await_tool_approval",  # the approved call, by its own message
         f"ct6.{h.turn_id}.0.1": "call_tools",
     }
+
+
+async def _state_keys(client: Client, prefix: str) -> list[str]:
+    kv = await client.js.key_value(STATE_BUCKET)
+    try:
+        return sorted(k for k in await kv.keys() if k.startswith(prefix))
+    except NoKeysError:
+        return []
+
+
+async def test_a_steps_reads_are_kept_in_one_record(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Three reads and a write in one message: the reads' outcomes are written together, one
+    ``StepReads`` record (one write the server syncs, not three); the write keeps its own.
+    Every read is made once, and reads back as a call's record would (``Client.call``, the
+    snapshot), and the model is given every result in call order."""
+    w = workers.start()
+    await w.wait_for("worker.step_reads", now=True, timeout=30)
+    calls = [call("read", name="a"), call("read", name="bb"), call("write", name="w")]
+    calls.append(call("read", name="ccc"))
+    h = await client.send("tester", "kr1", script(calls))
+    res = await client.wait(h, timeout=30)
+    assert await _state_keys(client, f"call.kr1.{h.turn_id}.") == [f"call.kr1.{h.turn_id}.0.2"]
+    assert await _state_keys(client, f"reads.kr1.{h.turn_id}.") == [f"reads.kr1.{h.turn_id}.0"]
+    for i, want in ((0, 1), (1, 2), (3, 3)):
+        rec = await client.call("kr1", h.turn_id, 0, i)
+        assert rec is not None and rec.state == CallState.SUCCEEDED and rec.attempts == 1
+        assert rec.outcome is not None and rec.outcome.result["value"] == want
+    snap = await client.snapshot("kr1")
+    assert snap is not None
+    assert [(c.index, c.tool, c.state) for c in snap.calls] == [
+        (0, "read", "succeeded"),
+        (1, "read", "succeeded"),
+        (2, "write", "succeeded"),
+        (3, "read", "succeeded"),
+    ]
+    assert sorted((await vendor.payload_counts("read")).values()) == [1, 1, 1]
+    seen = body(res.text)["seen"]
+    assert [s["result"]["value"] for s in seen if s["tool"] == "read"] == [1, 2, 3]
+
+
+async def test_reads_kept_before_their_worker_died_are_not_made_again(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A worker killed after it wrote the step's reads record and before the join moved the
+    turn: the message's next delivery finds every read's outcome kept, makes none again,
+    tells them and joins; the turn completes with the first results."""
+    victim = workers.start("victim", hold="call_tool.after_commit")
+    await victim.wait_for("worker.step_reads", now=True, timeout=30)
+    h = await client.send("tester", "kr2", script([call("read", name="a"), call("read", name="b")]))
+    await victim.wait_for("fault.hold", point="call_tool.after_commit", timeout=30)
+    assert await _state_keys(client, f"call.kr2.{h.turn_id}.") == []
+    assert await _state_keys(client, f"reads.kr2.{h.turn_id}.") == [f"reads.kr2.{h.turn_id}.0"]
+    turn = await client.turn("kr2", h.turn_id)
+    assert turn is not None and turn.model_step == 0  # not joined yet
+    victim.kill()
+    workers.start("survivor")
+    res = await client.wait(h, timeout=60)
+    assert sorted((await vendor.payload_counts("read")).values()) == [1, 1]
+    assert [s["status"] for s in body(res.text)["seen"]] == ["ok", "ok"]
+    assert await _state_keys(client, f"call.kr2.{h.turn_id}.") == []
+    assert await _state_keys(client, f"reads.kr2.{h.turn_id}.") == [f"reads.kr2.{h.turn_id}.0"]
+
+
+async def test_a_worker_that_does_not_read_it_means_a_record_per_read(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """While a live worker's presence does not list ``step_reads`` (a release before it),
+    every read keeps its own record, which every release reads."""
+    kv = await client.js.key_value(WORKERS_BUCKET)
+    older = {"agents": ["tester"], "pools": ["tool"], "since": time.time()}
+    older["kinds"] = sorted(StepKind)
+    await kv.put("worker.older-release", json.dumps(older).encode())
+    try:
+        w = workers.start()
+        await w.wait_for("worker.started", timeout=30)
+        h = await client.send(
+            "tester", "kr3", script([call("read", name="a"), call("read", name="b")])
+        )
+        await client.wait(h, timeout=30)
+        assert await _state_keys(client, f"call.kr3.{h.turn_id}.") == [
+            f"call.kr3.{h.turn_id}.0.0",
+            f"call.kr3.{h.turn_id}.0.1",
+        ]
+    finally:
+        await kv.delete("worker.older-release")
+
+
+async def test_a_steps_reads_wait_for_a_sibling_that_waits(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """Two reads and a question in one message: the question's part ends with its wait, so
+    the step's last outcome is not in the message; the reads are kept together once every
+    part has ended, and the answer, by the question's own message, joins from state, which
+    sees them: the turn completes, each read made once."""
+    w = workers.start()
+    await w.wait_for("worker.step_reads", now=True, timeout=30)
+    calls = [call("read", name="a"), call("ask_user", question="go on?"), call("read", name="b")]
+    h = await client.send("tester", "kr4", script(calls))
+
+    async def asked() -> Any:
+        snap = await client.snapshot("kr4")
+        return snap.questions[0] if snap is not None and snap.questions else None
+
+    question = await until(asked, timeout=30)
+    assert await _state_keys(client, f"reads.kr4.{h.turn_id}.") == [f"reads.kr4.{h.turn_id}.0"]
+    await client.answer("kr4", question.question_id, "yes")
+    res = await client.wait(h, timeout=30)
+    assert [s["tool"] for s in body(res.text)["seen"]] == ["read", "ask_user", "read"]
+    assert sorted((await vendor.payload_counts("read")).values()) == [1, 1]
+    assert await _state_keys(client, f"call.kr4.{h.turn_id}.") == [f"call.kr4.{h.turn_id}.0.1"]

@@ -21,7 +21,7 @@ from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams import topology
 from jetloop.streams.connection import connect
-from jetloop.streams.state import StateStore, call_state_key, session_key
+from jetloop.streams.state import StateStore, call_state_key, session_key, step_reads_key
 from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import LEASE, WorkerFactory, body, call, script, until
 from tests.fakes import FakeOpenAIChat, Reply, Stall
@@ -257,16 +257,22 @@ async def test_write_whose_reply_was_lost_is_read_back(nats_ready: EmbeddedServe
 async def test_a_read_commits_its_outcome_as_its_first_write(
     client: Client, workers: WorkerFactory, vendor: Vendor
 ) -> None:
-    """A read on its first delivery writes no ``running`` claim: the call record's one
-    version is its outcome."""
-    workers.start()
+    """A read on its first delivery writes no ``running`` claim: its one write is its
+    outcome, kept with its step's other reads (``reads.<session>.<turn>.<step>``, one
+    version), and the call has no record of its own."""
+    w = workers.start()
+    await w.wait_for("worker.step_reads", now=True, timeout=30)
     h = await client.send("tester", "ur1", script([call("read", name="r")]))
     await client.wait(h, timeout=30)
     # Counted by the bucket's stream (a KV watch's history can miss an entry delivered
     # before its consumer info comes back: nats-py's race, seen on a busy machine).
-    subject = f"$KV.{topology.STATE_BUCKET}.{call_state_key(call_key('ur1', h.turn_id, 0, 0))}"
-    info = await client.js.stream_info(f"KV_{topology.STATE_BUCKET}", subjects_filter=subject)
-    assert info.state.subjects == {subject: 1}
+    prefix = f"$KV.{topology.STATE_BUCKET}."
+    own = prefix + call_state_key(call_key("ur1", h.turn_id, 0, 0))
+    kept = prefix + step_reads_key("ur1", h.turn_id, 0)
+    for subject, versions in ((own, {}), (kept, {kept: 1})):
+        stream = f"KV_{topology.STATE_BUCKET}"
+        info = await client.js.stream_info(stream, subjects_filter=subject)
+        assert (info.state.subjects or {}) == versions
     rec = await client.call("ur1", h.turn_id, 0, 0)
     assert rec is not None and rec.state == "succeeded" and rec.attempts == 1
     assert await count_of(vendor, "read") == 1

@@ -21,6 +21,7 @@ anywhere is a takeover: nothing more is written, published or acked.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import structlog
@@ -45,7 +46,7 @@ from jetloop.consumers.calls import (
 )
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
 from jetloop.consumers.followers import call_done
-from jetloop.consumers.join import StepCalls, outcome_told_and_joined
+from jetloop.consumers.join import StepCalls, join_calls, keep_reads, outcome_told_and_joined
 from jetloop.consumers.liveness import Takeover, holder_lost
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import record_loss, tell_resumed
@@ -57,12 +58,13 @@ from jetloop.schemas import (
     CallState,
     Decision,
     StepMessage,
+    StepReads,
     TurnPhase,
     call_key,
 )
 from jetloop.schemas.errors import RetryableToolError, ToolError
 from jetloop.schemas.kinds import CALLS_PER_MESSAGE
-from jetloop.streams.state import StateStore, call_state_key
+from jetloop.streams.state import Conflict, StateStore, call_state_key, step_reads_key
 
 log = structlog.get_logger("jetloop.call_tool")
 
@@ -255,6 +257,13 @@ async def on_calls(d: Delivery, step: StepMessage) -> None:
     if lost is not None or taken is not None:
         d.lost = True  # nothing more is sent for the message: not even a nak
         raise taken or TakenOver((lost.fence_key if lost is not None else None) or "?")
+    if known.unrecorded and all(isinstance(e, RetryLater) for e in errors):
+        # Reads whose outcome waited for the step's last: it did not come in this message (a
+        # sibling began a wait, or must be tried again). Kept now, before the message is
+        # settled, and joined from state: the step may be complete by now.
+        told = await keep_reads(d, known)
+        await told.publish(d.rt.bus)
+        await join_calls(d, step.session_id, step.turn_id, step.model_step, first=True)
     waits: list[RetryLater] = []
     for e in errors:
         if not isinstance(e, RetryLater):
@@ -332,6 +341,11 @@ async def run(env: CallEnv) -> None:
         unclaimed = False
         rec = rec.model_copy(update={"attempts": max(rec.attempts, 1)})
         log.info("call.read_delivered_again", delivery=env.d.num_delivered)
+        kept = await _reads_fenced(env)
+        if kept is not None:
+            # That delivery kept the read's outcome with the step's other reads: done.
+            await outcome_told_and_joined(env.d, env.turn, kept, env.n, env.call.index, False)
+            return
 
     if rec.attempts >= tool.max_attempts or window_passed(rec, tool):
         await settle(env, exhausted(rec, effect.is_write), "attempts_exhausted")
@@ -390,10 +404,52 @@ async def run(env: CallEnv) -> None:
 
     await rt.faults.point("call_tool.before_commit")
     done = env.rec.model_copy(update={"state": outcome.state, "outcome": outcome, "attempt": None})
+    if unclaimed and _kept_with_reads(env, outcome):
+        # Its outcome goes into one record with the step's other reads (``StepReads``),
+        # written when the last of them ends or when the message's parts have all ended.
+        log.debug("call.kept_with_reads", state=outcome.state.value)
+        await outcome_told_and_joined(env.d, env.turn, done, env.n, env.call.index, recorded=False)
+        return
     env = await write(env, done)
     log.debug("call.recorded", state=outcome.state.value, attempts=attempt.no)
     await rt.faults.point("call_tool.after_commit")
     await outcome_told_and_joined(env.d, env.turn, done, env.n, env.call.index)
+
+
+# A read's outcome is kept with its step's other reads only while it is this small (JSON
+# bytes): 64 of them stay far below a message's limit (a larger result has its own record).
+KEPT_READ_BYTES = 4096
+
+
+def _kept_with_reads(env: CallEnv, outcome: CallOutcome) -> bool:
+    """Whether a read that ran unclaimed keeps its outcome with its step's other reads: in a
+    message that carries every call of the step, while every live worker reads such a record
+    (``Runtime.step_reads``), and when the outcome is small."""
+    known = env.d.together
+    if not env.rt.step_reads or known is None or not known.carries_every_call(env.turn):
+        return False
+    if outcome.result_ref is not None:
+        return True
+    try:
+        return len(json.dumps(outcome.result)) <= KEPT_READ_BYTES
+    except (TypeError, ValueError):
+        return False
+
+
+async def _reads_fenced(env: CallEnv) -> CallRecord | None:
+    """A read delivered again with no record of its own: its step's reads record is written
+    first (empty) if there is none, so that an earlier delivery of the message still making
+    its reads can no longer keep them together (that write is a create: it fails, a
+    takeover, and that delivery writes nothing). If the earlier delivery kept them first,
+    this call's outcome is there: returned, and the read is not made again."""
+    t = env.turn
+    key = step_reads_key(t.session_id, t.turn_id, env.n)
+    try:
+        await env.rt.state.write(key, StepReads(calls=[]), None)
+        return None
+    except Conflict:
+        found = await env.rt.state.call(env.ckey)
+        return found.value if found is not None and found.value.done else None
 
 
 async def _resume_settlement(env: CallEnv, effect: Effect, args: BaseModel) -> str:

@@ -28,18 +28,19 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from jetloop.consumers.carry import carry
-from jetloop.consumers.errors import DeadLetter, RetryLater
-from jetloop.consumers.followers import call_done, joined
+from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
+from jetloop.consumers.followers import Followers, call_done, joined
 from jetloop.consumers.runtime import Delivery
 from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import (
     CallRecord,
     SessionRecord,
     StepMessage,
+    StepReads,
     TurnPhase,
     TurnRecord,
 )
-from jetloop.streams.state import Conflict, Versioned, turn_key
+from jetloop.streams.state import Conflict, Versioned, step_reads_key, turn_key
 
 
 @dataclass
@@ -52,6 +53,9 @@ class StepCalls:
     turn: Versioned[TurnRecord] | None = None
     session: Versioned[SessionRecord] | None = None
     done: dict[int, CallRecord] = field(default_factory=dict)
+    # Outcomes of reads not written yet: kept for one ``StepReads`` record of all of them
+    # (``keep_reads``), written before the turn moves, or before the message is settled.
+    unrecorded: dict[int, CallRecord] = field(default_factory=dict)
 
     def saw(self, turn: Versioned[TurnRecord], session: Versioned[SessionRecord] | None) -> None:
         if self.turn is None or turn.revision > self.turn.revision:
@@ -64,9 +68,12 @@ class StepCalls:
     def carries_every_call(self, turn: TurnRecord) -> bool:
         return len(self.parts) == len(turn.calls)
 
-    def ended(self, index: int, rec: CallRecord) -> Join:
-        """Record call ``index``'s outcome, and say how its part joins."""
+    def ended(self, index: int, rec: CallRecord, recorded: bool = True) -> Join:
+        """Record call ``index``'s outcome (``recorded``: committed to its own record; else
+        to be kept with the step's other reads), and say how its part joins."""
         self.done[index] = rec
+        if not recorded:
+            self.unrecorded[index] = rec
         if len(self.done) == len(self.parts):
             return Join.KNOWN  # the step's last outcome: every one is known here
         if any(p.ended and i not in self.done for i, p in enumerate(self.parts)):
@@ -169,11 +176,13 @@ async def _join_known(d: Delivery, known: StepCalls, n: int) -> None:
     if turn.status.terminal or turn.model_step != n or turn.phase != TurnPhase.CALLS:
         await join_calls(d, sid, tid, n, first=False)
         return
+    told = await keep_reads(d, known)
     results = [known.done[i] for i in range(len(known.parts))]
     moved = _moved(turn, n, results)
     try:
         rev = await d.rt.state.write(turn_key(sid, tid), moved, cur.revision)
     except Conflict:
+        await told.publish(d.rt.bus)
         await join_calls(d, sid, tid, n, first=False)
         return
     await d.rt.faults.point("join.before_publish")
@@ -181,7 +190,33 @@ async def _join_known(d: Delivery, known: StepCalls, n: int) -> None:
     carried = None
     if session is not None:
         carried = carry(d.rt.state.sealer, moved, rev, session.value, session.revision)
-    await joined(moved, results, carried, folded=d.rt.folded_log).publish(d.rt.bus)
+    await (told + joined(moved, results, carried, folded=d.rt.folded_log)).publish(d.rt.bus)
+
+
+async def keep_reads(d: Delivery, known: StepCalls) -> Followers:
+    """Write the outcomes of the reads of ``known``'s message not written yet, together, in
+    one ``StepReads`` record (a create: one write the server syncs, where each read's own
+    record would be one), and return what tells the log of them, to publish after it. A
+    record there already means another delivery of the message wrote the step's reads: a
+    takeover. Nothing to do (and nothing to tell) when every outcome was written."""
+    if not known.unrecorded:
+        return Followers()
+    cur = known.turn
+    assert cur is not None, "a part records the turn it read before it ends its call"
+    turn = cur.value
+    reads = [known.unrecorded[i] for i in sorted(known.unrecorded)]
+    key = step_reads_key(turn.session_id, turn.turn_id, turn.model_step)
+    try:
+        await d.rt.state.write(key, StepReads(calls=reads), None)
+    except Conflict as exc:
+        d.lost = True
+        raise TakenOver(key) from exc
+    known.unrecorded.clear()
+    await d.rt.faults.point("call_tool.after_commit")
+    told = Followers()
+    for rec in reads:
+        told = told + call_done(turn, rec, folded=d.rt.folded_log)
+    return told
 
 
 def _moved(turn: TurnRecord, n: int, results: list[CallRecord]) -> TurnRecord:
@@ -202,7 +237,13 @@ def _moved(turn: TurnRecord, n: int, results: list[CallRecord]) -> TurnRecord:
 
 
 async def outcome_told_and_joined(
-    d: Delivery, turn: TurnRecord, rec: CallRecord, n: int, index: int, first: bool = True
+    d: Delivery,
+    turn: TurnRecord,
+    rec: CallRecord,
+    n: int,
+    index: int,
+    first: bool = True,
+    recorded: bool = True,
 ) -> None:
     """A call's outcome is committed: tell the log and join, at the same time.
 
@@ -215,15 +256,26 @@ async def outcome_told_and_joined(
 
     A part of a ``call_tools`` message that carries every call of the step, its turn still
     at the step, joins without a read if its outcome is the step's last, not at all while a
-    sibling still runs, and from state once a sibling began a wait (``StepCalls``)."""
+    sibling still runs, and from state once a sibling began a wait (``StepCalls``).
+
+    A read that ran unclaimed in such a message (``recorded`` False: its outcome is in no
+    record yet) is kept with the step's other reads, one ``StepReads`` record for all of
+    them: written by the join if its outcome is the step's last, else once every part of
+    the message has ended (``call_tool.on_calls``); it is told to the log only after that
+    write."""
     known = d.together
     current = turn.model_step == n and turn.phase == TurnPhase.CALLS and not turn.status.terminal
     if known is not None and current and known.carries_every_call(turn):
-        how = known.ended(index, rec)
+        how = known.ended(index, rec, recorded)
+        if not recorded and how is not Join.KNOWN:
+            return  # kept with the step's reads when the message's parts have ended
         if how is Join.NOT_YET:
             await call_done(turn, rec, folded=d.rt.folded_log).publish(d.rt.bus)
             return
         if how is Join.KNOWN:
+            if not recorded:
+                await _join_known(d, known, n)  # tells this read with the others it keeps
+                return
             await side_by_side(
                 call_done(turn, rec, folded=d.rt.folded_log).publish(d.rt.bus),
                 _join_known(d, known, n),

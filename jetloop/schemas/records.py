@@ -247,6 +247,19 @@ class CallRecord(BaseModel):
         return self.state in DONE_STATES
 
 
+class StepReads(BaseModel):
+    """The outcomes of a model step's reads that ran together, on the first delivery of the
+    message that carried every call of the step, kept in one record:
+    ``reads.<sid>.<tid>.<step>``. One write instead of one per read (each a write the
+    server syncs). Written once (a create), every outcome in it done; a read whose outcome is
+    here has no record of its own, and readers of a call's record look here when there is
+    none (``StateStore.call``, ``step_view``, ``join_view``)."""
+
+    v: int = SCHEMA_VERSION
+    calls: list[CallRecord]
+    seal: str | None = None
+
+
 class Decision(StrEnum):
     PENDING = "pending"
     APPROVED = "approved"

@@ -768,7 +768,8 @@ class Client:
     async def call(
         self, session_id: str, turn_id: str, model_step: int, index: int
     ) -> CallRecord | None:
-        """One call's record (``call.<sid>.<tid>.<step>.<index>``), or None. Raises
+        """One call's record (``call.<sid>.<tid>.<step>.<index>``; a read kept with its step's
+        other reads: its entry of ``reads.<sid>.<tid>.<step>``), or None. Raises
         ``RecordNotTrusted`` when its seal does not verify."""
         state = await self._reader(f"call {call_key(session_id, turn_id, model_step, index)}")
         key = call_key(session_id, turn_id, model_step, index)

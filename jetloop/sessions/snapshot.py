@@ -25,6 +25,7 @@ from jetloop.schemas import (
     QuestionRecord,
     SessionRecord,
     Spent,
+    StepReads,
     TurnRecord,
     idempotency_key,
 )
@@ -209,23 +210,42 @@ async def turn_calls(
     ``namespace``: the one the turn lives in (its calls' idempotency keys are made of it)."""
     sid, tid = turn.session_id, turn.turn_id
     found, more = await state.matching(f"call.{sid}.{tid}.>", most)
+    kept_reads, _ = await state.matching(f"reads.{sid}.{tid}.*", most)
 
     def order(k: str) -> tuple[int, int]:
         parts = k.split(".")
         return int(parts[-2]), int(parts[-1])
 
-    calls: list[CallView] = []
-    for key in sorted(found, key=order):
-        step, index = order(key)
+    # A step's reads kept together (``StepReads``) are shown as the calls they are.
+    records: dict[str, CallRecord | Exception] = {}
+    for key, raw_reads in kept_reads.items():
         try:
-            rv = state.typed(CallRecord, key, found[key])
+            kept = state.typed(StepReads, key, raw_reads)
         except (SealBroken, DecodeError) as exc:
-            calls.append(_unreadable(turn, key, step, index, exc, namespace))
             untrusted.append(f"{key}: {getattr(exc, 'reason', exc)}")
             continue
-        if rv is None:
+        for rec in kept.value.calls if kept is not None else []:
+            records.setdefault(f"call.{rec.key}", rec)
+    for key, raw in found.items():
+        try:
+            rv = state.typed(CallRecord, key, raw)
+        except (SealBroken, DecodeError) as exc:
+            records[key] = exc
             continue
-        rec = rv.value
+        if rv is not None:
+            records[key] = rv.value
+
+    shown = sorted(records, key=order)
+    more += max(0, len(shown) - most)
+    calls: list[CallView] = []
+    for key in shown[:most]:
+        step, index = order(key)
+        rec_or_error = records[key]
+        if isinstance(rec_or_error, Exception):
+            calls.append(_unreadable(turn, key, step, index, rec_or_error, namespace))
+            untrusted.append(f"{key}: {getattr(rec_or_error, 'reason', rec_or_error)}")
+            continue
+        rec = rec_or_error
         result: Any = None
         if rec.outcome is not None:
             result = rec.outcome.result

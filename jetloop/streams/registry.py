@@ -70,9 +70,18 @@ class WorkerPresence:
     # The step kinds it runs; None: a release that did not say, which runs the kinds
     # there were before ``call_tools`` (``KINDS_BEFORE_SAYING``).
     kinds: tuple[str, ...] | None = None
+    # The records it reads beyond those of its schema version (``RECORDS_READ``).
+    records: tuple[str, ...] = ()
 
     def runs(self, kind: StepKind) -> bool:
         return kind.value in self.kinds if self.kinds is not None else kind in KINDS_BEFORE_SAYING
+
+
+# Records a worker reads that an earlier release of the same schema version does not: a
+# release writes one only while every live worker's presence lists it. ``step_reads``: a
+# model step's reads kept together (``jetloop.schemas.StepReads``).
+STEP_READS = "step_reads"
+RECORDS_READ = (STEP_READS,)
 
 
 # The kinds of step every release runs, also those whose presence does not list its kinds.
@@ -116,6 +125,7 @@ class Registry:
             "release": _RELEASE,
             "reads": SCHEMA_VERSION,
             "kinds": sorted(StepKind),
+            "records": list(RECORDS_READ),
         }
         await self._workers.put(f"worker.{worker_id}", json.dumps(body).encode())
 
@@ -149,6 +159,9 @@ class Registry:
                     release=body.get("release"),
                     reads=int(body.get("reads", FIRST_SCHEMA_VERSION)),
                     kinds=tuple(body["kinds"]) if isinstance(body.get("kinds"), list) else None,
+                    records=tuple(r for r in body.get("records", ()) if isinstance(r, str))
+                    if isinstance(body.get("records"), list)
+                    else (),
                 )
             )
         return out
@@ -160,6 +173,12 @@ class Registry:
         complete (nats-py's KV watch can end before the entries it was sent), and says no."""
         workers = await self.workers()
         return any(w.worker_id == me for w in workers) and all(w.runs(kind) for w in workers)
+
+    async def every_worker_reads(self, record: str, me: str) -> bool:
+        """Whether every live worker reads records of kind ``record`` (``RECORDS_READ``), as
+        ``every_worker_runs`` asks of a step kind."""
+        workers = await self.workers()
+        return any(w.worker_id == me for w in workers) and all(record in w.records for w in workers)
 
     async def declared(self) -> list[str]:
         """Every agent ever served, sorted."""

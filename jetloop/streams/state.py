@@ -27,6 +27,7 @@ from jetloop.schemas import (
     CompactionRecord,
     QuestionRecord,
     SessionRecord,
+    StepReads,
     TurnRecord,
     call_key,
     decode,
@@ -77,6 +78,30 @@ def turn_key(session_id: str, turn_id: str) -> str:
 
 def call_state_key(call_key: str) -> str:
     return f"call.{call_key}"
+
+
+def step_reads_key(session_id: str, turn_id: str, model_step: int) -> str:
+    """The record of a model step's reads kept together (``StepReads``)."""
+    return f"reads.{session_id}.{turn_id}.{model_step}"
+
+
+def _reads_key_of(call_key: str) -> str | None:
+    """The ``StepReads`` key of the step of call ``call_key`` (None: not a call's key)."""
+    parts = call_key.split(".")
+    if len(parts) != 4 or not parts[2].isdigit():
+        return None
+    return step_reads_key(parts[0], parts[1], int(parts[2]))
+
+
+def _kept_read(reads: Versioned[StepReads] | None, call_key: str) -> Versioned[CallRecord] | None:
+    """Call ``call_key``'s outcome as its step's reads record keeps it, if it does: done, and
+    versioned as that record (it is never written again)."""
+    if reads is None:
+        return None
+    for rec in reads.value.calls:
+        if rec.key == call_key:
+            return Versioned(rec, reads.revision, reads.stored_at)
+    return None
 
 
 def approval_key(session_id: str, approval_id: str) -> str:
@@ -381,10 +406,14 @@ class StateStore:
         """What a call step reads before it decides: its turn, its call and its session."""
         tk, ck = turn_key(session_id, turn_id), call_state_key(call_key)
         sk = session_key(session_id)
-        raw = await self._raw_many([tk, ck, sk], share=tk)
+        rk = _reads_key_of(call_key)
+        raw = await self._raw_many([tk, ck, sk] + ([rk] if rk else []), share=tk)
+        rec = self._typed(CallRecord, ck, raw.get(ck))
+        if rec is None and rk is not None:
+            rec = _kept_read(self._typed(StepReads, rk, raw.get(rk)), call_key)
         return (
             self._typed(TurnRecord, tk, raw.get(tk)),
-            self._typed(CallRecord, ck, raw.get(ck)),
+            rec,
             self._typed(SessionRecord, sk, raw.get(sk)),
         )
 
@@ -402,6 +431,7 @@ class StateStore:
         """A turn and the records of its step's calls (one per planned call, None where
         there is none yet), in one request where direct gets are allowed."""
         tk = turn_key(session_id, turn_id)
+        rk = step_reads_key(session_id, turn_id, model_step)
         if self._gets is None:
             turn = await self.turn(session_id, turn_id)
             if turn is None:
@@ -409,14 +439,23 @@ class StateStore:
             keys = [
                 call_key(session_id, turn_id, model_step, i) for i in range(len(turn.value.calls))
             ]
-            return turn, await self.calls(keys)
-        step = call_state_key(f"{session_id}.{turn_id}.{model_step}")
-        raw = await self._shared_last(self._gets, tk, [tk, f"{step}.*"], most_calls + 1)
-        turn = self._typed(TurnRecord, tk, raw.get(tk))
-        if turn is None:
-            return None, []
-        keys = [f"{step}.{i}" for i in range(len(turn.value.calls))]
-        return turn, [self._typed(CallRecord, k, raw.get(k)) for k in keys]
+            calls, reads = await asyncio.gather(self.calls(keys), self._get(StepReads, rk))
+        else:
+            step = call_state_key(f"{session_id}.{turn_id}.{model_step}")
+            raw = await self._shared_last(self._gets, tk, [tk, f"{step}.*", rk], most_calls + 2)
+            turn = self._typed(TurnRecord, tk, raw.get(tk))
+            if turn is None:
+                return None, []
+            keys = [
+                call_key(session_id, turn_id, model_step, i) for i in range(len(turn.value.calls))
+            ]
+            calls = [
+                self._typed(CallRecord, call_state_key(k), raw.get(call_state_key(k))) for k in keys
+            ]
+            reads = self._typed(StepReads, rk, raw.get(rk))
+        return turn, [
+            c if c is not None else _kept_read(reads, k) for c, k in zip(calls, keys, strict=True)
+        ]
 
     async def calls(self, call_keys: Sequence[str]) -> list[Versioned[CallRecord] | None]:
         """The records of several calls (a step's calls, for its join), in one request."""
@@ -554,7 +593,13 @@ class StateStore:
         return await self._get(TurnRecord, turn_key(session_id, turn_id), verify)
 
     async def call(self, call_key: str, verify: bool = True) -> Versioned[CallRecord] | None:
-        return await self._get(CallRecord, call_state_key(call_key), verify)
+        """A call's record; for a read kept with its step's other reads, that record's entry
+        (``StepReads``: done, never written again)."""
+        found = await self._get(CallRecord, call_state_key(call_key), verify)
+        rk = _reads_key_of(call_key)
+        if found is not None or rk is None:
+            return found
+        return _kept_read(await self._get(StepReads, rk, verify), call_key)
 
     async def approval(self, session_id: str, approval_id: str) -> Versioned[ApprovalRecord] | None:
         return await self._get(ApprovalRecord, approval_key(session_id, approval_id))

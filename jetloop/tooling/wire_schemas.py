@@ -32,6 +32,7 @@ from jetloop.schemas import (
     QuestionRecord,
     SessionRecord,
     StepMessage,
+    StepReads,
     TurnRecord,
     TurnRequest,
 )
@@ -51,6 +52,7 @@ RECORDS: dict[str, type[BaseModel]] = {
     "session-record": SessionRecord,
     "turn-record": TurnRecord,
     "call-record": CallRecord,
+    "step-reads": StepReads,
     "approval-record": ApprovalRecord,
     "question-record": QuestionRecord,
     "compaction-record": CompactionRecord,

@@ -1,39 +1,40 @@
 """The raw JetStream floor of a turn: the engine's writes, publishes and acks, and nothing else.
 
 A floor turn moves through the same streams, consumers and KV bucket shapes as an engine turn
-and makes, per step, the same number of KV CAS writes, confirmed publishes (pipelined where
-the engine pipelines them, each with a ``Nats-Msg-Id``) and confirmed acks (``ack_sync``), in
-the same order: commit, publish records, publish the next steps, ack. What it leaves out is
-what the engine adds: the reads (records, history), decoding and encoding with pydantic,
-sealing, the scripted model and the tools, logs, heartbeats. The per-step counts:
+and makes, per step, the same KV CAS writes, confirmed publishes (pipelined where the engine
+pipelines them, each with a ``Nats-Msg-Id``) and confirmed acks (``ack_sync``), in the same
+order: commit, publish records, publish the next steps, ack (records and steps together where
+the engine sends them together, its next step checking that its inputs are in). What it leaves
+out is what the engine adds: the reads (records, history), decoding and encoding with
+pydantic, sealing, the scripted model and the tools, logs, heartbeats. The per-step counts, in
+the folded log (the separate log's extra records in brackets):
 
-    step          CAS writes                publishes (records, then steps)              ack
-    turn request  turn, session             accepted, user, started; run_model 0          1
-    run_model 0   claim, commit             usage (between them); assistant, answered;    1
-                                            one call_tools step
-    call_tools    per call: its outcome     per call: call.outcome; the last done: n tool 1
-                  (a create); the last      results and run_model 1
-                  done: turn
-    run_model 1   claim, commit, session    usage (between the first two); assistant,     1
-                                            turn.completed
+    step          CAS writes                 publishes                                        ack
+    turn request  turn, session              the user's entry [accepted, started], together   1
+                                             with run_model 0
+    run_model 0   claim; commit beside the   the assistant's entry [answered]; then one       1
+                  usage publish              call_tools step
+    call_tools    the step's reads, kept     every read's result entry [and call.outcome],    1
+                  together; the turn (join)  together with run_model 1
+    run_model 1   claim; commit beside the   the assistant's entry carrying turn.completed    1
+                  usage publish; session     [turn.completed]
 
 (a one-model-step turn is the turn request and run_model 0 answering at once, as run_model 1
-does: 19 publishes of records, 13 CAS writes, 3 step publishes and 4 acks per 7-step turn, as
-the engine's since a model step's calls travel in one message).
-``jetloop.tooling.bench.run`` checks these counts against the engine's, measured from stream
-sequences.
+does: 10 publishes of records [19], 9 CAS writes, 3 step publishes and 4 acks per 7-step turn
+whose calls are reads). ``jetloop.tooling.bench.run`` prints these counts beside the engine's,
+measured from stream sequences.
 
 The floor worker runs in its own process (``python -c`` on ``floor_worker_main``), like an
-engine worker, so both pay the same hops. It keeps the join count and the revisions it wrote
-in memory: it reads nothing back, which is what makes it a floor.
+engine worker, so both pay the same hops. It keeps the revisions it wrote in memory: it reads
+nothing back, which is what makes it a floor.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
-from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -52,6 +53,8 @@ TURNS_CONSUMER = "floor_turns"
 STEPS_CONSUMER = "floor_steps"
 COMPLETED = "floor.event.*.turn.completed"
 CONNECTION_NAME = "jetloop-floor-worker"
+# The session log's layout the floor writes as (``folded`` or ``separate``), as the engine's.
+LAYOUT_ENV = "JETLOOP_FLOOR_EVENT_LOG"
 
 
 def turn_subject(session_id: str, turn_id: str, fan: int) -> str:
@@ -118,14 +121,16 @@ def _headers(msg_id: str, tid: str) -> dict[str, str]:
 class FloorWorker:
     """Handles floor steps: only the writes, publishes and acks an engine step makes."""
 
-    def __init__(self, nc: Client, kv: KeyValue, kv_bytes: int, msg_bytes: int) -> None:
+    def __init__(
+        self, nc: Client, kv: KeyValue, kv_bytes: int, msg_bytes: int, folded: bool = True
+    ) -> None:
+        self.folded = folded  # the session log's layout the engine beside it writes
         self.nc = nc
         self.js = nc.jetstream()
         self.kv = kv
         self.value = b"v" * kv_bytes
         self.body = b"m" * msg_bytes
         self.revisions: dict[str, int] = {}
-        self.joined: defaultdict[str, int] = defaultdict(int)
 
     async def cas(self, key: str) -> None:
         """A create (first write of a key) or an update from the revision written last."""
@@ -163,60 +168,59 @@ class FloorWorker:
         await self.cas(f"turn.{sid}.{tid}")
         await self.cas(f"session.{sid}")
         base = f"{sid}.{tid}"
+        records = [("history.user", f"{base}.user")]
+        if not self.folded:
+            records = [
+                ("turn.accepted", f"{base}.accepted"),
+                *records,
+                ("turn.started", f"{base}.started"),
+            ]
         await self.publish(
-            [
-                f"floor.event.{sid}.turn.accepted",
-                f"floor.event.{sid}.history.user",
-                f"floor.event.{sid}.turn.started",
-            ],
-            [f"{base}.accepted", f"{base}.user", f"{base}.started"],
+            [*(f"floor.event.{sid}.{s}" for s, _ in records), self._step("model", sid, tid, fan)],
+            [*(i for _, i in records), f"{base}.m0"],
             tid,
         )
-        await self.publish([self._step("model", sid, tid, fan, 0)], [f"{base}.m0"], tid)
 
     async def model(self, sid: str, tid: str, fan: int, n: int) -> None:
         key, base = f"turn.{sid}.{tid}", f"{sid}.{tid}"
         await self.cas(key)  # claim
-        # The call's usage, in the ledger before the commit.
-        await self.publish([f"floor.event.{sid}.model.usage"], [f"{base}.m{n}.a1.usage"], tid)
-        await self.cas(key)  # commit
+        # The call's usage to the ledger, beside the commit (both in flight at once).
+        usage = self.publish([f"floor.event.{sid}.model.usage"], [f"{base}.m{n}.a1.usage"], tid)
+        await asyncio.gather(usage, self.cas(key))
         if n == 0 and fan > 0:
+            answer = [("history.assistant", f"{base}.m0.assistant")]
+            if not self.folded:
+                answer.append(("model.answered", f"{base}.m0.answered"))
             await self.publish(
-                [f"floor.event.{sid}.history.assistant", f"floor.event.{sid}.model.answered"],
-                [f"{base}.m0.assistant", f"{base}.m0.answered"],
-                tid,
+                [f"floor.event.{sid}.{s}" for s, _ in answer], [i for _, i in answer], tid
             )
             await self.publish([self._step("calls", sid, tid, fan, 0)], [f"{base}.m0.calls"], tid)
             return
-        await self.publish(
-            [f"floor.event.{sid}.history.assistant", f"floor.event.{sid}.turn.completed"],
-            [f"{base}.m{n}.assistant", f"{base}.completed"],
-            tid,
-        )
+        # (Folded, one message: the assistant's entry carrying turn.completed, on the subject
+        # the bench hears a floor turn end on.)
+        last = [("turn.completed", f"{base}.completed")]
+        if not self.folded:
+            last.insert(0, ("history.assistant", f"{base}.m{n}.assistant"))
+        await self.publish([f"floor.event.{sid}.{s}" for s, _ in last], [i for _, i in last], tid)
         await self.cas(f"session.{sid}")  # the session moves on, in the same step
 
     async def calls(self, sid: str, tid: str, fan: int, arg: int) -> None:
-        """Every call of model step 0, side by side; the last one done moves the turn."""
+        """Every call of model step 0, a read each, side by side; their outcomes kept in one
+        record, then the join moves the turn and the results go out with the next step."""
         base = f"{sid}.{tid}"
-
-        async def call(i: int) -> None:
-            await self.cas(f"call.{sid}.{tid}.0.{i}")  # the outcome (a read: its one write)
-            await self.publish(
-                [f"floor.event.{sid}.call.outcome"], [f"call.{base}.0.{i}.outcome"], tid
-            )
-            self.joined[base] += 1
-            if self.joined[base] < fan:
-                return
-            del self.joined[base]
-            await self.cas(f"turn.{sid}.{tid}")
-            await self.publish(
-                [f"floor.event.{sid}.history.tool" for _ in range(fan)],
-                [f"{base}.m0.c{j}.result" for j in range(fan)],
-                tid,
-            )
-            await self.publish([self._step("model", sid, tid, fan, 1)], [f"{base}.m1"], tid)
-
-        await asyncio.gather(*(call(i) for i in range(fan)))
+        await self.cas(f"call.{sid}.{tid}.0.reads")
+        await self.cas(f"turn.{sid}.{tid}")
+        results = [("history.tool", f"{base}.m0.c{j}.result") for j in range(fan)]
+        if not self.folded:
+            results += [("call.outcome", f"call.{base}.0.{j}.outcome") for j in range(fan)]
+        await self.publish(
+            [
+                *(f"floor.event.{sid}.{s}" for s, _ in results),
+                self._step("model", sid, tid, fan, 1),
+            ],
+            [*(i for _, i in results), f"{base}.m1"],
+            tid,
+        )
 
 
 async def pull(
@@ -295,13 +299,14 @@ def worker_args() -> tuple[str, int, int, int]:
 def floor_worker_main() -> None:
     """Entry of the floor worker process (``worker_args``)."""
     url, kv_bytes, msg_bytes, concurrency = worker_args()
+    folded = os.environ.get(LAYOUT_ENV, "folded") == "folded"
     asyncio.run(
         serve(
             url,
             CONNECTION_NAME,
             BUCKET,
             ((TURNS, TURNS_CONSUMER), (STEPS, STEPS_CONSUMER)),
-            lambda nc, kv: FloorWorker(nc, kv, kv_bytes, msg_bytes).handle,
+            lambda nc, kv: FloorWorker(nc, kv, kv_bytes, msg_bytes, folded).handle,
             concurrency,
         )
     )

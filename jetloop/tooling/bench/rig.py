@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import signal
 import statistics
 import subprocess
@@ -341,7 +342,11 @@ class Rig:
     async def start_floor(self, ops: OpCounts) -> None:
         """The floor worker process, with payloads sized like the engine's."""
         self.floor = await _spawn_floor(
-            bench_floor.__name__, "floor_worker_main", self.server.url, ops
+            bench_floor.__name__,
+            "floor_worker_main",
+            self.server.url,
+            ops,
+            {bench_floor.LAYOUT_ENV: self.event_log},
         )
 
     async def start_floor1(self, ops: OpCounts) -> None:
@@ -473,7 +478,9 @@ class Rig:
         return total
 
 
-async def _spawn_floor(module: str, entry: str, url: str, ops: OpCounts) -> subprocess.Popen[bytes]:
+async def _spawn_floor(
+    module: str, entry: str, url: str, ops: OpCounts, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """A floor worker process (``module.entry``), once it says it is ready."""
     code = f"from {module} import {entry}; {entry}()"
     args = [url, str(ops.kv_bytes), str(ops.msg_bytes), str(FLOOR_CONCURRENCY)]
@@ -482,6 +489,7 @@ async def _spawn_floor(module: str, entry: str, url: str, ops: OpCounts) -> subp
         [sys.executable, "-c", code, *args],
         stdout=subprocess.PIPE,
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     assert proc.stdout is not None
     line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)

@@ -281,6 +281,8 @@ async def outcome_told_and_joined(
                 _join_known(d, known, n),
             )
             return
+    # (A read is kept unrecorded only in such a message, its turn current: ``_kept_with_reads``.)
+    assert recorded, "an outcome in no record is told only once it is kept"
     await side_by_side(
         call_done(turn, rec, folded=d.rt.folded_log).publish(d.rt.bus),
         join_calls(d, turn.session_id, turn.turn_id, n, first=first, own=index),

@@ -131,11 +131,14 @@ def strict(schema: Any) -> Any:
 async def test_stored_records_match_their_schema_strictly(
     client: Client, workers: WorkerFactory
 ) -> None:
-    """Every record in jl_state after a turn with a write, an approval and a question (a
-    session, turns, calls, an approval, a question) validates against its checked-in schema
-    with every object closed: ``seal`` included, in its v3 form."""
-    workers.start()
+    """Every record in jl_state after a turn with a write, an approval, a question and a read
+    (a session, turns, calls, an approval, a question, the step's reads kept together)
+    validates against its checked-in schema with every object closed: ``seal`` included, in
+    its v3 form."""
+    w = workers.start()
+    await w.wait_for("worker.step_reads", now=True, timeout=30)
     calls = [call("write", name="w"), call("guarded", name="g"), call("ask_user", question="?")]
+    calls.append(call("read", name="r"))
     h = await client.send("tester", "rs", script(calls))
 
     async def pending() -> Any:
@@ -155,6 +158,7 @@ async def test_stored_records_match_their_schema_strictly(
         "approval": "approval-record",
         "question": "question-record",
         "compact": "compaction-record",
+        "reads": "step-reads",
     }
     assert set(prefixes.values()) == set(RECORDS)
     kv = await client.js.key_value(topology.STATE_BUCKET)
@@ -170,4 +174,4 @@ async def test_stored_records_match_their_schema_strictly(
         assert not errors, (key, errors)
         assert record["seal"].startswith("v3."), key
         seen.add(prefix)
-    assert {"session", "turn", "call", "approval", "question"} <= seen, seen
+    assert {"session", "turn", "call", "approval", "question", "reads"} <= seen, seen

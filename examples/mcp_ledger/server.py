@@ -21,9 +21,12 @@ Run: ``python server.py`` (stdio) or ``python server.py --http PORT`` (streamabl
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +49,23 @@ def _load() -> dict[str, Any]:
 
 def _save(state: dict[str, Any]) -> None:
     f = _state_file()
-    tmp = f.with_suffix(".tmp")
+    # A temporary file of this process's own: two servers on one state file (one over stdio,
+    # one over HTTP) must not move each other's half-written file into place.
+    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(state))
     tmp.replace(f)
+
+
+@contextmanager
+def _changing() -> Iterator[dict[str, Any]]:
+    """The state, read, changed and saved under an exclusive lock of its file: a change by
+    another process sharing it is not lost between the read and the save."""
+    lock = _state_file().with_name(f"{_state_file().name}.lock")
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        state = _load()
+        yield state
+        _save(state)
 
 
 def _append(line: dict[str, Any]) -> None:
@@ -88,9 +105,8 @@ async def balance(account: str, ctx: Context) -> str:
 async def set_limit(account: str, limit: int, ctx: Context) -> str:
     """Set the account's daily transfer limit, in cents."""
     await _invoked("set_limit", {"account": account, "limit": limit}, ctx)
-    state = _load()
-    state.setdefault(account, {})["limit"] = limit
-    _save(state)
+    with _changing() as state:
+        state.setdefault(account, {})["limit"] = limit
     return f"the limit of {account} is {limit}"
 
 
@@ -98,10 +114,9 @@ async def set_limit(account: str, limit: int, ctx: Context) -> str:
 async def transfer(account: str, amount: int, ctx: Context) -> str:
     """Move ``amount`` cents out of the account (not idempotent: twice moves it twice)."""
     await _invoked("transfer", {"account": account, "amount": amount}, ctx)
-    state = _load()
-    acct = state.setdefault(account, {})
-    acct["balance"] = acct.get("balance", 0) - amount
-    _save(state)
+    with _changing() as state:
+        acct = state.setdefault(account, {})
+        acct["balance"] = acct.get("balance", 0) - amount
     return f"moved {amount} out of {account}"
 
 
@@ -109,9 +124,8 @@ async def transfer(account: str, amount: int, ctx: Context) -> str:
 async def close_account(account: str, ctx: Context) -> str:
     """Close the account (destructive; this tool says nothing of its effects)."""
     await _invoked("close_account", {"account": account}, ctx)
-    state = _load()
-    state.setdefault(account, {})["closed"] = True
-    _save(state)
+    with _changing() as state:
+        state.setdefault(account, {})["closed"] = True
     return f"closed {account}"
 
 

@@ -209,9 +209,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no-re-emit-on-redelivery",
         "jetloop/consumers/run_model.py",
         "    if turn.model_step == n and turn.phase == TurnPhase.CALLS:\n"
-        "        await rt.bus.publish(usage_again(rt, turn))\n"
-        "        await answer(turn, rt.calls_in_one_message, folded=rt.folded_log).publish("
-        "rt.bus)\n"
+        "        # The usage told again goes out with the answer's records, before its calls.\n"
+        "        told = Followers(usage_again(rt, turn))\n"
+        "        await (told + answer(turn, rt.calls_in_one_message, folded=rt.folded_log))"
+        ".publish(rt.bus)\n"
         "        return\n",
         "    if turn.model_step == n and turn.phase == TurnPhase.CALLS:\n        return\n",
         "a redelivered model step whose answer is committed does not re-emit its calls",
@@ -556,8 +557,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "usage-not-told-again",
         "jetloop/consumers/run_model.py",
-        "        await rt.bus.publish(usage_again(rt, turn))\n        await answer(",
-        "        await answer(",
+        "        told = Followers(usage_again(rt, turn))\n",
+        "        told = Followers()\n",
         "a model step found answered does not tell its usage again: a server that kept the "
         "commit and lost the usage beside it loses a paid call from the ledger",
         (

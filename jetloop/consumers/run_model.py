@@ -29,6 +29,7 @@ from jetloop.consumers.compact import compact_first, compaction_needed, estimate
 from jetloop.consumers.conversation import conversation
 from jetloop.consumers.errors import DeadLetter, RetryLater, StaleCarry, TakenOver
 from jetloop.consumers.followers import (
+    Followers,
     accepted_event,
     answer,
     expected_history,
@@ -125,8 +126,9 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
     if turn.model_step > n:
         return
     if turn.model_step == n and turn.phase == TurnPhase.CALLS:
-        await rt.bus.publish(usage_again(rt, turn))
-        await answer(turn, rt.calls_in_one_message, folded=rt.folded_log).publish(rt.bus)
+        # The usage told again goes out with the answer's records, before its calls.
+        told = Followers(usage_again(rt, turn))
+        await (told + answer(turn, rt.calls_in_one_message, folded=rt.folded_log)).publish(rt.bus)
         return
     if turn.model_step < n:
         raise DeadLetter(f"run_model for step {n} but turn {tid} is at step {turn.model_step}")

@@ -95,7 +95,7 @@ class Runtime:
     # message per call, which every release runs.
     calls_in_one_message: bool = False
     # Whether a step's reads may keep their outcomes in one record (``StepReads``): only
-    # while every live worker reads it (``Registry.every_worker_reads``).
+    # while every live worker reads it (``Registry.every_worker_takes``).
     step_reads: bool = False
     # The session log's layout (jetloop.schemas.log, JETLOOP_EVENT_LOG): True, folded (an
     # event that tells the same fact as a history entry rides in it).

@@ -435,9 +435,8 @@ class Worker(Service):
         settled = rt.calls_in_one_message and rt.step_reads
         if settled and self._kinds_checks % KINDS_CHECK_EVERY:
             return
-        one, reads = await asyncio.gather(
-            registry.every_worker_runs(StepKind.CALL_TOOLS, self.worker_id),
-            registry.every_worker_reads(STEP_READS, self.worker_id),
+        one, reads = await registry.every_worker_takes(
+            StepKind.CALL_TOOLS, STEP_READS, self.worker_id
         )
         if one != rt.calls_in_one_message:
             rt.calls_in_one_message = one

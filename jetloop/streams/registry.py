@@ -166,19 +166,17 @@ class Registry:
             )
         return out
 
-    async def every_worker_runs(self, kind: StepKind, me: str) -> bool:
-        """Whether every live worker runs steps of ``kind``: a release writes a kind that
-        older ones do not run only then (docs/upgrading.md, "Rolling upgrades: the policy").
-        ``me``, the asking worker, has its presence written: a listing without it is not
-        complete (nats-py's KV watch can end before the entries it was sent), and says no."""
+    async def every_worker_takes(self, kind: StepKind, record: str, me: str) -> tuple[bool, bool]:
+        """Whether every live worker runs steps of ``kind``, and whether every one reads
+        records of kind ``record`` (``RECORDS_READ``), from one listing: a release writes a
+        kind or a record that older ones do not take only then (docs/upgrading.md, "Rolling
+        upgrades: the policy"). ``me``, the asking worker, has its presence written: a
+        listing without it is not complete (nats-py's KV watch can end before the entries it
+        was sent), and says no to both."""
         workers = await self.workers()
-        return any(w.worker_id == me for w in workers) and all(w.runs(kind) for w in workers)
-
-    async def every_worker_reads(self, record: str, me: str) -> bool:
-        """Whether every live worker reads records of kind ``record`` (``RECORDS_READ``), as
-        ``every_worker_runs`` asks of a step kind."""
-        workers = await self.workers()
-        return any(w.worker_id == me for w in workers) and all(record in w.records for w in workers)
+        if not any(w.worker_id == me for w in workers):
+            return False, False
+        return all(w.runs(kind) for w in workers), all(record in w.records for w in workers)
 
     async def declared(self) -> list[str]:
         """Every agent ever served, sorted."""

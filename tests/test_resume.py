@@ -157,6 +157,50 @@ async def test_a_step_its_live_worker_abandoned_is_resumed_without_a_loss(
     assert turn is not None and turn.lost == []
 
 
+async def test_a_model_attempt_its_own_worker_never_began_is_continued_not_counted(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A delivery that ended after its model step's claim and before the model was called
+    (an outage past its writes' retries; or a claim answered "wrong last sequence" that
+    landed all the same, as a failover can answer) left an attempt that never ran. The next
+    delivery in the same process continues that attempt under its number: nothing is
+    resumed, nothing audited, and the step's attempts are not spent on it — a network fault
+    that keeps ending deliveries before their call cannot fail the turn's model step."""
+    w = workers.start("w", env={"JETLOOP_FAULT_FAIL": "run_model.in_call"})
+    h = await client.send("tester", "uc", script([]))
+    await client.wait(h, timeout=60)
+    assert len(w.find("fault.fail")) == 1
+    events = await events_of(client, "uc", ("turn.completed",))
+    assert [e.type for e in events if e.type == "agent.run.crash_resumed"] == []  # type: ignore[attr-defined]
+    usage = [e.data["attempt"] for e in events if e.type == "model.usage"]  # type: ignore[attr-defined]
+    assert usage == [1]
+    turn = await client.turn("uc", h.turn_id)
+    assert turn is not None and turn.attempts == 1 and turn.lost == []
+    assert sum((await vendor.payload_counts("model_call")).values()) == 1
+    assert [e["attempt"] for e in w.find("model.attempt_continued")] == [1]
+
+
+async def test_a_write_its_own_worker_marked_and_never_began_is_made_not_left_in_doubt(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """The same for a single-attempt write: its delivery ended between the in-doubt mark and
+    the write. The process that marked it knows the write never began, so the next delivery
+    there continues that attempt and makes the write once — no false ``outcome_unknown`` for
+    a person to settle, no resume audited, no attempt spent."""
+    w = workers.start("w", env={"JETLOOP_FAULT_FAIL": "call_tool.in_tool"})
+    h = await client.send("tester", "uw", script([call("once", name="o")]))
+    res = await client.wait(h, timeout=60)
+    [seen] = body(res.text)["seen"]
+    assert seen["status"] == "ok", seen
+    assert await vendor.effect_count("once") == 1
+    assert len(w.find("fault.fail")) == 1
+    events = await events_of(client, "uw", ("turn.completed",))
+    assert [e.type for e in events if e.type == "agent.run.crash_resumed"] == []  # type: ignore[attr-defined]
+    [outcome] = [e.data for e in events if e.type == "call.outcome"]  # type: ignore[attr-defined]
+    assert (outcome["state"], outcome["attempts"]) == ("succeeded", 1)
+    assert [e["attempt"] for e in w.find("call.attempt_continued")] == [1]
+
+
 async def test_gates_again_on_resume(
     client: Client, workers: WorkerFactory, vendor: Vendor
 ) -> None:

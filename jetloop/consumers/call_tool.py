@@ -53,6 +53,7 @@ from jetloop.consumers.losses import record_loss, tell_resumed
 from jetloop.consumers.runtime import Delivery
 from jetloop.consumers.tracing import tool_span
 from jetloop.schemas import (
+    Attempt,
     CallOutcome,
     CallRecord,
     CallState,
@@ -316,7 +317,12 @@ async def run(env: CallEnv) -> None:
     effect = Effect(env.call.effect)
     args = env.tool_args()
 
-    if rec.attempt is not None and rec.state in LOSABLE:
+    # An attempt of this process that never began its call (``Unstarted``): continued under
+    # its number, its mark true of nothing made yet, so neither lost nor settled in doubt.
+    again = rec.attempt is not None and rec.state in LOSABLE and _unstarted_own(env, rec.attempt)
+    if again:
+        log.info("call.attempt_continued", attempt=rec.attempts)  # the attempt's number
+    elif rec.attempt is not None and rec.state in LOSABLE:
         # An attempt was lost (its holder is gone, on_call checked): a takeover of the turn,
         # counted once.
         lost = rec.attempt
@@ -347,21 +353,24 @@ async def run(env: CallEnv) -> None:
             await outcome_told_and_joined(env.d, env.turn, kept, env.n, env.call.index, False)
             return
 
-    if rec.attempts >= tool.max_attempts or window_passed(rec, tool):
+    used = rec.attempts - 1 if again else rec.attempts
+    if used >= tool.max_attempts or window_passed(rec, tool):
         await settle(env, exhausted(rec, effect.is_write), "attempts_exhausted")
         return
 
     await rt.faults.point("call_tool.before_mark")
-    attempt = rt.new_attempt(rec.attempts + 1)
+    attempt = rt.new_attempt(used + 1)
     marked = rec.model_copy(
         update={
             "state": CallState.IN_DOUBT if effect.is_write else CallState.RUNNING,
             "attempt": attempt,
             "attempts": attempt.no,
-            "marked": rec.marked + (1 if effect.is_write else 0),
+            "marked": rec.marked + (1 if effect.is_write and not again else 0),
             "first_attempt_at": rec.first_attempt_at or attempt.started_at,
         }
     )
+    if not unclaimed:
+        rt.unstarted.claiming(env.skey, attempt.no)
     if unclaimed:
         # A read on its first delivery runs without a claim: its one write is the outcome,
         # a create, which fails if another attempt claimed the call meanwhile (a takeover:
@@ -376,6 +385,7 @@ async def run(env: CallEnv) -> None:
         # Stalled past the lease between the mark and the call: another attempt owns it.
         raise TakenOver(env.skey)
     ctx = ToolCtx(env.d, env.turn, env.n, env.call, attempt.no)
+    rt.unstarted.began(env.skey, attempt.no)
     try:
         with tool_span(rt.tracing, env.turn, env.n, env.call, attempt.no):
             result = await tool.fn(args, ctx)
@@ -414,6 +424,16 @@ async def run(env: CallEnv) -> None:
     log.debug("call.recorded", state=outcome.state.value, attempts=attempt.no)
     await rt.faults.point("call_tool.after_commit")
     await outcome_told_and_joined(env.d, env.turn, done, env.n, env.call.index)
+
+
+def _unstarted_own(env: CallEnv, held: Attempt) -> bool:
+    """Whether ``held`` is an attempt of this process, held by no delivery here (on_call
+    asked ``holder_lost``), that never began its call."""
+    return (
+        env.takeover == Takeover.ABANDONED
+        and held.incarnation == env.rt.incarnation
+        and env.rt.unstarted.take(env.skey, held.no)
+    )
 
 
 # A read's outcome is kept with its step's other reads only while it is this small (JSON

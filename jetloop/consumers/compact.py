@@ -16,7 +16,7 @@ from jetloop.agents import Agent, Message, ModelRequest, rough_tokens
 from jetloop.consumers.conversation import conversation
 from jetloop.consumers.errors import RetryLater, TakenOver
 from jetloop.consumers.followers import Followers
-from jetloop.consumers.liveness import holder_lost
+from jetloop.consumers.liveness import holder_lost, own_unstarted
 from jetloop.consumers.losses import record_loss, tell_resumed
 from jetloop.consumers.runtime import Delivery, Runtime
 from jetloop.consumers.session import end_turn
@@ -123,11 +123,16 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
     if not comp.done:
         limits = agent.limits
         now = time.time()
-        if comp.attempts >= limits.model_attempts or (
+        # A summary attempt of this process that never called the model: continued, not
+        # counted (``Unstarted``).
+        held = comp.attempt
+        again = held is not None and await own_unstarted(d, ckey, held)
+        used = comp.attempts - 1 if again else comp.attempts
+        if used >= limits.model_attempts or (
             comp.first_attempt_at is not None
             and now - comp.first_attempt_at > limits.model_attempt_window_seconds
         ):
-            reason = f"context compaction failed after {comp.attempts} attempts"
+            reason = f"context compaction failed after {used} attempts"
             failed = turn.model_copy(update={"status": TurnStatus.FAILED, "error": reason})
             try:
                 await rt.state.write(turn_key(sid, tid), failed, cur.revision)
@@ -135,7 +140,7 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
                 raise RetryLater(0.05, "turn changed") from None
             await end_turn(rt, failed)
             return
-        if comp.attempt is not None and comp_v is not None:
+        if comp.attempt is not None and comp_v is not None and not again:
             # Another attempt claimed the summary: taken over only once that attempt is lost.
             why = await holder_lost(d, ckey, comp.attempt, comp_v.stored_at)
             step_key = step.step_key()
@@ -143,7 +148,7 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
             if resumed is None:
                 return
             await tell_resumed(rt, turn, step_key, comp.attempt, resumed, {})
-        attempt = rt.new_attempt(comp.attempts + 1)
+        attempt = rt.new_attempt(used + 1)
         comp = comp.model_copy(
             update={
                 "attempt": attempt,
@@ -151,6 +156,7 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
                 "first_attempt_at": comp.first_attempt_at or now,
             }
         )
+        rt.unstarted.claiming(ckey, attempt.no)
         await d.claim(ckey, comp, comp_v.revision if comp_v else None)
         await rt.faults.point("compact_context.in_call")
         request = ModelRequest(
@@ -167,6 +173,7 @@ async def on_compact(d: Delivery, step: StepMessage) -> None:
         if not await d.still_ours(fresh_for=rt.lease_seconds / 4):
             raise TakenOver(ckey)  # stalled past the lease: the summary is another's to pay for
         log.debug("model.call", attempt=attempt.no, purpose="summary")
+        rt.unstarted.began(ckey, attempt.no)
         try:
             with model_span(rt.tracing, turn, request, agent.model) as span:
                 async with d.cancelled_when_lost():

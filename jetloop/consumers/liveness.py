@@ -217,3 +217,18 @@ async def holder_lost(d: Delivery, key: str, held: Attempt, stored_at: float) ->
     wait = max(0.05, rt.lease_seconds - silence + 0.05)
     why = f"attempt {held.no} of worker {held.worker} is alive (silent {silence:.1f}s)"
     raise RetryLater(wait, why)
+
+
+async def own_unstarted(d: Delivery, key: str, held: Attempt) -> bool:
+    """Whether ``held`` is an attempt of this process that no delivery here works on and
+    whose paid work never began (``jetloop.consumers.runtime.Unstarted``): the caller
+    continues it under its own number — no takeover, no loss, nothing in doubt. Raises
+    ``RetryLater`` while a delivery here still runs it."""
+    if held.incarnation != d.rt.incarnation or not d.rt.unstarted.take(key, held.no):
+        return False
+    try:
+        await holder_lost(d, key, held, 0.0)
+    except BaseException:
+        d.rt.unstarted.claiming(key, held.no)
+        raise
+    return True

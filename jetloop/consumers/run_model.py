@@ -36,7 +36,7 @@ from jetloop.consumers.followers import (
     results_again,
     turn_start,
 )
-from jetloop.consumers.liveness import holder_lost
+from jetloop.consumers.liveness import holder_lost, own_unstarted
 from jetloop.consumers.logcontext import bind_step
 from jetloop.consumers.losses import (
     Resume,
@@ -145,6 +145,12 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
     stopped = False  # the lost attempt's worker stopped on purpose (jetloop.consumers.losses)
     abandoned = False  # the lost attempt's worker lives and had stopped working on it
     spent = turn.spent
+    # An attempt of this process that never called the model is continued, not counted: its
+    # claim landed though its delivery ended before the call (``Unstarted``).
+    again = resumed is not None and await own_unstarted(d, turn_key(sid, tid), resumed)
+    if again:
+        log.info("model.attempt_continued", attempt=turn.attempts)
+        resumed = None
     if resumed is not None:
         # Another attempt claimed this step: taken over only once that attempt is lost.
         why = await holder_lost(d, turn_key(sid, tid), resumed, cur.stored_at)
@@ -175,7 +181,8 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
             await end_turn(rt, gone)
             return
 
-    exhausted = turn.attempts >= limits.model_attempts or (
+    used = turn.attempts - 1 if again else turn.attempts
+    exhausted = used >= limits.model_attempts or (
         turn.first_attempt_at is not None
         and now - turn.first_attempt_at > limits.model_attempt_window_seconds
     )
@@ -189,7 +196,7 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
     tools = agent.tools
     reason = None
     if exhausted:
-        reason = _exhausted(n, turn)
+        reason = _exhausted(n, turn.model_copy(update={"attempts": used}))
     elif n >= limits.max_model_steps:
         reason = f"the turn reached its limit of {limits.max_model_steps} model steps"
     else:
@@ -228,7 +235,7 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
     # A provider's pause and the endpoint's window, before the claim: no attempt is used.
     admission = await flow.admit(rt, agent.model)
     try:
-        attempt = rt.new_attempt(turn.attempts + 1)
+        attempt = rt.new_attempt(used + 1)
         claimed = turn.model_copy(
             update={
                 "status": TurnStatus.RUNNING,
@@ -239,13 +246,14 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
                 "spent": spent,
             }
         )
+        rt.unstarted.claiming(turn_key(sid, tid), attempt.no)
         await d.claim(turn_key(sid, tid), claimed, cur.revision, hinted)
         bind_step(attempt=attempt.no)
         holder = {"session": sid, "turn": tid, "incarnation": rt.incarnation, "no": attempt.no}
         if not await admission.take_slot(holder):
             # Every call the endpoint may have in flight is: hand the step back, its attempt
             # not used.
-            await d.commit(claimed.model_copy(update={"attempt": None, "attempts": turn.attempts}))
+            await d.commit(claimed.model_copy(update={"attempt": None, "attempts": used}))
             raise RetryLater(0.25, "every slot of the model endpoint is in use")
         if resumed is not None:
             await tell_resumed(
@@ -268,6 +276,7 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
             # call now would be paid for and thrown away (or ask again what was answered).
             raise TakenOver(turn_key(sid, tid))
         log.debug("model.call", attempt=attempt.no)
+        rt.unstarted.began(turn_key(sid, tid), attempt.no)
         try:
             with model_span(rt.tracing, claimed, request, agent.model) as span:
                 async with d.cancelled_when_lost():
@@ -295,7 +304,7 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
             # Too many requests, and the provider said for how long: not this step's fault, so
             # not one of its attempts; every worker calling that endpoint waits as long.
             await admission.throttled(exc, wait)
-            await d.commit(claimed.model_copy(update={"attempt": None, "attempts": turn.attempts}))
+            await d.commit(claimed.model_copy(update={"attempt": None, "attempts": used}))
             raise RetryLater(wait, f"model call throttled: {exc}") from exc
         except Exception as exc:
             await _attempt_failed(d, claimed, attempt.no, exc)

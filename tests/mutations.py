@@ -93,6 +93,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_crash.py::test_stalled_worker_makes_no_model_call_after_a_takeover",),
     ),
     Mutation(
+        "unstarted-model-attempt-counted",
+        "jetloop/consumers/run_model.py",
+        "    again = resumed is not None and await own_unstarted(d, turn_key(sid, tid), resumed)\n",
+        "    again = False\n",
+        "an attempt of this process that never called the model is taken over and counted",
+        (
+            "tests/test_resume.py::"
+            "test_a_model_attempt_its_own_worker_never_began_is_continued_not_counted",
+        ),
+    ),
+    Mutation(
+        "unstarted-write-left-in-doubt",
+        "jetloop/consumers/call_tool.py",
+        "        env.takeover == Takeover.ABANDONED\n",
+        "        False\n",
+        "a single-attempt write this process marked and never began is settled in doubt",
+        (
+            "tests/test_resume.py::"
+            "test_a_write_its_own_worker_marked_and_never_began_is_made_not_left_in_doubt",
+        ),
+    ),
+    Mutation(
         "no-fence-check-before-the-summary-call",
         "jetloop/consumers/compact.py",
         "        if not await d.still_ours(fresh_for=rt.lease_seconds / 4):\n",
@@ -561,10 +583,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        told = Followers()\n",
         "a model step found answered does not tell its usage again: a server that kept the "
         "commit and lost the usage beside it loses a paid call from the ledger",
-        (
-            "tests/test_usage.py::"
-            "test_a_usage_record_a_server_lost_beside_its_commit_is_told_again",
-        ),
+        ("tests/test_usage.py::test_a_usage_record_a_server_lost_beside_its_commit_is_told_again",),
     ),
     Mutation(
         "kept-reads-not-joined-from",

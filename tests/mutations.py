@@ -200,7 +200,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "no-attempt-exhaustion",
         "jetloop/consumers/call_tool.py",
-        "    if rec.attempts >= tool.max_attempts or window_passed(rec, tool):\n",
+        "    if used >= tool.max_attempts or window_passed(rec, tool):\n",
         "    if False:\n",
         "a call whose attempts ran out is made again instead of settled `exhausted`",
         (
@@ -453,7 +453,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "jetloop/consumers/run_model.py",
         "            await admission.throttled(exc, wait)\n"
         '            await d.commit(claimed.model_copy(update={"attempt": None, '
-        '"attempts": turn.attempts}))\n',
+        '"attempts": used}))\n',
         "            await admission.throttled(exc, wait)\n"
         '            await d.commit(claimed.model_copy(update={"attempt": None}))\n',
         "a 429 with Retry-After uses up one of the model step's attempts",

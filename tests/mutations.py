@@ -106,8 +106,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "unstarted-write-left-in-doubt",
         "jetloop/consumers/call_tool.py",
-        "        env.takeover == Takeover.ABANDONED\n",
-        "        False\n",
+        "        and env.takeover == Takeover.ABANDONED\n",
+        "        and False\n",
         "a single-attempt write this process marked and never began is settled in doubt",
         (
             "tests/test_resume.py::"

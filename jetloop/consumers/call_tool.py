@@ -53,7 +53,6 @@ from jetloop.consumers.losses import record_loss, tell_resumed
 from jetloop.consumers.runtime import Delivery
 from jetloop.consumers.tracing import tool_span
 from jetloop.schemas import (
-    Attempt,
     CallOutcome,
     CallRecord,
     CallState,
@@ -319,7 +318,13 @@ async def run(env: CallEnv) -> None:
 
     # An attempt of this process that never began its call (``Unstarted``): continued under
     # its number, its mark true of nothing made yet, so neither lost nor settled in doubt.
-    again = rec.attempt is not None and rec.state in LOSABLE and _unstarted_own(env, rec.attempt)
+    # (on_call found it held by no delivery here: ``Takeover.ABANDONED``.)
+    again = (
+        rec.attempt is not None
+        and rec.state in LOSABLE
+        and env.takeover == Takeover.ABANDONED
+        and rt.took_unstarted(env.skey, rec.attempt)
+    )
     if again:
         log.info("call.attempt_continued", attempt=rec.attempts)  # the attempt's number
     elif rec.attempt is not None and rec.state in LOSABLE:
@@ -424,16 +429,6 @@ async def run(env: CallEnv) -> None:
     log.debug("call.recorded", state=outcome.state.value, attempts=attempt.no)
     await rt.faults.point("call_tool.after_commit")
     await outcome_told_and_joined(env.d, env.turn, done, env.n, env.call.index)
-
-
-def _unstarted_own(env: CallEnv, held: Attempt) -> bool:
-    """Whether ``held`` is an attempt of this process, held by no delivery here (on_call
-    asked ``holder_lost``), that never began its call."""
-    return (
-        env.takeover == Takeover.ABANDONED
-        and held.incarnation == env.rt.incarnation
-        and env.rt.unstarted.take(env.skey, held.no)
-    )
 
 
 # A read's outcome is kept with its step's other reads only while it is this small (JSON

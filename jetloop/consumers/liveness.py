@@ -224,7 +224,7 @@ async def own_unstarted(d: Delivery, key: str, held: Attempt) -> bool:
     whose paid work never began (``jetloop.consumers.runtime.Unstarted``): the caller
     continues it under its own number — no takeover, no loss, nothing in doubt. Raises
     ``RetryLater`` while a delivery here still runs it."""
-    if held.incarnation != d.rt.incarnation or not d.rt.unstarted.take(key, held.no):
+    if not d.rt.took_unstarted(key, held):
         return False
     try:
         await holder_lost(d, key, held, 0.0)

@@ -55,6 +55,36 @@ def new_incarnation() -> str:
     return uuid.uuid4().hex[:12]
 
 
+class Unstarted:
+    """The attempts this process claimed and has not begun the work of (a model call): one
+    whose claim is found later, held by no delivery of this process, never ran. A claim can
+    land although its answer said it lost (during a failover two servers may answer one
+    write, the stale one "wrong last sequence"), and a delivery can end between its claim and
+    its work; the next delivery then finds this process's own claim and continues that
+    attempt instead of counting another. Only this process knows, so a claim of another
+    process, or of this one once forgotten, is taken over as any other (and counted)."""
+
+    MOST = 4096  # forgotten past this (then counted: the safe side)
+
+    def __init__(self) -> None:
+        self._keys: set[tuple[str, int]] = set()
+
+    def claiming(self, key: str, no: int) -> None:
+        if len(self._keys) >= self.MOST:
+            self._keys.clear()
+        self._keys.add((key, no))
+
+    def began(self, key: str, no: int) -> None:
+        self._keys.discard((key, no))
+
+    def take(self, key: str, no: int) -> bool:
+        """Whether attempt ``no`` of ``key`` was claimed here and its work never began."""
+        if (key, no) in self._keys:
+            self._keys.discard((key, no))
+            return True
+        return False
+
+
 @dataclass
 class Runtime:
     nc: Client
@@ -79,7 +109,7 @@ class Runtime:
     # The state keys this process's deliveries have claimed and still work on.
     holding: set[str] = field(default_factory=set)
     # The attempts this process claimed whose paid work has not begun (``Unstarted``).
-    unstarted: Unstarted = field(default_factory=lambda: Unstarted())
+    unstarted: Unstarted = field(default_factory=Unstarted)
     # The messages this process holds, as a rescuer finds them if it dies (jetloop.services.worker).
     holds: Holds | None = None
     # What model calls cost (jetloop.agents.prices): the usage ledger charges by it.
@@ -133,40 +163,15 @@ class Runtime:
         opened = time.time() - up - offset
         return stored_at > opened + error + LINK_MARGIN
 
+    def took_unstarted(self, key: str, held: Attempt) -> bool:
+        """Whether ``held`` is an attempt of this process whose work never began
+        (``Unstarted``), forgotten as it is told: the caller continues it."""
+        return held.incarnation == self.incarnation and self.unstarted.take(key, held.no)
+
     def new_attempt(self, no: int) -> Attempt:
         return Attempt(
             no=no, worker=self.worker_id, started_at=time.time(), incarnation=self.incarnation
         )
-
-
-class Unstarted:
-    """The attempts this process claimed and has not begun the work of (a model call): one
-    whose claim is found later, held by no delivery of this process, never ran. A claim can
-    land although its answer said it lost (during a failover two servers may answer one
-    write, the stale one "wrong last sequence"), and a delivery can end between its claim and
-    its work; the next delivery then finds this process's own claim and continues that
-    attempt instead of counting another. Only this process knows, so a claim of another
-    process, or of this one once forgotten, is taken over as any other (and counted)."""
-
-    MOST = 4096  # forgotten past this (then counted: the safe side)
-
-    def __init__(self) -> None:
-        self._keys: set[tuple[str, int]] = set()
-
-    def claiming(self, key: str, no: int) -> None:
-        if len(self._keys) >= self.MOST:
-            self._keys.clear()
-        self._keys.add((key, no))
-
-    def began(self, key: str, no: int) -> None:
-        self._keys.discard((key, no))
-
-    def take(self, key: str, no: int) -> bool:
-        """Whether attempt ``no`` of ``key`` was claimed here and its work never began."""
-        if (key, no) in self._keys:
-            self._keys.discard((key, no))
-            return True
-        return False
 
 
 # How long after this process's link to the server (re)opened a message must have been stored

@@ -109,6 +109,7 @@ __all__ = [
     "delegate",
     "load_app",
     "load_settings",
+    "served_elsewhere",
     "task_tool",
     "tool",
     "wait",

@@ -30,6 +30,7 @@ from jetloop.agents import (
     ask_user,
     delegate,
     load_app,
+    served_elsewhere,
     task_tool,
     tool,
     wait,

@@ -33,6 +33,7 @@ from jetloop.agents import (
     ToolContext,
     ask_user,
     delegate,
+    served_elsewhere,
     task_tool,
     tool,
     wait,
@@ -419,3 +420,51 @@ tenant_app = App(
         )
     ]
 )
+
+
+# Tools served by a pool of their own (docs/agents.md, "Tools served by other workers"): the
+# `sider` agent's front workers declare `side_once` and `side_guarded` without making them;
+# the workers of pool `side` (``side_tools_app``) make them.
+@tool(effect=Effect.NON_IDEMPOTENT_WRITE, name="side_once", pool="side")
+async def side_once(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """A single-attempt write made by the `side` pool's workers."""
+    await latch("side_once", ctx)
+    return await vendor().write(
+        "side_once", ctx.idempotency_key, {"name": args.name, "pid": os.getpid()}, dedupe=False
+    )
+
+
+@tool(effect=Effect.IDEMPOTENT_WRITE, name="side_guarded", pool="side", approval=True)
+async def side_guarded(args: Named, ctx: ToolContext) -> dict[str, Any]:
+    """A write a person approves first, made by the `side` pool's workers."""
+    return await vendor().write("side_guarded", ctx.idempotency_key, {"pid": os.getpid()})
+
+
+def _sider(tools: tuple[Any, ...]) -> Agent:
+    return Agent(
+        name="sider", instructions="Follow the script.", model=ScriptedModel(script), tools=tools
+    )
+
+
+side_front_app = App(
+    [
+        _sider(
+            (
+                read,
+                served_elsewhere(
+                    name="side_once",
+                    pool="side",
+                    effect=Effect.NON_IDEMPOTENT_WRITE,
+                    args_model=Named,
+                ),
+                served_elsewhere(
+                    name="side_guarded",
+                    pool="side",
+                    effect=Effect.IDEMPOTENT_WRITE,
+                    schema={"type": "object", "properties": {"name": {"type": "string"}}},
+                ),
+            )
+        )
+    ]
+)
+side_tools_app = App([_sider((read, side_once, side_guarded))])

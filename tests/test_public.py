@@ -64,6 +64,7 @@ def test_public_names_are_pinned() -> None:
             "adapter_from_spec",
             "ask_user",
             "delegate",
+            "served_elsewhere",
             "task_tool",
             "wait",
             # reading what happened

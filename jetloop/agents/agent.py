@@ -14,7 +14,7 @@ import structlog
 
 from jetloop.agents.mcp import MCPServer
 from jetloop.agents.model import ModelAdapter
-from jetloop.agents.tools import Tool
+from jetloop.agents.tools import DEFAULT_TOOL_POOL, Tool
 from jetloop.schemas import validate_name
 from jetloop.schemas.errors import AppLoadError
 
@@ -161,6 +161,19 @@ class App:
 
     def agent(self, name: str) -> Agent | None:
         return self.agents.get(name)
+
+    def tool_pools(self, agent: str | None = None, made_here: bool = False) -> tuple[str, ...]:
+        """The pools of their own that the tools of ``agent`` (else every agent) name
+        (``Tool.pool``); ``made_here``: only of tools this app makes, not those it declares
+        as served elsewhere."""
+        found = {
+            t.pool
+            for a in self.agents.values()
+            if agent is None or a.name == agent
+            for t in a.tools
+            if t.pool != DEFAULT_TOOL_POOL and not (made_here and t.elsewhere)
+        }
+        return tuple(sorted(found))
 
 
 def load_app(spec: str) -> App:

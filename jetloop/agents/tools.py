@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -144,6 +145,28 @@ PollFn = Callable[[Any, ToolContext], Awaitable[PollResult]]
 CancelFn = Callable[[Any, ToolContext], Awaitable[None]]
 
 
+# The pool of workers that make a tool's calls (``jl.step.<pool>.<agent>.…``): ``tool`` unless
+# the tool says otherwise. Another name is a pool of its own, for a tool that other workers
+# serve: a Node.js worker, or Python workers kept apart (docs/agents.md, "Tools served by
+# other workers"). The session and model pools are the engine's.
+DEFAULT_TOOL_POOL = "tool"
+RESERVED_POOLS = frozenset({"session", "model"})
+_POOL_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+
+
+def check_pool(pool: str, what: str) -> str:
+    """``pool`` if it can name a pool of tool workers (a subject token and part of a durable's
+    name), else a ``ValueError`` that names ``what`` asked for it."""
+    if not _POOL_NAME.fullmatch(pool):
+        raise ValueError(
+            f"{what}: pool {pool!r} is not a pool name (lower-case letters, digits, '_' "
+            "and '-', starting with a letter, at most 32 characters)"
+        )
+    if pool in RESERVED_POOLS:
+        raise ValueError(f"{what}: pool {pool!r} is the engine's own; name another")
+    return pool
+
+
 @functools.cache
 def _schema_of(model: type[BaseModel]) -> dict[str, Any]:
     return model.model_json_schema()
@@ -179,6 +202,22 @@ class Tool:
     # was not declared in code (an MCP server's annotations), for the snapshot and console.
     schema: dict[str, Any] | None = None
     effect_from: str | None = None
+    # The workers that make this tool's calls: ``tool`` (every worker of the tool pool),
+    # or a pool of its own (``check_pool``); its calls are then sent one message each, on
+    # ``jl.step.<pool>.<agent>.…``.
+    pool: str = DEFAULT_TOOL_POOL
+    # Declared here, made elsewhere (``served_elsewhere``): this process has no function
+    # for it and never serves its pool.
+    elsewhere: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pool != DEFAULT_TOOL_POOL:
+            check_pool(self.pool, f"tool {self.name}")
+            if self.kind is not ToolKind.CALL:
+                raise ValueError(
+                    f"tool {self.name}: only a plain call may have a pool of its own "
+                    f"(this one is a {self.kind.value})"
+                )
 
     def json_schema(self) -> dict[str, Any]:
         """The arguments' JSON schema, computed once per argument model (read-only)."""
@@ -203,10 +242,12 @@ def tool(
     approval: ApprovalPolicy = False,
     reader: ReaderFn | None = None,
     dedupe_window_seconds: float | None = None,
+    pool: str = DEFAULT_TOOL_POOL,
 ) -> Callable[[ToolFn], Tool]:
     """Declare a tool: ``async def fn(args: ArgsModel, ctx: ToolContext) -> result``.
 
-    The argument model is read from the first parameter's annotation.
+    The argument model is read from the first parameter's annotation. ``pool``: the workers
+    that make its calls, when not every worker of the tool pool (``served_elsewhere``).
     """
 
     def wrap(fn: ToolFn) -> Tool:
@@ -222,9 +263,57 @@ def tool(
             approval=approval,
             reader=reader,
             dedupe_window_seconds=dedupe_window_seconds,
+            pool=pool,
         )
 
     return wrap
+
+
+class AnyArgs(BaseModel, extra="allow"):
+    """The arguments of a tool declared by its JSON schema only: taken as the model gave
+    them (the worker that serves the tool checks them)."""
+
+
+async def _served_elsewhere(args: Any, ctx: ToolContext) -> Any:
+    raise RuntimeError("a tool served elsewhere is made by the workers of its pool")
+
+
+def served_elsewhere(
+    *,
+    name: str,
+    pool: str,
+    effect: Effect,
+    description: str = "",
+    args_model: type[BaseModel] | None = None,
+    schema: dict[str, Any] | None = None,
+    max_attempts: int = 3,
+    approval: ApprovalPolicy = False,
+) -> Tool:
+    """A tool whose calls other workers make: those that serve ``pool`` (a Node.js worker,
+    or Python workers started with ``--pools <pool>``). This process offers it to the model,
+    checks its arguments (``args_model``, else only that they are an object matching
+    ``schema`` as the model was told), plans its calls with ``effect`` and sends each on
+    ``jl.step.<pool>.<agent>.…``; it never makes one. ``approval`` is decided by the worker
+    that makes the call."""
+    if args_model is None and schema is None:
+        raise ValueError(f"tool {name}: give its arguments as args_model or a JSON schema")
+    if pool == DEFAULT_TOOL_POOL:
+        raise ValueError(
+            f"tool {name}: served elsewhere needs a pool of its own: the {pool!r} pool is "
+            "every worker's that serves the agent, this one's too"
+        )
+    return Tool(
+        name=name,
+        description=description,
+        args_model=args_model or AnyArgs,
+        fn=_served_elsewhere,
+        effect=effect,
+        max_attempts=max_attempts,
+        approval=approval,
+        schema=schema if args_model is None else None,
+        pool=check_pool(pool, f"tool {name}"),
+        elsewhere=True,
+    )
 
 
 def _args_model_of(fn: Callable[..., Any], explicit: type[BaseModel] | None) -> type[BaseModel]:

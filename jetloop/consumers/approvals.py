@@ -72,6 +72,7 @@ async def gate(env: CallEnv) -> Gate | CallEnv:
             tool=env.call.tool,
             args=env.call.args,
             requested_at=time.time(),
+            pool=env.call.pool,
         )
         try:
             await rt.state.write(approval_key(sid, aid), record, None)

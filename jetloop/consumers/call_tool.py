@@ -137,6 +137,15 @@ async def on_call(d: Delivery, step: StepMessage) -> None:
             d, turn, n, call.index, rec, rec_v.revision if rec_v else None, outcome, settlement
         )
         return
+    if tool.elsewhere:
+        # Declared here, made by the workers of its pool: this one reached a worker that has
+        # the declaration only (started with ``--pools <pool>`` beside the wrong app, or the
+        # call was planned before a deploy moved the tool). Left for a worker that has it.
+        raise RetryLater(
+            5.0,
+            f"the tool {call.tool!r} is made by the workers of pool {tool.pool!r}; this "
+            "worker has its declaration only",
+        )
     env = CallEnv(
         d,
         turn,

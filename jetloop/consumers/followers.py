@@ -172,7 +172,12 @@ def answer(turn: TurnRecord, in_one_message: bool, *, folded: bool) -> Followers
         turn_id=turn.turn_id,
     )
 
-    def step(kind: StepKind, calls: int | None = None, call_index: int | None = None) -> Outgoing:
+    def step(
+        kind: StepKind,
+        calls: int | None = None,
+        call_index: int | None = None,
+        pool: str | None = None,
+    ) -> Outgoing:
         return step_out(
             StepMessage(
                 kind=kind,
@@ -182,10 +187,14 @@ def answer(turn: TurnRecord, in_one_message: bool, *, folded: bool) -> Followers
                 model_step=n,
                 calls=calls,
                 call_index=call_index,
+                pool=pool,
             )
         )
 
-    if in_one_message and len(turn.calls) <= CALLS_PER_MESSAGE:
+    # A call of a tool that a pool of its own serves goes to that pool: then every call of
+    # the step is a message of its own (``call_tools`` is the tool pool's, for all calls).
+    apart = any(c.pool is not None for c in turn.calls)
+    if in_one_message and not apart and len(turn.calls) <= CALLS_PER_MESSAGE:
         # One message for every call (``call_tools``): one publish, one delivery, one ack.
         steps = [step(StepKind.CALL_TOOLS, calls=len(turn.calls))]
     else:
@@ -195,6 +204,7 @@ def answer(turn: TurnRecord, in_one_message: bool, *, folded: bool) -> Followers
                 if c.effect == "non_idempotent_write"
                 else StepKind.CALL_TOOL,
                 call_index=c.index,
+                pool=c.pool,
             )
             for c in turn.calls
         ]

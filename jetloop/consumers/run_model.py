@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from jetloop.agents import Agent, Message, ModelRequest, ModelResponse, Tool, ToolSpec
 from jetloop.agents.adapters import MalformedToolCall
 from jetloop.agents.mcp import MCPUnreachable
+from jetloop.agents.tools import DEFAULT_TOOL_POOL
 from jetloop.consumers import flow, metrics
 from jetloop.consumers.budgets import over_budget
 from jetloop.consumers.carry import trusted_carry
@@ -452,6 +453,11 @@ async def _complete(
     return response
 
 
+def own_pool(t: Tool | None) -> str | None:
+    """The pool a call of ``t`` goes to when not the tool pool (``PlannedCall.pool``)."""
+    return t.pool if t is not None and t.pool != DEFAULT_TOOL_POOL else None
+
+
 async def _plan(
     rt: Runtime, tools: Sequence[Tool], turn: TurnRecord, resp: ModelResponse, spent: Spent
 ) -> TurnRecord:
@@ -494,6 +500,8 @@ async def _plan(
                 effect=effect,
                 idempotency_key=idempotency_key(sid, tid, n, i, rt.namespace),
                 invalid=invalid,
+                # A call that cannot run is settled by the tool pool, whatever its tool's.
+                pool=own_pool(t) if invalid is None else None,
             )
         )
     update: dict[str, Any] = {

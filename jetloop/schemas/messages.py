@@ -84,6 +84,9 @@ class StepMessage(BaseModel):
     # ``run_model``: the records the step would read first, when they are small
     # (``Carried``; not part of the step key).
     carried: Carried | None = None
+    # A call of a tool served by a pool of its own (``PlannedCall.pool``): the subject's pool
+    # instead of its kind's (not part of the step key).
+    pool: str | None = Field(default=None, pattern=r"^[a-z][a-z0-9_-]{0,31}$")
 
     @field_validator("kind", mode="before")
     @classmethod

@@ -136,6 +136,9 @@ class PlannedCall(BaseModel):
     effect: str
     idempotency_key: str
     invalid: str | None = None  # set when the call cannot run (unknown tool, bad args)
+    # The pool of workers that make the call, when not the tool pool: the tool's own
+    # (``jetloop.agents.tools.served_elsewhere``), decided with the plan and kept with it.
+    pool: str | None = None
 
 
 class ParentCall(BaseModel):
@@ -283,6 +286,8 @@ class ApprovalRecord(BaseModel):
     decided_by: str | None = None
     decided_at: float | None = None
     reason: str | None = None
+    # The call's pool when not the tool pool (``PlannedCall.pool``): where a decision wakes it.
+    pool: str | None = None
 
 
 class QuestionRecord(BaseModel):

@@ -159,7 +159,9 @@ def child_components(
     return out
 
 
-async def run_worker_processes(settings: Settings, base_id: str, pools: Sequence[str]) -> None:
+async def run_worker_processes(
+    settings: Settings, base_id: str, pools: Sequence[str] | None
+) -> None:
     """``jetloop worker --processes N``: N children until SIGINT or SIGTERM, then each drains
     and the parent returns once all have stopped;
     :class:`~jetloop.services.supervisor.GaveUp` when a child cannot be kept running (the

@@ -90,18 +90,17 @@ class Worker(Service):
         self,
         settings: Settings,
         app: App,
-        pools: Sequence[str] = topology.POOLS,
+        pools: Sequence[str] | None = None,
         worker_id: str | None = None,
         apply_topology: bool = True,
         faults: Faults | None = None,
     ) -> None:
         super().__init__()
-        unknown = set(pools) - set(topology.POOLS)
-        if unknown:
-            raise ValueError(f"unknown pools {sorted(unknown)}; pools are {topology.POOLS}")
         self.settings = settings
         self.app = app
-        self.pools = tuple(pools)
+        # Default: the engine's pools and those of the tools this app makes in pools of
+        # their own (never those it declares as served elsewhere).
+        self.pools = served_pools(app, pools)
         self.worker_id = worker_id or settings.worker_id or default_worker_id()
         self.apply_topology = apply_topology
         self.faults = faults or Faults.from_env()
@@ -131,8 +130,13 @@ class Worker(Service):
         return {
             topology.SESSION_POOL: s.session_concurrency,
             topology.MODEL_POOL: s.model_concurrency,
-            topology.TOOL_POOL: s.tool_concurrency,
-        }[pool]
+        }.get(pool, s.tool_concurrency)  # the tool pool, and tools' pools of their own
+
+    def _pools_of(self, agent: str) -> tuple[str, ...]:
+        """The pools this worker pulls for ``agent``: a tool's pool of its own only for an
+        agent that has such a tool."""
+        theirs = set(topology.POOLS) | set(self.app.tool_pools(agent))
+        return tuple(p for p in self.pools if p in theirs)
 
     async def run(self) -> None:
         s = self.settings
@@ -244,7 +248,7 @@ class Worker(Service):
                             turn_rate,
                         )
                     )
-                for pool in self.pools:
+                for pool in self._pools_of(name):
                     loops.append(
                         self._pull(
                             rt,
@@ -392,7 +396,7 @@ class Worker(Service):
         return [
             sc
             for agent in sorted(self.app.agents)
-            for sc in topology.agent_consumers(agent, self.pools)
+            for sc in topology.agent_consumers(agent, self._pools_of(agent))
         ]
 
     async def _advertise(self, registry: Registry, holds: Holds) -> None:
@@ -488,7 +492,7 @@ class Worker(Service):
                     await topology.apply(js, cfg)
                 for name in sorted(self.app.agents):
                     # Only this worker's agents: another app's turns never reach it.
-                    await topology.apply_agent(js, cfg, name, self.pools)
+                    await topology.apply_agent(js, cfg, name, self._pools_of(name))
                 registry = await Registry.open(js)
                 # Before "started": a client that saw this worker start finds its agents.
                 await registry.advertise(self.worker_id, self.app.agents, self.pools, self._since)
@@ -669,3 +673,28 @@ async def _nak_quietly(m: object) -> None:
         await m.nak()  # type: ignore[attr-defined]
     except Exception as exc:
         log.warning("worker.nak_failed", error=str(exc))
+
+
+def served_pools(app: App, asked: Sequence[str] | None) -> tuple[str, ...]:
+    """The pools a worker of ``app`` serves: those ``asked`` (``--pools``), else the engine's
+    and those of the tools the app makes in pools of their own (never those it declares as
+    served elsewhere). A pool it cannot serve is a ``ValueError`` that names the setting."""
+    if asked is None:
+        return topology.POOLS + app.tool_pools(made_here=True)
+    pools = tuple(asked)
+    declared = app.tool_pools()
+    made = app.tool_pools(made_here=True)
+    unknown = sorted(set(pools) - set(topology.POOLS) - set(declared))
+    if unknown:
+        theirs = f"; the app's tools name {', '.join(declared)}" if declared else ""
+        raise ValueError(
+            f"--pools / pools: unknown pools {unknown}; the engine's are "
+            f"{', '.join(topology.POOLS)}{theirs}"
+        )
+    elsewhere = sorted(p for p in pools if p in declared and p not in made)
+    if elsewhere:
+        raise ValueError(
+            f"--pools / pools: this app declares the tools of {elsewhere} as served elsewhere "
+            "(served_elsewhere): run the workers of those pools with an app that makes them"
+        )
+    return pools

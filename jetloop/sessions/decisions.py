@@ -149,6 +149,7 @@ class Control:
                     session_id=ap.session_id,
                     turn_id=ap.turn_id,
                 ),
+                pool=ap.pool,
             )
             # Woken first even for a refused decision: whoever asks about a decided call
             # makes sure its step is out, in case the decider stopped between the two.
@@ -210,7 +211,16 @@ class Control:
             return q
         raise ControlError(409, "question kept changing", question_id)
 
-    async def _wake(self, sid: str, tid: str, n: int, i: int, kind: StepKind, event: Event) -> None:
+    async def _wake(
+        self,
+        sid: str,
+        tid: str,
+        n: int,
+        i: int,
+        kind: StepKind,
+        event: Event,
+        pool: str | None = None,
+    ) -> None:
         await self.bus.publish([event_out(event)])
         # The step goes to the workers of the session's agent: the subject names it.
         session = await self.state.session(sid)
@@ -223,6 +233,7 @@ class Control:
             turn_id=tid,
             model_step=n,
             call_index=i,
+            pool=pool,  # a call of a tool served by a pool of its own wakes there
         )
         await self.bus.publish([step_out(step)])
 

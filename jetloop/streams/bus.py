@@ -21,6 +21,7 @@ from jetloop.schemas import (
     StepMessage,
     encode,
 )
+from jetloop.schemas.kinds import Pool, Scope
 from jetloop.schemas.log import H_EVENTS
 from jetloop.streams.connection import retrying
 from jetloop.streams.replies import connection_of, replies_of
@@ -58,8 +59,13 @@ def headers(kind: str, session_id: str, turn_id: str | None, key: str) -> dict[s
 
 
 def subject_of(step: StepMessage) -> str:
-    """The step's subject: the pool of its kind (``WIRE_OF_KIND``), its agent, kind, session."""
-    return step_subject(WIRE_OF_KIND[step.kind].pool, step.agent, step.kind.value, step.session_id)
+    """The step's subject: the pool of its kind (``WIRE_OF_KIND``), or of a call's tool served
+    by a pool of its own (``StepMessage.pool``), then its agent, kind, session."""
+    wire = WIRE_OF_KIND[step.kind]
+    pool = wire.pool.value
+    if step.pool is not None and wire.pool is Pool.TOOL and wire.scope is Scope.CALL:
+        pool = step.pool
+    return step_subject(pool, step.agent, step.kind.value, step.session_id)
 
 
 def step_out(step: StepMessage) -> Outgoing:

@@ -100,9 +100,9 @@ def up(
 @click.option("--nats", "nats_url", help="NATS server URL(s), comma-separated")
 @click.option(
     "--pools",
-    default="session,model,tool",
-    show_default=True,
-    help="which step pools this worker serves",
+    default=None,
+    help="which step pools this worker serves, comma-separated: session, model, tool, and "
+    "the pools of their own that the app's tools name (default: all of those the app makes)",
 )
 @click.option("--id", "worker_id", help="worker name in claims and logs")
 @click.option(
@@ -122,14 +122,14 @@ def up(
 def worker(
     app: str | None,
     nats_url: str | None,
-    pools: str,
+    pools: str | None,
     worker_id: str | None,
     served: tuple[str, ...],
     processes: int | None,
 ) -> None:
     """Run a worker (or --processes N of them) against existing NATS servers."""
     from jetloop.services.runner import settle_when_started
-    from jetloop.services.worker import Worker, default_worker_id
+    from jetloop.services.worker import Worker, default_worker_id, served_pools
 
     several = len(served) > 1 or "all" in served
     s = _settings(
@@ -144,7 +144,12 @@ def worker(
     # A namespace named in JETLOOP_NAMESPACE_APPS is served by its own app.
     apps = _apps(s, [s.namespace] if not several else [None, *s.namespace_apps])
     loaded = apps[s.app_of(s.namespace)]
-    pool_names = [p.strip() for p in pools.split(",") if p.strip()]
+    pool_names = None if pools is None else [p.strip() for p in pools.split(",") if p.strip()]
+    try:
+        for ns_app in {id(a): a for a in apps.values()}.values():
+            served_pools(ns_app, pool_names)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     if several:
         if s.worker_processes > 1:
             raise click.ClickException("--processes takes one --namespace")
@@ -203,7 +208,7 @@ async def _namespaces(
     s: Settings,
     served: tuple[str, ...],
     app_of: Callable[[str], App],
-    pools: list[str],
+    pools: list[str] | None,
     wid: str,
 ) -> None:
     """One worker per namespace served, from the store directory's credentials of each, with

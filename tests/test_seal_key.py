@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -259,3 +260,34 @@ async def test_seal_bytes_are_the_stored_map_without_its_last_entry(
         want = hmac.new(bytes.fromhex(SEAL_KEY), signed, hashlib.sha256).hexdigest()
         assert hmac.compare_digest(want, mac), key
         assert abs(msg.time.timestamp() - int(at_ms) / 1000) < 5, (key, msg.time, at_ms)
+
+
+def test_a_record_packed_by_another_msgpack_writer_verifies_by_its_stored_bytes() -> None:
+    """A writer in another language seals the bytes it stores (the recipe above), which its
+    msgpack library may pack otherwise than msgpack-python would pack the decoded values
+    again (here an int as uint32, a float as float32): such a record verifies, an edit of
+    it does not, and a seal that is not the map's last entry falls back to packing again."""
+    sealer = Sealer([bytes.fromhex(SEAL_KEY)])
+    key = "call.s.t.0.0"
+    # {"attempts": 5 (uint32), "score": 0.5 (float32)}: msgpack-python packs 5 as a fixint and
+    # 0.5 as a float64.
+    record = b"\x82" + msgpack.packb("attempts") + b"\xce\x00\x00\x00\x05"
+    record += msgpack.packb("score") + b"\xca\x3f\x00\x00\x00"
+    at_ms = int(time.time() * 1000)
+    signed = b"jetloop-seal-v3\n" + key.encode() + b"\n%d\n0\n" % at_ms + record
+    seal = f"v3.{at_ms}.0.{hmac.new(bytes.fromhex(SEAL_KEY), signed, hashlib.sha256).hexdigest()}"
+    stored = b"\x83" + record[1:] + msgpack.packb("seal") + msgpack.packb(seal)
+    data = msgpack.unpackb(stored)
+    assert msgpack.packb({k: v for k, v in data.items() if k != "seal"}) != record
+    assert sealer.verify(key, data, at_ms / 1000, 0, stored) is None
+    assert sealer.verify(key, data, at_ms / 1000, 0) is not None  # packed again: not its bytes
+    edited = stored.replace(b"\xce\x00\x00\x00\x05", b"\xce\x00\x00\x00\x06")
+    assert "does not verify" in str(
+        sealer.verify(key, msgpack.unpackb(edited), at_ms / 1000, 0, edited)
+    )
+    # Sixteen keys and more: the record's header is a map16 when the stored map's is.
+    big = {f"k{i:02}": i for i in range(16)}
+    body = msgpack.packb(big)
+    sealed = Sealer([bytes.fromhex(SEAL_KEY)]).seal_packed(key, body)
+    stored16 = b"\xde\x00\x11" + body[3:] + msgpack.packb("seal") + msgpack.packb(sealed)
+    assert sealer.verify(key, msgpack.unpackb(stored16), time.time(), 0, stored16) is None

@@ -77,6 +77,38 @@ def with_seal(body: bytes, entries: int, seal: str) -> bytes:
     return head + rest + tail
 
 
+def _map_head(entries: int) -> bytes:
+    """The shortest msgpack map header for ``entries`` keys (what every msgpack writer makes)."""
+    if entries < 16:
+        return bytes((0x80 | entries,))
+    if entries <= 0xFFFF:
+        return b"\xde" + entries.to_bytes(2, "big")
+    return b"\xdf" + entries.to_bytes(4, "big")
+
+
+def unsealed(stored: bytes, seal: str) -> bytes | None:
+    """What the seal of ``stored`` covers, cut from the stored bytes themselves: the map
+    without its last entry (``seal``), under the shortest header for one key fewer. None
+    when ``seal`` is not the stored map's last entry (then the record is packed again:
+    ``canonical``). A writer in another language that puts ``seal`` last seals these bytes,
+    whatever its msgpack library makes of the values (docs/security.md)."""
+    tail = msgpack.packb(SEAL_FIELD) + msgpack.packb(seal)
+    if not stored or not stored.endswith(tail):
+        return None
+    first = stored[0]
+    if 0x80 <= first <= 0x8F:
+        entries, skip = first & 0x0F, 1
+    elif first == 0xDE and len(stored) >= 3:
+        entries, skip = int.from_bytes(stored[1:3], "big"), 3
+    elif first == 0xDF and len(stored) >= 5:
+        entries, skip = int.from_bytes(stored[1:5], "big"), 5
+    else:
+        return None
+    if entries < 1:
+        return None
+    return _map_head(entries - 1) + stored[skip : len(stored) - len(tail)]
+
+
 def sealed_message(key: str, at_ms: int, replaces: int, body: bytes) -> bytes:
     """What the HMAC covers: a domain tag, the record's key, its seal time, the revision of
     the key it is written over (0: none), its bytes."""
@@ -122,12 +154,18 @@ class Sealer:
         return f"{SEAL_VERSION}.{at_ms}.{replaces}.{mac.hexdigest()}"
 
     def verify(
-        self, key: str, data: dict[str, Any], stored_at: float, replaced: int | None = 0
+        self,
+        key: str,
+        data: dict[str, Any],
+        stored_at: float,
+        replaced: int | None = 0,
+        stored: bytes | None = None,
     ) -> str | None:
         """None when ``data``, read at ``key``, stored by the server at ``stored_at`` (unix
         seconds) by a write over revision ``replaced`` (the ``Nats-Expected-Last-Subject-
         Sequence`` the server kept with it; None: written without one), is what jetloop
-        wrote there; else why not."""
+        wrote there; else why not. ``stored``: the bytes ``data`` was decoded from, whose
+        seal covers them without it (``unsealed``), else ``data`` packed again."""
         seal = data.get(SEAL_FIELD)
         if not isinstance(seal, str):
             return "it carries no seal"
@@ -146,7 +184,8 @@ class Sealer:
                 "its seal is not a v3 seal (bound to the key, the time and the revision it "
                 "replaces): written by hand or by an older jetloop"
             )
-        body = canonical(data)
+        cut = unsealed(stored, seal) if stored is not None else None
+        body = cut if cut is not None else canonical(data)
         if version == SEAL_VERSION:
             message = sealed_message(key, int(at_text), int(replaces_text), body)
         else:

@@ -296,7 +296,7 @@ class StateStore:
         if not isinstance(data, dict):
             raise SealBroken(key, "it is not a record")
         if known is None:
-            why = self.sealer.verify(key, data, raw.stored_at, raw.replaced)
+            why = self.sealer.verify(key, data, raw.stored_at, raw.replaced, raw.data)
             if why is not None:
                 raise SealBroken(key, why)
         try:

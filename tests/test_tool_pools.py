@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from jetloop.schemas import CallState, StepKind, StepMessage
 from jetloop.services.client import Client
 from jetloop.services.worker import served_pools
 from jetloop.streams.bus import subject_of
+from jetloop.streams.topology import WORKERS_BUCKET
 from tests.apps import Named, side_front_app, side_tools_app
 from tests.conftest import WorkerFactory, body, call, script, until
 
@@ -164,3 +166,29 @@ def test_only_a_calls_step_takes_its_tools_pool() -> None:
     assert subject_of(step(StepKind.AWAIT_TOOL_APPROVAL)).startswith("jl.step.side.")
     assert subject_of(step(StepKind.RUN_MODEL)) == "jl.step.model.a.run_model.s"
     assert subject_of(step(StepKind.JOIN)) == "jl.step.session.a.join.s"
+
+
+async def test_a_worker_of_a_pool_of_its_own_does_not_split_other_steps(
+    client: Client, workers: WorkerFactory
+) -> None:
+    """A presence that serves only a pool of its own and names no step kinds (a worker in
+    another language that runs per-call kinds only) leaves the engine's pools their
+    ``call_tools`` messages: it never meets one."""
+    kv = await client.js.key_value(WORKERS_BUCKET)
+    elsewhere = {"agents": ["sider"], "pools": ["side"], "since": time.time()}
+    await kv.put("worker.node-side", json.dumps(elsewhere).encode())
+    w = workers.start()
+    await w.wait_for("worker.started", timeout=30)
+    kinds: list[str] = []
+
+    async def on(msg: Msg) -> None:
+        if not (msg.reply or "").startswith("$JS.ACK"):
+            kinds.append(msg.subject.split(".")[4])
+
+    await client.nc.subscribe("jl.step.tool.tester.>", cb=on)
+    await client.nc.flush()
+    h = await client.send(
+        "tester", "tp4", script([call("write", name="a"), call("read", name="b")])
+    )
+    await client.wait(h, timeout=30)
+    assert kinds == ["call_tools"]

@@ -42,6 +42,7 @@ from jetloop.schemas.codec import SCHEMA_VERSION
 from jetloop.schemas.kinds import StepKind
 from jetloop.streams import kvkeys
 from jetloop.streams.topology import AGENTS_BUCKET, WORKERS_BUCKET
+from jetloop.streams.topology import POOLS as ENGINE_POOLS
 
 AgentStatus = Literal["unknown", "offline", "live"]
 # What a presence of a release that did not say (0.1.0) reads.
@@ -176,6 +177,10 @@ class Registry:
         workers = await self.workers()
         if not any(w.worker_id == me for w in workers):
             return False, False
+        # A worker of pools of their own only (a tool served elsewhere, maybe by another
+        # language) meets neither: its calls always travel one message each, and are never
+        # kept with a step's reads. One that lists no pools is counted.
+        workers = [w for w in workers if not w.pools or set(w.pools) & set(ENGINE_POOLS)]
         return all(w.runs(kind) for w in workers), all(record in w.records for w in workers)
 
     async def declared(self) -> list[str]:

@@ -343,7 +343,6 @@ export class Worker {
     await this.nc.flush();
     await this.bindConsumer();
     await this.readLayout();
-    await this.measureClock();
     const kvm = new Kvm(this.nc);
     const agents = await kvm.open("jl_agents");
     try {
@@ -361,7 +360,6 @@ export class Worker {
         if (this.stopping) return;
         void this.advertise().catch((e) => this.log("worker.presence_failed", { error: String(e) }));
         void this.readLayout().catch(() => {});
-        void this.measureClock().catch(() => {});
       }, 5000),
     );
     this.log("worker.started", {
@@ -418,23 +416,10 @@ export class Worker {
     this.folded = info.config.metadata?.jetloop_log === "folded";
   }
 
-  /** This clock against the server's: the stored time of a message we publish (design.md, Clocks). */
+  /** This clock against the server's (design.md, "Clocks"): the server's stored time of the
+   * presence this worker puts, against the local times around the put. */
   private async measureClock(): Promise<void> {
-    const key = `clock.${this.incarnation}`;
-    const kv = this.workersKv ?? (await new Kvm(this.nc).open("jl_workers"));
-    const before = Date.now() / 1000;
-    const rev = await kv.put(key, "{}");
-    const after = Date.now() / 1000;
-    const m = await this.jsm.streams.getMessage("KV_jl_workers", { seq: rev });
-    if (m === null) return;
-    const [head, frac = "0"] = m.timestamp.replace(/Z$/, "").split(".");
-    const server = Date.parse(`${head}Z`) / 1000 + Number(`0.${frac}`);
-    const offset = server - (before + after) / 2;
-    this.clock = { offset, error: (after - before) / 2 + 0.002 };
-    await kv.delete(key).catch(() => {});
-    if (Math.abs(offset) > this.sealTolerance / 2) {
-      this.log("clock.off", { offset });
-    }
+    await this.advertise();
   }
 
   private clockOff(): boolean {
@@ -442,6 +427,7 @@ export class Worker {
   }
 
   private async advertise(): Promise<void> {
+    if (this.stopping || this.workersKv === undefined) return;
     const body = {
       agents: [this.opts.agent],
       pools: [this.opts.pool],
@@ -450,7 +436,16 @@ export class Worker {
       reads: SCHEMA_VERSION,
       kinds: [...KINDS],
     };
-    await this.workersKv.put(`worker.${this.workerId}`, JSON.stringify(body));
+    const before = Date.now() / 1000;
+    const rev = await this.workersKv.put(`worker.${this.workerId}`, JSON.stringify(body));
+    const after = Date.now() / 1000;
+    const m = await this.jsm.streams.getMessage("KV_jl_workers", { seq: rev });
+    if (m === null) return;
+    const [head, frac = "0"] = m.timestamp.replace(/Z$/, "").split(".");
+    const server = Date.parse(`${head}Z`) / 1000 + Number(`0.${frac}`);
+    const offset = server - (before + after) / 2;
+    this.clock = { offset, error: (after - before) / 2 + 0.002 };
+    if (Math.abs(offset) > this.sealTolerance / 2) this.log("clock.off", { offset });
   }
 
   private async pull(): Promise<void> {

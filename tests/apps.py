@@ -468,3 +468,35 @@ side_front_app = App(
     ]
 )
 side_tools_app = App([_sider((read, side_once, side_guarded))])
+
+
+# Tools made by the Node.js worker (workers/node, example/tools.js), pool `node`: the `sider`
+# agent's front workers declare them and make only the Python read (tests/test_node_worker.py).
+node_front_app = App(
+    [
+        _sider(
+            (
+                read,
+                served_elsewhere(
+                    name="node_lookup", pool="node", effect=Effect.READ, args_model=Named
+                ),
+                served_elsewhere(
+                    name="node_keyed",
+                    pool="node",
+                    effect=Effect.IDEMPOTENT_WRITE,
+                    args_model=Named,
+                ),
+                served_elsewhere(
+                    name="node_append",
+                    pool="node",
+                    effect=Effect.NON_IDEMPOTENT_WRITE,
+                    schema={
+                        "type": "object",
+                        "properties": {"name": {"type": "string"}},
+                        "required": ["name"],
+                    },
+                ),
+            )
+        )
+    ]
+)

@@ -1,0 +1,281 @@
+"""The Node.js tool worker (workers/node) serves the tools of a pool of their own: a Python
+front worker runs the `sider` agent's turns, model steps and its Python read; the Node worker
+(workers/node/example/tools.js) makes `node_lookup`, `node_keyed` and `node_append` in pool
+`node`, with real writes to files. Real nats-server, real processes, real kills.
+
+Skipped, saying why, when ``node`` or ``npm`` is missing; the worker is built once per
+session (``npm ci`` and ``npm run build`` in workers/node)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from nats.js.errors import KeyNotFoundError
+
+from jetloop.schemas import CallState
+from jetloop.schemas.ids import idempotency_key
+from jetloop.services.client import Client
+from jetloop.streams.topology import WORKERS_BUCKET
+from jetloop.tooling.trials.harness import WorkerProcess
+from tests.conftest import LEASE, SEAL_KEY, TEST_ENV, WorkerFactory, body, call, script, until
+
+HERE = Path(__file__).resolve().parent.parent / "workers" / "node"
+NODE = shutil.which("node")
+NPM = shutil.which("npm")
+FRONT = "tests.apps:node_front_app"
+
+
+def _skip_reason() -> str | None:
+    if NODE is None:
+        return "node is not installed: the Node.js worker cannot run"
+    if NPM is None:
+        return "npm is not installed: the Node.js worker cannot be built (npm ci, npm run build)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+
+
+@pytest.fixture(scope="session")
+def node_built() -> Path:
+    """workers/node installed from its lock file and compiled, once per session."""
+    assert NPM is not None
+    for cmd in ([NPM, "ci", "--no-audit", "--no-fund"], [NPM, "run", "build"]):
+        done = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}"
+    return HERE / "dist" / "cli.js"
+
+
+class NodeWorker(WorkerProcess):
+    """A Node worker process, logging JSON lines as the Python workers do (``event``,
+    ``worker``): the harness's waits and finds read it the same way."""
+
+    def start(self) -> NodeWorker:
+        assert NODE is not None
+        env = {**os.environ, **self.env}
+        out = open(self.log_path, "ab")  # handed to the child
+        cli, app = str(HERE / "dist" / "cli.js"), str(HERE / "example" / "tools.js")
+        self.proc = subprocess.Popen(
+            [NODE, cli, "--app", app, "--id", self.worker_id],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        out.close()
+        return self
+
+
+@pytest.fixture
+def node_workers(node_built: Path, workers: WorkerFactory, tmp_path: Path) -> Iterator[Any]:
+    procs: list[NodeWorker] = []
+    vendor = tmp_path / "node-vendor"
+
+    def start(name: str, env: dict[str, str] | None = None) -> NodeWorker:
+        w = NodeWorker(
+            workers.url,
+            "example/tools.js",
+            tmp_path / f"{name}.log",
+            worker_id=name,
+            env={
+                **TEST_ENV,
+                "JETLOOP_NATS_URL": workers.url,
+                "JETLOOP_SEAL_KEY": SEAL_KEY,
+                "NODE_TOOLS_DIR": str(vendor),
+                **(env or {}),
+            },
+        )
+        procs.append(w.start())
+        return w
+
+    start.vendor = vendor  # type: ignore[attr-defined]
+    yield start
+    for w in procs:
+        w.kill()
+
+
+def _lines(vendor: Path, name: str) -> list[list[str]]:
+    path = vendor / name
+    if not path.exists():
+        return []
+    return [ln.split() for ln in path.read_text().splitlines() if ln.strip()]
+
+
+@pytest.mark.parametrize("event_log", ["folded", "separate"])
+async def test_a_turn_completes_with_the_node_workers_results(
+    client: Client, workers: WorkerFactory, node_workers: Any, event_log: str
+) -> None:
+    """A read and a keyed write made by the Node worker, a single-attempt write after them,
+    and a Python read beside them: the turn completes with every result, in either layout of
+    the session log; the join is done by the session pool from the Node worker's ``join``
+    steps."""
+    front = workers.start("front", app=FRONT, env={"JETLOOP_EVENT_LOG": event_log})
+    await front.wait_for("worker.started", timeout=30)
+    node = node_workers("node-1")
+    started = await node.wait_for("worker.started", timeout=30)
+    assert started["layout"] == event_log
+    h = await client.send(
+        "sider",
+        "nw1",
+        script(
+            [call("node_lookup", name="abc"), call("node_keyed", name="k"), call("read", name="p")],
+            [call("node_append", name="once")],
+        ),
+    )
+    res = await client.wait(h, timeout=30)
+    seen = body(res.text)["seen"]
+    assert [s["status"] for s in seen] == ["ok", "ok", "ok", "ok"], seen
+    vendor = node_workers.vendor
+    keyed = _lines(vendor, "keyed.log")
+    appended = _lines(vendor, "append.log")
+    assert len(keyed) == 1 and keyed[0][1] == "k"
+    assert len(appended) == 1 and appended[0][1] == "once"
+    turn = await client.turn("nw1", h.turn_id)
+    assert turn is not None and turn.status == "completed" and turn.tool_calls_made == 4
+    # The tools were given the plan's idempotency keys.
+    assert keyed[0][0] == idempotency_key("nw1", h.turn_id, 0, 1)
+    assert appended[0][0] == idempotency_key("nw1", h.turn_id, 1, 0)
+    for i, op in ((0, "node_lookup"), (1, "node_keyed")):
+        rec = await client.call("nw1", h.turn_id, 0, i)
+        assert rec is not None and rec.state == CallState.SUCCEEDED, rec
+        assert rec.attempt is None and rec.attempts >= 1
+        assert node.find("tool.call", tool=op)
+    assert node.find("step.acked", kind="call_single_attempt_tool")
+    assert len(node.find("step.acked", kind="call_tool")) == 2
+    assert len(front.find("step.acked", kind="join")) >= 3  # one per Node call
+    kv = await client.js.key_value(WORKERS_BUCKET)
+    presence = json.loads((await kv.get("worker.node-1")).value or b"{}")
+    assert presence["pools"] == ["node"] and presence["agents"] == ["sider"]
+    assert presence["kinds"] == ["call_tool", "call_single_attempt_tool"]
+
+
+async def test_a_node_worker_killed_inside_a_single_attempt_write_leaves_it_in_doubt(
+    client: Client, workers: WorkerFactory, node_workers: Any, tmp_path: Path
+) -> None:
+    """Kill -9 of the Node worker while the single-attempt write is at the vendor: the next
+    Node worker takes the call over and settles it ``outcome_unknown``; never made again."""
+    latch = tmp_path / "latch"
+    front = workers.start("front", app=FRONT)
+    victim = node_workers("node-1", env={"TEST_LATCH": str(latch)})
+    await front.wait_for("worker.started", timeout=30)
+    h = await client.send("sider", "nw2", script([call("node_append", name="x")]))
+    vendor = node_workers.vendor
+    await until(lambda: _async(len(_lines(vendor, "opened.log")) == 1), timeout=20)
+    victim.signal(signal.SIGKILL)
+    latch.touch()
+    second = node_workers("node-2")
+    res = await client.wait(h, timeout=30)
+    assert [s["status"] for s in body(res.text)["seen"]] == ["outcome_unknown"]
+    rec = await client.call("nw2", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == CallState.OUTCOME_UNKNOWN
+    assert rec.settlement == "outcome_unknown" and rec.marked == 1
+    assert _lines(vendor, "append.log") == []  # never made
+    assert not second.find("tool.call")
+    turn = await client.turn("nw2", h.turn_id)
+    assert turn is not None and len(turn.lost) == 1 and turn.lost[0].startswith("node-1/")
+
+
+async def test_a_node_worker_killed_inside_an_idempotent_write_makes_it_again_with_its_key(
+    client: Client, workers: WorkerFactory, node_workers: Any, tmp_path: Path
+) -> None:
+    """Kill -9 of the Node worker after the keyed write applied, before its outcome was
+    committed: the next Node worker makes it again with the same idempotency key; the
+    vendor (which dedupes on the key) shows one applied effect for it."""
+    latch = tmp_path / "latch"
+    front = workers.start("front", app=FRONT)
+    victim = node_workers("node-1", env={"TEST_LATCH": str(latch)})
+    await front.wait_for("worker.started", timeout=30)
+    h = await client.send("sider", "nw3", script([call("node_keyed", name="y")]))
+    vendor = node_workers.vendor
+    await until(lambda: _async(len(_lines(vendor, "opened.log")) == 1), timeout=20)
+    victim.signal(signal.SIGKILL)
+    latch.touch()
+    node_workers("node-2")
+    res = await client.wait(h, timeout=30)
+    assert [s["status"] for s in body(res.text)["seen"]] == ["ok"]
+    requests = [r for r in _lines(vendor, "requests.log") if r[0] == "node_keyed"]
+    assert len(requests) == 2, requests
+    assert requests[0][1] == requests[1][1]  # the same idempotency key
+    assert [r[2] for r in requests] == ["1", "2"]  # attempts 1 and 2
+    keyed = _lines(vendor, "keyed.log")
+    assert len(keyed) == 1 and keyed[0][0] == requests[0][1]
+    rec = await client.call("nw3", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == CallState.SUCCEEDED and rec.attempts == 2
+
+
+async def test_a_call_running_past_the_lease_is_not_taken_over(
+    client: Client, workers: WorkerFactory, node_workers: Any, tmp_path: Path
+) -> None:
+    """The Node worker's heartbeats (a rewrite of its claim and an in-progress ack every
+    third of the lease) keep a call that runs for 2.5 leases its own, with a second Node
+    worker pulling beside it: made once, by the first."""
+    latch = tmp_path / "latch"
+    front = workers.start("front", app=FRONT)
+    first = node_workers("node-1", env={"TEST_LATCH": str(latch)})
+    await front.wait_for("worker.started", timeout=30)
+    await first.wait_for("worker.started", timeout=30)
+    second = node_workers("node-2", env={"TEST_LATCH": str(latch)})
+    await second.wait_for("worker.started", timeout=30)
+    h = await client.send("sider", "nw4", script([call("node_append", name="slow")]))
+    vendor = node_workers.vendor
+    await until(lambda: _async(len(_lines(vendor, "opened.log")) == 1), timeout=20)
+    await asyncio.sleep(2.5 * LEASE)
+    latch.touch()
+    res = await client.wait(h, timeout=30)
+    assert [s["status"] for s in body(res.text)["seen"]] == ["ok"]
+    assert len(_lines(vendor, "append.log")) == 1
+    assert len(_lines(vendor, "opened.log")) == 1
+    rec = await client.call("nw4", h.turn_id, 0, 0)
+    assert rec is not None and rec.attempts == 1
+    turn = await client.turn("nw4", h.turn_id)
+    assert turn is not None and turn.lost == []
+
+
+async def test_malformed_steps_are_dead_lettered_and_a_stop_deletes_the_presence(
+    client: Client, node_workers: Any
+) -> None:
+    """A body that is not msgpack and one whose subject does not match it go to JL_DEAD with
+    their reason and original headers; SIGTERM stops the worker cleanly, its presence gone."""
+    node = node_workers("node-1")
+    await node.wait_for("worker.started", timeout=30)
+    subject = "jl.step.node.sider.call_tool.nw5"
+    await client.js.publish(subject, b"plain text", headers={"Nats-Msg-Id": "nw5.bad.1"})
+    wrong = msgpack.packb(
+        {
+            "v": 1,
+            "kind": "call_tool",
+            "agent": "sider",
+            "session_id": "other",
+            "turn_id": "t",
+            "model_step": 0,
+            "call_index": 0,
+            "pool": "node",
+        }
+    )
+    await client.js.publish(subject, wrong, headers={"Nats-Msg-Id": "nw5.bad.2"})
+    sub = await client.js.subscribe("jl.dead.jl.step.node.sider.>", ordered_consumer=True)
+    dead = [await sub.next_msg(timeout=10), await sub.next_msg(timeout=10)]
+    reasons = {m.headers["Jl-Dead-Msg-Id"]: m.headers["Jl-Dead-Reason"] for m in dead if m.headers}
+    assert reasons["nw5.bad.1"].startswith("body is not msgpack"), reasons
+    assert "does not match its body" in reasons["nw5.bad.2"], reasons
+    assert all(m.headers and m.headers["Jl-Dead-Stream"] == "JL_STEPS" for m in dead)
+    kv = await client.js.key_value(WORKERS_BUCKET)
+    assert (await kv.get("worker.node-1")).value
+    assert await asyncio.to_thread(node.terminate, 15) == 0
+    assert node.find("worker.stopped")
+    with pytest.raises(KeyNotFoundError):
+        await kv.get("worker.node-1")
+
+
+async def _async(value: bool) -> bool:
+    return value

@@ -9,6 +9,7 @@ session (``npm ci`` and ``npm run build`` in workers/node)."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import shutil
@@ -48,12 +49,22 @@ pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason(
 
 @pytest.fixture(scope="session")
 def node_built() -> Path:
-    """workers/node installed from its lock file and compiled, once per session."""
+    """workers/node installed from its lock file and compiled (``.ci/run`` does both first);
+    built here when its output is missing or older than its sources, under a lock, so the
+    suite's parallel processes build it once."""
     assert NPM is not None
-    for cmd in ([NPM, "ci", "--no-audit", "--no-fund"], [NPM, "run", "build"]):
-        done = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}"
-    return HERE / "dist" / "cli.js"
+    cli = HERE / "dist" / "cli.js"
+    with open(HERE / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sources = [*(HERE / "src").glob("*.ts"), HERE / "package-lock.json"]
+        stale = not cli.exists() or any(p.stat().st_mtime > cli.stat().st_mtime for p in sources)
+        if stale or not (HERE / "node_modules" / "@nats-io" / "jetstream").is_dir():
+            for cmd in ([NPM, "ci", "--no-audit", "--no-fund"], [NPM, "run", "build"]):
+                done = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=300)
+                assert done.returncode == 0, (
+                    f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}"
+                )
+    return cli
 
 
 class NodeWorker(WorkerProcess):

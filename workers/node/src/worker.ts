@@ -1,7 +1,7 @@
 // A jetloop tool worker: serves the call steps of one agent's tools of a pool of their own
 // (`served_elsewhere` on the Python side): `jl.step.<pool>.<agent>.call_tool.<sid>` and
-// `.call_single_attempt_tool.<sid>`. The protocol: drafts/serving-tools.md (branch
-// draft-serving-tools); the reference: jetloop/consumers/call_tool.py, calls.py, runtime.py,
+// `.call_single_attempt_tool.<sid>`. The protocol: docs/serving-tools.md (a draft); the
+// reference: jetloop/consumers/call_tool.py, calls.py, runtime.py,
 // liveness.py, losses.py, dispatch.py.
 
 import { randomBytes } from "node:crypto";

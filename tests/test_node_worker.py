@@ -224,6 +224,46 @@ async def test_a_node_worker_killed_inside_an_idempotent_write_makes_it_again_wi
     assert rec is not None and rec.state == CallState.SUCCEEDED and rec.attempts == 2
 
 
+# The crash matrix's cells of a single-attempt write, on the Node worker: killed at each
+# named point of its call (JETLOOP_FAULT_HOLD, as a Python worker is), the next Node worker
+# settles what the kill left. (point, status the model sees, writes made, losses counted)
+CELLS = [
+    ("call_tool.before_mark", "ok", 1, 0),  # nothing written yet: made by the next worker
+    ("call_tool.in_tool", "outcome_unknown", 0, 1),  # marked, not made: in doubt all the same
+    ("call_tool.before_commit", "outcome_unknown", 1, 1),  # made, not recorded: never again
+    ("call_tool.after_commit", "ok", 1, 0),  # recorded: told and joined by the next worker
+]
+
+
+@pytest.mark.parametrize(("point", "status", "made", "losses"), CELLS)
+async def test_a_node_worker_killed_at_each_point_of_a_single_attempt_write(
+    client: Client,
+    workers: WorkerFactory,
+    node_workers: Any,
+    point: str,
+    status: str,
+    made: int,
+    losses: int,
+) -> None:
+    front = workers.start("front", app=FRONT)
+    victim = node_workers("node-1", env={"JETLOOP_FAULT_HOLD": point})
+    await front.wait_for("worker.started", timeout=30)
+    h = await client.send("sider", "nw6", script([call("node_append", name="x")]))
+    held = await victim.wait_for("fault.hold", timeout=20)
+    assert held["point"] == point and held["session"] == "nw6"
+    victim.signal(signal.SIGKILL)
+    second = node_workers("node-2")
+    res = await client.wait(h, timeout=30)
+    assert [s["status"] for s in body(res.text)["seen"]] == [status]
+    vendor = node_workers.vendor
+    assert len(_lines(vendor, "append.log")) == made
+    rec = await client.call("nw6", h.turn_id, 0, 0)
+    assert rec is not None and rec.marked == 1  # one in-doubt mark, whoever made it
+    assert len(second.find("tool.call")) == (1 if point == "call_tool.before_mark" else 0)
+    turn = await client.turn("nw6", h.turn_id)
+    assert turn is not None and len(turn.lost) == losses
+
+
 async def test_a_call_running_past_the_lease_is_not_taken_over(
     client: Client, workers: WorkerFactory, node_workers: Any, tmp_path: Path
 ) -> None:

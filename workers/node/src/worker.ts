@@ -16,6 +16,7 @@ import type { KV } from "@nats-io/kv";
 import { Objm } from "@nats-io/obj";
 import { keyBytes, Sealer, type Rec } from "./seal.js";
 import { Conflict, SealBroken, StateStore, isTransient, sleep, type Versioned } from "./state.js";
+import { Faults } from "./faults.js";
 import { Effect, RetryableToolError, ToolError, type Tool, type ToolContext } from "./tools.js";
 
 export const VERSION = "0.1.0";
@@ -275,6 +276,8 @@ export class Worker {
   private readonly slots: number;
   private readonly namespace: string;
   private readonly sealer: Sealer;
+  // Points where a test holds a call (JETLOOP_FAULT_HOLD / _PLAN / _RELEASE, faults.ts).
+  private readonly faults = new Faults((event, fields) => this.log(event, fields));
   private readonly newerWriterSeconds: number;
   private readonly sealTolerance: number;
   /** Resolves once the worker stopped (after `stop()`, or a closed connection). */
@@ -985,6 +988,8 @@ export class Worker {
       await this.settle(env, this.exhausted(rec, isWrite), "attempts_exhausted");
       return;
     }
+    const session = String(env.turn.session_id);
+    await this.faults.point("call_tool.before_mark", session, { call: env.ckey });
     const attempt = { no: used + 1, worker: this.workerId, started_at: Date.now() / 1000, incarnation: this.incarnation };
     const marked: Rec = {
       ...rec,
@@ -999,6 +1004,7 @@ export class Worker {
     } else {
       env = await this.write(env, marked); // the claim: for a write, its in-doubt mark
     }
+    await this.faults.point("call_tool.in_tool", session, { call: env.ckey, attempt: attempt.no });
     if (!(await env.d.stillOurs((this.leaseSeconds * 1000) / 4))) throw new TakenOver(env.skey);
     const d = env.d;
     const ctx: ToolContext = {
@@ -1036,10 +1042,12 @@ export class Worker {
         outcome = { state: isWrite ? "outcome_unknown" : "failed", error };
       }
     }
+    await this.faults.point("call_tool.before_commit", session, { call: env.ckey, attempt: attempt.no });
     const done: Rec = { ...env.rec, state: outcome.state, outcome: clean(outcome) };
     delete done.attempt;
     env = await this.write(env, done);
     this.log("call.recorded", { state: outcome.state, attempts: attempt.no, call: env.ckey });
+    await this.faults.point("call_tool.after_commit", session, { call: env.ckey });
     await this.toldAndJoined(env.turn, done, env.n, env.i);
   }
 

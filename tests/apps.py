@@ -496,6 +496,13 @@ node_front_app = App(
                         "required": ["name"],
                     },
                 ),
+                # Approved by a person first: the Node worker's policy (example/tools.js).
+                served_elsewhere(
+                    name="node_guarded",
+                    pool="node",
+                    effect=Effect.IDEMPOTENT_WRITE,
+                    args_model=Named,
+                ),
             )
         )
     ]

@@ -24,7 +24,7 @@ import pytest
 from nats.js.errors import KeyNotFoundError
 
 from jetloop.schemas import CallState
-from jetloop.schemas.ids import idempotency_key
+from jetloop.schemas.ids import approval_id_for, idempotency_key
 from jetloop.services.client import Client
 from jetloop.streams.topology import WORKERS_BUCKET
 from jetloop.tooling.trials.harness import WorkerProcess
@@ -167,7 +167,7 @@ async def test_a_turn_completes_with_the_node_workers_results(
     kv = await client.js.key_value(WORKERS_BUCKET)
     presence = json.loads((await kv.get("worker.node-1")).value or b"{}")
     assert presence["pools"] == ["node"] and presence["agents"] == ["sider"]
-    assert presence["kinds"] == ["call_tool", "call_single_attempt_tool"]
+    assert presence["kinds"] == ["call_tool", "call_single_attempt_tool", "await_tool_approval"]
 
 
 async def test_a_node_worker_killed_inside_a_single_attempt_write_leaves_it_in_doubt(
@@ -262,6 +262,48 @@ async def test_a_node_worker_killed_at_each_point_of_a_single_attempt_write(
     assert len(second.find("tool.call")) == (1 if point == "call_tool.before_mark" else 0)
     turn = await client.turn("nw6", h.turn_id)
     assert turn is not None and len(turn.lost) == losses
+
+
+@pytest.mark.parametrize("approve", [True, False])
+async def test_a_call_the_node_worker_holds_for_approval_waits_for_the_decision(
+    client: Client, workers: WorkerFactory, node_workers: Any, approve: bool
+) -> None:
+    """The Node worker's policy holds the call (the front worker declared none): one approval
+    asked, the decision wakes the call in pool `node`; approved, it is made once; rejected,
+    never, and the model sees who denied it."""
+    front = workers.start("front", app=FRONT)
+    node = node_workers("node-1")
+    await front.wait_for("worker.started", timeout=30)
+    h = await client.send("sider", "nw7", script([call("node_guarded", name="g")]))
+
+    async def asked() -> Any:
+        snap = await client.snapshot("nw7")
+        return snap if snap is not None and snap.approvals else None
+
+    snap = await until(asked, timeout=30)
+    [approval] = snap.approvals
+    rec = await client.call("nw7", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == CallState.AWAITING_APPROVAL
+    assert rec.approval_id == approval.approval_id
+    # The id every worker derives from the call (ids.py), so a call routed again coalesces.
+    assert approval.approval_id == approval_id_for(f"nw7.{h.turn_id}.0.0")
+    assert _lines(node_workers.vendor, "guarded.log") == []
+    if approve:
+        await client.approve("nw7", approval.approval_id, by="alice")
+    else:
+        await client.reject("nw7", approval.approval_id, by="bob", reason="not today")
+    res = await client.wait(h, timeout=30)
+    [seen] = body(res.text)["seen"]
+    made = _lines(node_workers.vendor, "guarded.log")
+    if approve:
+        assert seen["status"] == "ok" and len(made) == 1
+    else:
+        assert seen["status"] == "denied" and made == []
+        rec = await client.call("nw7", h.turn_id, 0, 0)
+        assert rec is not None and rec.outcome is not None
+        assert rec.outcome.error == "denied by bob: not today"
+    assert len(node.find("call.awaiting_approval")) == 1
+    assert node.find("step.acked", kind="await_tool_approval")
 
 
 async def test_a_call_running_past_the_lease_is_not_taken_over(

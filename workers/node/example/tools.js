@@ -8,6 +8,7 @@
 //   requests.log  every request a tool made: `<op> <idempotency key> <attempt> <pid>`
 //   keyed.log     the keyed write's applied effects, one line per idempotency key (it dedupes)
 //   append.log    the single-attempt write's applied effects (appended unconditionally)
+//   guarded.log   the approved write's effects (node_guarded: a person approves each call)
 // With TEST_LATCH set (a file path), the writes hold until that file exists: node_append
 // before its effect, node_keyed after it (a kill then leaves an applied effect in doubt).
 
@@ -67,6 +68,17 @@ export const tools = [
       await latch("node_append", ctx);
       line("requests.log", `node_append ${ctx.idempotency_key} ${ctx.attempt} ${process.pid}`);
       line("append.log", `${ctx.idempotency_key} ${name} ${process.pid}`);
+      return { name, pid: process.pid };
+    },
+  }),
+  tool({
+    name: "node_guarded",
+    effect: Effect.IDEMPOTENT_WRITE,
+    approval: true, // a person approves each call first
+    async run(args, ctx) {
+      const name = named(args);
+      line("requests.log", `node_guarded ${ctx.idempotency_key} ${ctx.attempt} ${process.pid}`);
+      line("guarded.log", `${ctx.idempotency_key} ${name} ${process.pid}`);
       return { name, pid: process.pid };
     },
   }),

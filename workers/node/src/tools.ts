@@ -47,11 +47,16 @@ export interface ToolSpec<A = any, R = unknown> {
   dedupeWindowSeconds?: number | null;
   /** Check the arguments: a reason when they do not fit (the call then fails unrun). */
   check?(args: unknown): string | null;
+  /** A person approves each call first: true, or a predicate over the arguments (the
+   * session's override, `jetloop approval-policy`, wins over it). Default false. */
+  approval?: boolean | ((args: A) => boolean);
 }
 
-export interface Tool<A = any, R = unknown> extends Required<Omit<ToolSpec<A, R>, "check" | "dedupeWindowSeconds">> {
+export interface Tool<A = any, R = unknown>
+  extends Required<Omit<ToolSpec<A, R>, "check" | "dedupeWindowSeconds" | "approval">> {
   dedupeWindowSeconds: number | null;
   check?: (args: unknown) => string | null;
+  approval: boolean | ((args: A) => boolean);
 }
 
 const NAME = /^[A-Za-z0-9_-]{1,64}$/;
@@ -69,5 +74,11 @@ export function tool<A = any, R = unknown>(spec: ToolSpec<A, R>): Tool<A, R> {
     attemptWindowSeconds: spec.attemptWindowSeconds ?? 1800,
     dedupeWindowSeconds: spec.dedupeWindowSeconds ?? null,
     check: spec.check,
+    approval: spec.approval ?? false,
   };
+}
+
+/** Whether a call of `t` with `args` asks a person first, by the tool's own policy. */
+export function needsApproval<A>(t: Tool<A>, args: A): boolean {
+  return typeof t.approval === "function" ? Boolean(t.approval(args)) : t.approval;
 }

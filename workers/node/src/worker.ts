@@ -17,13 +17,14 @@ import { Objm } from "@nats-io/obj";
 import { keyBytes, Sealer, type Rec } from "./seal.js";
 import { Conflict, SealBroken, StateStore, isTransient, sleep, type Versioned } from "./state.js";
 import { Faults } from "./faults.js";
-import { Effect, RetryableToolError, ToolError, type Tool, type ToolContext } from "./tools.js";
+import { blake2b } from "@noble/hashes/blake2.js";
+import { Effect, RetryableToolError, ToolError, needsApproval, type Tool, type ToolContext } from "./tools.js";
 
 export const VERSION = "0.1.0";
 const STEPS_STREAM = "JL_STEPS";
 const EVENTS_STREAM = "JL_EVENTS";
 const SCHEMA_VERSION = 1;
-const KINDS = ["call_tool", "call_single_attempt_tool"] as const;
+const KINDS = ["call_tool", "call_single_attempt_tool", "await_tool_approval"] as const;
 const DONE_STATES = new Set(["succeeded", "failed", "outcome_unknown", "denied", "cancelled"]);
 const LOSABLE = new Set(["in_doubt", "running"]);
 const TERMINAL = new Set(["completed", "failed", "cancelled"]);
@@ -73,6 +74,12 @@ class TakenOver extends Error {
 }
 
 type Takeover = "lost" | "abandoned";
+
+/** ids.py approval_id_for: one approval per call, `a` + BLAKE2b (10 bytes) of `approval\0<call key>\0`. */
+export function approvalIdFor(callKey: string): string {
+  const digest = blake2b(new TextEncoder().encode(`approval\0${callKey}\0`), { dkLen: 10 });
+  return "a" + Buffer.from(digest).toString("hex");
+}
 
 function callKeyOf(sid: string, tid: string, n: number, i: number): string {
   return `${sid}.${tid}.${n}.${i}`;
@@ -845,7 +852,7 @@ export class Worker {
       await this.settle(env, this.withoutTool(rec, why), "gate");
       return;
     }
-    if (!["in_doubt", "running"].includes(String(rec.state))) {
+    if (!["in_doubt", "running", "awaiting_approval"].includes(String(rec.state))) {
       // awaiting_approval, awaiting_answer, waiting_timer, task_running, awaiting_child:
       // begun by a worker that runs waits; this one does not.
       throw new RetryLater(5, `call ${ckey} is ${String(rec.state)}, a wait this worker does not run`);
@@ -855,18 +862,79 @@ export class Worker {
       await this.settle(env, this.withoutTool(rec, `its arguments no longer fit the tool ${JSON.stringify(call.tool)} (${problem})`), "gate");
       return;
     }
-    // The approval gate (draft 8.1) is not implemented: a call that needs a decision is
-    // settled unrun rather than made without one.
-    const overrides = (sessionV?.value.approval_overrides ?? {}) as Rec;
-    if (rec.approval_id || overrides[String(call.tool)] === true) {
-      await this.settle(
-        env,
-        this.withoutTool(rec, "it needs a person's approval, which this worker (node-worker) cannot ask for yet"),
-        "gate",
-      );
-      return;
+    const passed = await this.gate(env, (sessionV?.value.approval_overrides ?? {}) as Rec);
+    if (passed === null) return; // held for a decision, or denied
+    await this.run(passed);
+  }
+
+  /** approvals.py gate (draft 8.1): the call held for a person's decision, once per call
+   * (its approval record is created only if absent), or passed on once approved. null: held
+   * (state `awaiting_approval`, `approval.requested` told) or denied (settled). */
+  private async gate(env: CallEnv, overrides: Rec): Promise<CallEnv | null> {
+    const tool = env.tool!;
+    const override = overrides[tool.name];
+    const required =
+      env.rec.approval_id !== undefined && env.rec.approval_id !== null
+        ? true
+        : typeof override === "boolean"
+          ? override
+          : needsApproval(tool, structuredClone(env.call.args ?? {}));
+    if (!required) return env;
+    const sid = String(env.turn.session_id);
+    const tid = String(env.turn.turn_id);
+    const aid = approvalIdFor(env.ckey);
+    const akey = `approval.${sid}.${aid}`;
+    let approval = (await this.state.get(akey))?.value ?? null;
+    if (approval === null) {
+      const record: Rec = {
+        v: SCHEMA_VERSION,
+        approval_id: aid,
+        session_id: sid,
+        turn_id: tid,
+        model_step: env.n,
+        call_index: env.i,
+        call_key: env.ckey,
+        tool: env.call.tool,
+        args: env.call.args ?? {},
+        status: "pending",
+        requested_at: Date.now() / 1000,
+        pool: this.opts.pool,
+      };
+      try {
+        await this.state.write(akey, record, null);
+        approval = record;
+      } catch (err) {
+        if (!(err instanceof Conflict)) throw err;
+        approval = (await this.state.get(akey))?.value ?? null;
+        if (approval === null) throw new RetryLater(0.2, `approval ${aid} was created and is gone`);
+      }
     }
-    await this.run(env);
+    if (approval.status === "pending") {
+      if (env.rec.state !== "awaiting_approval") {
+        const waiting: Rec = { ...env.rec, state: "awaiting_approval", approval_id: aid };
+        env = await this.write(env, waiting);
+      }
+      await this.publish([
+        this.eventOut(
+          this.event("approval.requested", `call.${env.ckey}.approval.requested`, sid, tid, {
+            approval_id: aid,
+            call_key: env.ckey,
+            tool: env.call.tool,
+            args: env.call.args ?? {},
+          }),
+        ),
+      ]);
+      this.log("call.awaiting_approval", { approval_id: aid, call: env.ckey });
+      return null;
+    }
+    if (approval.status === "rejected") {
+      let why = `denied by ${String(approval.decided_by ?? "a person")}`;
+      if (approval.reason) why += `: ${String(approval.reason)}`;
+      await this.settle({ ...env, rec: { ...env.rec, approval_id: aid } }, { state: "denied", error: why }, "denied");
+      return null;
+    }
+    if (!env.rec.approval_id) return { ...env, rec: { ...env.rec, approval_id: aid } };
+    return env;
   }
 
   /** calls.py / call_tool.py without_tool. */

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -304,6 +305,31 @@ async def test_a_call_the_node_worker_holds_for_approval_waits_for_the_decision(
         assert rec.outcome.error == "denied by bob: not today"
     assert len(node.find("call.awaiting_approval")) == 1
     assert node.find("step.acked", kind="await_tool_approval")
+
+
+async def test_a_killed_node_workers_call_is_taken_over_well_inside_its_lease(
+    client: Client, workers: WorkerFactory, node_workers: Any
+) -> None:
+    """With a 20 s lease: the Node worker lists what it holds; killed after the in-doubt mark,
+    a Python worker hears its connection close and copies the listed message, and the next
+    Node worker takes the call over at once (settled ``outcome_unknown``), not after 20 s."""
+    lease = {"JETLOOP_LEASE_SECONDS": "20"}
+    front = workers.start("front", app=FRONT)
+    victim = node_workers("node-1", env={**lease, "JETLOOP_FAULT_HOLD": "call_tool.in_tool"})
+    await front.wait_for("worker.started", timeout=30)
+    second = node_workers("node-2", env=lease)
+    await second.wait_for("worker.started", timeout=30)
+    h = await client.send("sider", "nw8", script([call("node_append", name="x")]))
+    await victim.wait_for("fault.hold", timeout=20)
+    await asyncio.sleep(0.2)  # the list that names the held message has gone out
+    victim.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    res = await client.wait(h, timeout=30)
+    took = time.monotonic() - killed
+    assert [s["status"] for s in body(res.text)["seen"]] == ["outcome_unknown"]
+    assert took < 10, f"taken over {took:.1f} s after the kill: the lease, not the rescue"
+    assert second.find("step.holder_gone")
+    assert _lines(node_workers.vendor, "append.log") == []
 
 
 async def test_a_call_running_past_the_lease_is_not_taken_over(

@@ -17,6 +17,7 @@ import { Objm } from "@nats-io/obj";
 import { keyBytes, Sealer, type Rec } from "./seal.js";
 import { Conflict, SealBroken, StateStore, isTransient, sleep, type Versioned } from "./state.js";
 import { Faults } from "./faults.js";
+import { Holds } from "./holds.js";
 import { blake2b } from "@noble/hashes/blake2.js";
 import { Effect, RetryableToolError, ToolError, needsApproval, type Tool, type ToolContext } from "./tools.js";
 
@@ -285,6 +286,8 @@ export class Worker {
   private readonly sealer: Sealer;
   // Points where a test holds a call (JETLOOP_FAULT_HOLD / _PLAN / _RELEASE, faults.ts).
   private readonly faults = new Faults((event, fields) => this.log(event, fields));
+  // What this process holds, for a rescuer if it dies (draft 7.2, holds.ts).
+  private holds!: Holds;
   private readonly newerWriterSeconds: number;
   private readonly sealTolerance: number;
   /** Resolves once the worker stopped (after `stop()`, or a closed connection). */
@@ -346,6 +349,7 @@ export class Worker {
     this.js = jetstream(this.nc);
     this.jsm = await jetstreamManager(this.nc);
     this.state = new StateStore(this.nc, this.js, this.jsm, this.sealer, this.leaseSeconds);
+    this.holds = new Holds(this.nc, this.js, this.incarnation, this.workerId);
     // Liveness (draft 1.2): subscribed before the first claim, never unsubscribed.
     this.alive = this.nc.subscribe(`jl.alive.${this.incarnation}`, {
       callback: (_err, m) => this.answerAlive(m),
@@ -447,6 +451,7 @@ export class Worker {
       kinds: [...KINDS],
     };
     const before = Date.now() / 1000;
+    if (this.holds.size > 0) this.holds.publish(); // kept fresh while anything is held
     const rev = await this.workersKv.put(`worker.${this.workerId}`, JSON.stringify(body));
     const after = Date.now() / 1000;
     const m = await this.jsm.streams.getMessage("KV_jl_workers", { seq: rev });
@@ -478,6 +483,7 @@ export class Worker {
         m.nak();
         break;
       }
+      this.holds.add(m);
       const job = this.deliver(m).finally(() => {
         this.running.delete(job);
         this.slotFreed?.();
@@ -501,6 +507,9 @@ export class Worker {
       sleep(this.drainSeconds * 1000).then(() => true),
     ]);
     if (timedOut) {
+      // Said before they are cancelled: the worker that takes them over counts no loss.
+      this.holds.drained = true;
+      await this.holds.publishConfirmed(2000).catch((e) => this.log("worker.drained_list_failed", { error: String(e) }));
       for (const d of this.deliveries) {
         if (!d.lost) d.msg.nak();
         d.lost = true; // nothing more is sent on it
@@ -508,6 +517,7 @@ export class Worker {
       this.log("worker.drain_ran_out", { left: this.deliveries.size });
     }
     await this.pulling?.catch(() => {});
+    this.holds.stop();
     await this.nc.drain().catch(() => {});
     this.log("worker.stopped", {});
   }
@@ -536,6 +546,7 @@ export class Worker {
       clearInterval(beat);
       d.release();
       this.deliveries.delete(d);
+      if (!(d.lost && this.stopping)) this.holds.drop(m); // a drained step stays listed
     }
   }
 

@@ -9,6 +9,7 @@ is logged at the vendor as op ``model_call`` so tests can count what a crash re-
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -503,6 +504,21 @@ node_front_app = App(
                     effect=Effect.IDEMPOTENT_WRITE,
                     args_model=Named,
                 ),
+            )
+        )
+    ]
+)
+
+# The same declarations with `node_append` mislabelled: its vendor appends whatever the key,
+# so made again after a crash it writes twice (a crash test must fail it).
+node_mislabelled_app = App(
+    [
+        _sider(
+            tuple(
+                dataclasses.replace(t, effect=Effect.IDEMPOTENT_WRITE)
+                if t.name == "node_append"
+                else t
+                for t in node_front_app.agents["sider"].tools
             )
         )
     ]

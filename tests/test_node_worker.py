@@ -54,10 +54,10 @@ def node_built() -> Path:
     built here when its output is missing or older than its sources, under a lock, so the
     suite's parallel processes build it once."""
     assert NPM is not None
-    cli = HERE / "dist" / "cli.js"
+    cli = HERE / "dist" / "src" / "cli.js"
     with open(HERE / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        sources = [*(HERE / "src").glob("*.ts"), HERE / "package-lock.json"]
+        sources = [*HERE.glob("src/*.ts"), *HERE.glob("examples/*.ts"), HERE / "package-lock.json"]
         stale = not cli.exists() or any(p.stat().st_mtime > cli.stat().st_mtime for p in sources)
         if stale or not (HERE / "node_modules" / "@nats-io" / "jetstream").is_dir():
             for cmd in ([NPM, "ci", "--no-audit", "--no-fund"], [NPM, "run", "build"]):
@@ -72,11 +72,13 @@ class NodeWorker(WorkerProcess):
     """A Node worker process, logging JSON lines as the Python workers do (``event``,
     ``worker``): the harness's waits and finds read it the same way."""
 
+    app_module: Path = HERE / "example" / "tools.js"  # the tools it serves
+
     def start(self) -> NodeWorker:
         assert NODE is not None
         env = {**os.environ, **self.env}
         out = open(self.log_path, "ab")  # handed to the child
-        cli, app = str(HERE / "dist" / "cli.js"), str(HERE / "example" / "tools.js")
+        cli, app = str(HERE / "dist" / "src" / "cli.js"), str(self.app_module)
         self.proc = subprocess.Popen(
             [NODE, cli, "--app", app, "--id", self.worker_id],
             stdout=out,
@@ -398,3 +400,88 @@ async def test_malformed_steps_are_dead_lettered_and_a_stop_deletes_the_presence
 
 async def _async(value: bool) -> bool:
     return value
+
+
+TRIAL = json.dumps(
+    {
+        "steps": [
+            [call("node_lookup", name="a"), call("node_keyed", name="k")],
+            [call("node_append", name="x")],
+        ],
+        "answer": "done",
+    }
+)
+
+
+@pytest.mark.parametrize(
+    ("app", "verdict"),
+    [("tests.apps:node_front_app", "pass"), ("tests.apps:node_mislabelled_app", "fail")],
+)
+async def test_the_crash_test_kills_the_node_worker_at_its_boundaries(
+    node_built: Path,
+    tmp_path: Path,
+    vendor_db: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    app: str,
+    verdict: str,
+) -> None:
+    """``jetloop trials --app … --tool-worker 'node …'``: the Node worker is killed at every
+    boundary of its calls (its fault points and the ledger's ``tool.running``) beside the
+    Python worker; with the tools labelled as they behave the verdict is pass, and with the
+    single-attempt write declared an idempotent write it fails (made twice, same key)."""
+    from jetloop.tooling.crashtest.run import crash_test
+    from jetloop.tooling.crashtest.script import Message
+
+    assert NODE is not None
+    monkeypatch.setenv("JETLOOP_VENDOR_DB", str(vendor_db))
+    monkeypatch.setenv("NODE_TOOLS_DIR", str(tmp_path / "tools"))
+    report = await crash_test(
+        app,
+        [Message(agent="sider", text=TRIAL)],
+        quick=True,
+        vendor_dedupes=["node_keyed"],
+        pure=["node_lookup"],
+        work_dir=tmp_path / "run",
+        tool_worker=[NODE, str(node_built), "--app", str(HERE / "example" / "tools.js")],
+    )
+    assert report.verdict == verdict, report.failures
+    caught = [r for r in report.rounds if r.boundary and "node_append" in r.boundary]
+    assert caught, [r.boundary for r in report.rounds]  # the Node worker's calls were struck
+    if verdict == "fail":
+        assert any("node_append (idempotent_write)" in f for f in report.failures)
+
+
+async def test_the_readmes_typescript_example_saves_a_note(
+    client: Client, workers: WorkerFactory, node_built: Path, tmp_path: Path
+) -> None:
+    """README, "Tools in TypeScript": the `notes` agent (examples/ts_notes.py) with its tool
+    made by the Node worker (workers/node/examples/notes.ts): a note is saved once, in a file
+    named by the call's idempotency key."""
+    notes = tmp_path / "notes"
+    front = workers.start("front", app="examples.ts_notes:app")
+    assert NODE is not None
+    node = NodeWorker(
+        workers.url,
+        "",
+        tmp_path / "notes-node.log",
+        worker_id="notes-1",
+        env={
+            **TEST_ENV,
+            "JETLOOP_NATS_URL": workers.url,
+            "JETLOOP_SEAL_KEY": SEAL_KEY,
+            "NOTES_DIR": str(notes),
+        },
+    )
+    node.app_module = HERE / "dist" / "examples" / "notes.js"
+    node.start()
+    try:
+        await front.wait_for("worker.started", timeout=30)
+        await node.wait_for("worker.started", timeout=30)
+        h = await client.send("notes", "n1", "note buy milk")
+        res = await client.wait(h, timeout=30)
+        key = idempotency_key("n1", h.turn_id, 0, 0)
+        assert res.text == f"saved: {{'saved': '{notes / (key + '.json')}'}}"
+        assert json.loads((notes / f"{key}.json").read_text())["text"] == "buy milk"
+        assert [p.name for p in notes.iterdir()] == [f"{key}.json"]
+    finally:
+        node.kill()

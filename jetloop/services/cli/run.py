@@ -363,6 +363,13 @@ def credentials(store_dir: str | None) -> None:
     metavar="TOOL",
     help="with --app: a READ tool that changes nothing (its repeats are not warned of)",
 )
+@click.option(
+    "--tool-worker",
+    metavar="COMMAND",
+    help="with --app: the command of a worker in another language that makes the app's tools "
+    "of pools of their own (e.g. 'node workers/node/dist/src/cli.js --app tools.js'); killed with "
+    "each worker",
+)
 def trials(
     modes: tuple[str, ...],
     rounds: int | None,
@@ -379,6 +386,7 @@ def trials(
     quick: bool,
     vendor_dedupes: tuple[str, ...],
     pure: tuple[str, ...],
+    tool_worker: str | None,
 ) -> None:
     """Kill trials: random SIGKILLs of workers, servers or leaders, and power cuts, judged
     from state: lost turns, duplicates, reverted decisions, detection and completion times,
@@ -414,9 +422,10 @@ def trials(
                 pure=pure,
                 out_json=Path(out_json) if out_json else None,
                 keep=Path(keep) if keep else None,
+                tool_worker=tool_worker,
             )
         )
-    if messages or model_script or quick or vendor_dedupes or pure:
+    if messages or model_script or quick or vendor_dedupes or pure or tool_worker:
         raise click.UsageError(
             "--messages, --model-script, --quick, --vendor-dedupes, --pure need --app"
         )

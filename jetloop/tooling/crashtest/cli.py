@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +30,7 @@ def main(
     out_json: Path | None,
     pure: Sequence[str] = (),
     keep: Path | None,
+    tool_worker: str | None = None,
 ) -> int:
     """Each mode in turn; prints each report; 0 when every verdict is pass."""
     wrong = [m for m in modes if m not in MODES]
@@ -38,6 +40,9 @@ def main(
         msgs = read_messages(messages)
     except ScriptError as exc:
         raise click.UsageError(f"--messages: {exc}") from None
+    command = shlex.split(tool_worker) if tool_worker else None
+    if tool_worker is not None and not command:
+        raise click.UsageError("--tool-worker: give the command that starts the worker")
     seed = default_seed() if seed is None else seed
     click.echo(f"JETLOOP_KILL_SEED={seed}")
     # Said before anything runs: this is no simulation.
@@ -62,6 +67,7 @@ def main(
                     vendor_dedupes=vendor_dedupes,
                     pure=pure,
                     work_dir=keep / mode if keep is not None else None,
+                    tool_worker=command,
                 )
             )
         except (ScriptError, ValueError) as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import sqlite3
 import time
@@ -107,13 +108,63 @@ class Ledger:
                 (time.time(), outcome, row),
             )
 
+    @property
+    def lines_path(self) -> Path:
+        """Where a tool worker in another language writes its invocations (JSON lines,
+        ``JETLOOP_CRASHTEST_INVOCATIONS``): beside the ledger, read with it."""
+        return self.path.with_suffix(".jsonl")
+
     def invocations(self) -> list[Invocation]:
         with _closing(self._db()) as db:
             rows = db.execute(
                 "SELECT tool, effect, session_id, turn_id, call_id, idempotency_key, attempt,"
                 " pid, started, ended, outcome FROM invocations ORDER BY id"
             ).fetchall()
-        return [Invocation(*r) for r in rows]
+        found = [Invocation(*r) for r in rows] + _lines(self.lines_path)
+        return sorted(found, key=lambda i: i.started)
+
+
+def _lines(path: Path) -> list[Invocation]:
+    """The invocations a tool worker in another language wrote: a line
+    ``{"row", "tool", "effect", "session_id", "turn_id", "call_id", "idempotency_key",
+    "attempt", "pid", "started"}`` synced to disk before the tool's function starts, then
+    ``{"row", "ended", "outcome"}`` when it ends (``outcome`` as ``Invocation`` says). A row
+    with no end is a tool its process died inside; a line cut short by the kill is skipped."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    started: dict[str, dict[str, Any]] = {}
+    ends: dict[str, dict[str, Any]] = {}
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("row"), str):
+            continue
+        (ends if "ended" in row else started)[row["row"]] = row
+    out = []
+    for key, r in started.items():
+        end = ends.get(key, {})
+        try:
+            inv = Invocation(
+                tool=str(r["tool"]),
+                effect=str(r["effect"]),
+                session_id=str(r["session_id"]),
+                turn_id=str(r["turn_id"]),
+                call_id=str(r["call_id"]),
+                idempotency_key=str(r["idempotency_key"]),
+                attempt=int(r["attempt"]),
+                pid=int(r["pid"]),
+                started=float(r["started"]),
+                ended=float(end["ended"]) if "ended" in end else None,
+                outcome=str(end["outcome"]) if "outcome" in end else None,
+            )
+        except (KeyError, TypeError, ValueError):
+            continue  # not a row this format has: the judge reads what it can trust
+        out.append(inv)
+    return out
 
 
 class _closing:

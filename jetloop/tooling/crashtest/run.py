@@ -51,7 +51,7 @@ from jetloop.tooling.crashtest.judge import CrashReport, Round, TurnSeen, judge
 from jetloop.tooling.crashtest.ledger import RUNNING, Ledger, call_key_of
 from jetloop.tooling.crashtest.script import Message, ScriptError, read_script
 from jetloop.tooling.crashtest.worker_app import SPEC
-from jetloop.tooling.trials.harness import WorkerProcess
+from jetloop.tooling.trials.harness import CommandWorker, WorkerProcess
 from jetloop.tooling.trials.harness import work_dir as work_dir_of
 from jetloop.tooling.trials.servers import SingleServer, worker_env
 
@@ -107,7 +107,11 @@ class Run:
     base: Path
     server: SingleServer
     script: Path | None
+    # A worker in another language for the app's tools of pools of their own (its command,
+    # ``--tool-worker``), started, held and killed beside each Python worker.
+    tool_command: list[str] | None = None
     worker: WorkerProcess | None = None
+    tool_worker: WorkerProcess | None = None
     started: int = 0
     rounds: list[Round] = field(default_factory=list)
 
@@ -154,12 +158,39 @@ class Run:
         self.worker = WorkerProcess(
             self.server.url, SPEC, self.base / f"{name}.log", worker_id=name, env=env
         ).start()
+        if self.tool_command is not None:
+            tools_env = {
+                **env,
+                "JETLOOP_NATS_URL": ",".join(self.server.urls_as("default")),
+                "JETLOOP_CRASHTEST_INVOCATIONS": str(self.ledger.lines_path),
+            }
+            self.tool_worker = CommandWorker(
+                self.tool_command, self.base / f"{name}t.log", worker_id=f"{name}t", env=tools_env
+            ).start()
         return self.worker
 
     async def fresh_worker(self) -> WorkerProcess:
         w = self.new_worker()
-        await w.wait_for("worker.started", timeout=WORKER_START_SECONDS)
+        await self.started_all()
         return w
+
+    async def started_all(self) -> None:
+        """Until the current worker (and its tool worker) say they started."""
+        for w in (self.worker, self.tool_worker):
+            if w is not None:
+                await w.wait_for("worker.started", timeout=WORKER_START_SECONDS)
+
+    def holds(self, **match: Any) -> list[dict[str, Any]]:
+        """The ``fault.hold`` lines of the current worker and its tool worker."""
+        return [
+            ln for w in (self.worker, self.tool_worker) if w for ln in w.find("fault.hold", **match)
+        ]
+
+    def kill(self) -> None:
+        """SIGKILL to the current worker and its tool worker."""
+        for w in (self.worker, self.tool_worker):
+            if w is not None:
+                w.kill()
 
     def agent_of(self, m: Message) -> str:
         if m.agent is not None:
@@ -242,7 +273,7 @@ async def discover(c: Client, run: Run) -> tuple[list[Boundary], list[TurnSeen],
             str(ln.get("kind", "")),
             tool_of.get(str(ln.get("call", ""))),
         )
-        for ln in w.find("fault.hold", session=session)
+        for ln in sorted(run.holds(session=session), key=lambda ln: str(ln.get("timestamp", "")))
         if "nth" in ln
     ]
     return found, turns, took
@@ -266,7 +297,7 @@ async def boundary_batch(
     deadline = time.monotonic() + HOLD_SECONDS
     waiting = set(rounds)
     while waiting and time.monotonic() < deadline and w.alive():
-        for ln in w.find("fault.hold"):
+        for ln in run.holds():
             if "planned" in ln:
                 waiting.discard(str(ln.get("session")))
         await asyncio.sleep(0.05)
@@ -278,7 +309,7 @@ async def boundary_batch(
             if not r.missed:
                 r.killed_at = killed_at
         if mode == "worker_kill":
-            w.kill()
+            run.kill()
             run.set_plan([])
             run.new_worker()  # takes the held steps over; the next batch's worker
         else:
@@ -288,7 +319,7 @@ async def boundary_batch(
         rounds[s].turns = await talk
     run.set_plan([])
     if run.worker is not None and run.worker is not w:
-        await run.worker.wait_for("worker.started", timeout=WORKER_START_SECONDS)
+        await run.started_all()
     return list(rounds.values())
 
 
@@ -307,7 +338,7 @@ async def random_round(
     await asyncio.sleep(rng.uniform(0.0, within))
     rnd.killed_at = time.time()
     if mode == "worker_kill":
-        w.kill()
+        run.kill()
         await run.fresh_worker()
     else:
         await run.server.fail("server_restart", w, rng)
@@ -328,8 +359,13 @@ async def crash_test(
     pure: Sequence[str] = (),
     work_dir: Path | None = None,
     json_out: Path | None = None,
+    tool_worker: Sequence[str] | None = None,
 ) -> CrashReport:
-    """Crash-test the app ``app`` (``module:attr``) on ``messages``; see the module doc."""
+    """Crash-test the app ``app`` (``module:attr``) on ``messages``; see the module doc.
+    ``tool_worker``: the command of a worker in another language that makes the app's tools
+    of pools of their own (given ``--id <name>`` and the run's environment, and killed with
+    each Python worker); it keeps the crash test's ledger in ``JETLOOP_CRASHTEST_INVOCATIONS``
+    and holds at the fault points its plan names (``JETLOOP_FAULT_PLAN``)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} for an app's crash test; modes: {MODES}")
     if rounds < 0:
@@ -343,6 +379,7 @@ async def crash_test(
     async with work_dir_of(work_dir, "jetloop-crashtest-") as base:
         server = SingleServer(base)
         run = Run(app, loaded, list(messages), base, server, model_script)
+        run.tool_command = list(tool_worker) if tool_worker else None
         for m in run.messages:
             run.agent_of(m)  # every message names an agent the app has, or it is said now
         await asyncio.to_thread(run.ledger.create)
@@ -371,8 +408,7 @@ async def crash_test(
                 events = await _events(c, [clean[0].session, *(r.session for r in run.rounds)])
             invocations = await asyncio.to_thread(run.ledger.invocations)
         finally:
-            if run.worker is not None:
-                run.worker.kill()
+            run.kill()
             server.close()
         report = judge(
             app=app,

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -188,3 +188,34 @@ class WorkerProcess:
         if not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+class CommandWorker(WorkerProcess):
+    """A worker started by a command of its own (a tool worker in another language, such as
+    ``node workers/node/dist/src/cli.js --app tools.js``), given ``--id <worker id>`` and the
+    environment; it logs JSON lines with ``event`` and ``worker`` as jetloop's workers do, so
+    the same waits and finds read it."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        log_path: Path,
+        *,
+        worker_id: str,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__("", "", log_path, worker_id=worker_id, env=env)
+        self.command = list(command)
+
+    def start(self) -> CommandWorker:
+        env = {**os.environ, **self.env}
+        out = open(self.log_path, "ab")  # handed to the child
+        self.proc = subprocess.Popen(
+            [*self.command, "--id", self.worker_id],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        out.close()
+        return self

@@ -1,7 +1,7 @@
 // An example app for the Node worker, and the one tests/test_node_worker.py runs:
 //
 //   JETLOOP_NATS_URL=nats://127.0.0.1:4222 JETLOOP_SEAL_KEY=... NODE_TOOLS_DIR=/tmp/t \
-//     node dist/cli.js --app example/tools.js --id node-1
+//     node dist/src/cli.js --app example/tools.js --id node-1
 //
 // The tools of agent `sider` in pool `node` (tests/apps.py node_front_app declares them with
 // served_elsewhere). Their "vendor" is a directory of files (NODE_TOOLS_DIR):
@@ -14,7 +14,7 @@
 
 import { appendFileSync, existsSync, mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
-import { Effect, ToolError, tool } from "../dist/index.js";
+import { Effect, ToolError, tool } from "../dist/src/index.js";
 
 const dir = process.env.NODE_TOOLS_DIR ?? "/tmp/jetloop-node-tools";
 mkdirSync(dir, { recursive: true });

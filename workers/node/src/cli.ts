@@ -1,5 +1,5 @@
 #!/usr/bin/env node
-// node dist/cli.js --app ./my-tools.js [--id <worker id>]
+// node dist/src/cli.js --app ./my-tools.js [--id <worker id>]
 //
 // The app module exports `agent`, `pool` and `tools` (an array of `tool({...})`), or a default
 // export with them. Settings come from the environment (JETLOOP_NATS_URL, JETLOOP_SEAL_KEY,

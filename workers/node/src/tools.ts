@@ -15,6 +15,12 @@ export class ToolError extends Error {
  * while attempts are left. */
 export class RetryableToolError extends Error {
   override name = "RetryableToolError";
+  /** The call never reached its vendor (nothing ran): a crash test does not count it. */
+  readonly notSent: boolean;
+  constructor(message: string, options?: { notSent?: boolean }) {
+    super(message);
+    this.notSent = options?.notSent ?? false;
+  }
 }
 
 export interface ToolContext {

@@ -18,6 +18,7 @@ import { keyBytes, Sealer, type Rec } from "./seal.js";
 import { Conflict, SealBroken, StateStore, isTransient, sleep, type Versioned } from "./state.js";
 import { Faults } from "./faults.js";
 import { Holds } from "./holds.js";
+import { Invocations } from "./invocations.js";
 import { blake2b } from "@noble/hashes/blake2.js";
 import { Effect, RetryableToolError, ToolError, needsApproval, type Tool, type ToolContext } from "./tools.js";
 
@@ -38,8 +39,12 @@ const POOL_NAME = /^[a-z][a-z0-9_-]{0,31}$/;
 const TOKEN = /^[^.*>\s]+$/;
 
 export interface ServeOptions {
-  /** nats://[user:password@]host:port (JETLOOP_NATS_URL). */
+  /** nats://[user:password@]host:port, comma-separated for several (JETLOOP_NATS_URL). */
   servers: string;
+  /** The NATS user and password when the URL has none (JETLOOP_NATS_USER / _PASSWORD, or the
+   * store's `worker` user: env.ts). */
+  user?: string;
+  pass?: string;
   agent: string;
   pool: string;
   tools: Tool[];
@@ -286,6 +291,8 @@ export class Worker {
   private readonly sealer: Sealer;
   // Points where a test holds a call (JETLOOP_FAULT_HOLD / _PLAN / _RELEASE, faults.ts).
   private readonly faults = new Faults((event, fields) => this.log(event, fields));
+  // The crash test's ledger of tool invocations (JETLOOP_CRASHTEST_INVOCATIONS).
+  private readonly invocations = new Invocations();
   // What this process holds, for a rescuer if it dies (draft 7.2, holds.ts).
   private holds!: Holds;
   private readonly newerWriterSeconds: number;
@@ -325,11 +332,17 @@ export class Worker {
   }
 
   async start(): Promise<void> {
-    const url = new URL(this.opts.servers.includes("://") ? this.opts.servers : `nats://${this.opts.servers}`);
+    const urls = this.opts.servers
+      .split(",")
+      .map((u) => u.trim())
+      .filter((u) => u !== "")
+      .map((u) => new URL(u.includes("://") ? u : `nats://${u}`));
+    if (urls.length === 0) throw new Error("no NATS server given (JETLOOP_NATS_URL)");
+    const url = urls[0]!;
     this.nc = await connect({
-      servers: `${url.hostname}:${url.port || 4222}`,
-      user: url.username ? decodeURIComponent(url.username) : undefined,
-      pass: url.password ? decodeURIComponent(url.password) : undefined,
+      servers: urls.map((u) => `${u.hostname}:${u.port || 4222}`),
+      user: url.username ? decodeURIComponent(url.username) : this.opts.user,
+      pass: url.password ? decodeURIComponent(url.password) : this.opts.pass,
       name: `jetloop-worker-${this.workerId}#${this.incarnation}`,
       maxReconnectAttempts: -1,
       reconnectTimeWait: 250,
@@ -1068,7 +1081,9 @@ export class Worker {
       return;
     }
     const session = String(env.turn.session_id);
-    await this.faults.point("call_tool.before_mark", session, { call: env.ckey });
+    // The step's kind as the plan sent it (followers.py answer), for the crash test's labels.
+    const kind = effect === Effect.NON_IDEMPOTENT_WRITE ? "call_single_attempt_tool" : "call_tool";
+    await this.faults.point("call_tool.before_mark", session, { call: env.ckey, kind });
     const attempt = { no: used + 1, worker: this.workerId, started_at: Date.now() / 1000, incarnation: this.incarnation };
     const marked: Rec = {
       ...rec,
@@ -1083,7 +1098,7 @@ export class Worker {
     } else {
       env = await this.write(env, marked); // the claim: for a write, its in-doubt mark
     }
-    await this.faults.point("call_tool.in_tool", session, { call: env.ckey, attempt: attempt.no });
+    await this.faults.point("call_tool.in_tool", session, { call: env.ckey, kind, attempt: attempt.no });
     if (!(await env.d.stillOurs((this.leaseSeconds * 1000) / 4))) throw new TakenOver(env.skey);
     const d = env.d;
     const ctx: ToolContext = {
@@ -1098,8 +1113,26 @@ export class Worker {
     };
     this.log("tool.call", { tool: tool.name, call: env.ckey, attempt: attempt.no, effect });
     let outcome: Rec;
+    const row = this.invocations.started({
+      tool: tool.name,
+      effect,
+      session_id: session,
+      turn_id: String(env.turn.turn_id),
+      call_id: String(env.call.call_id),
+      idempotency_key: String(env.call.idempotency_key),
+      attempt: attempt.no,
+    });
     try {
-      const result = await tool.run(structuredClone(env.call.args ?? {}), ctx);
+      let result: unknown;
+      try {
+        if (row !== null) await this.faults.point("tool.running", session, { call: env.ckey, kind });
+        result = await tool.run(structuredClone(env.call.args ?? {}), ctx);
+      } catch (exc) {
+        const said = exc instanceof RetryableToolError && exc.notSent ? "not sent" : "error";
+        this.invocations.ended(row, `${said}: ${String((exc as Error)?.message ?? exc)}`);
+        throw exc;
+      }
+      this.invocations.ended(row, "ok");
       outcome = await this.succeeded(env.ckey, attempt.no, result);
     } catch (exc) {
       if (d.lost) throw new TakenOver(env.skey);
@@ -1121,12 +1154,12 @@ export class Worker {
         outcome = { state: isWrite ? "outcome_unknown" : "failed", error };
       }
     }
-    await this.faults.point("call_tool.before_commit", session, { call: env.ckey, attempt: attempt.no });
+    await this.faults.point("call_tool.before_commit", session, { call: env.ckey, kind, attempt: attempt.no });
     const done: Rec = { ...env.rec, state: outcome.state, outcome: clean(outcome) };
     delete done.attempt;
     env = await this.write(env, done);
     this.log("call.recorded", { state: outcome.state, attempts: attempt.no, call: env.ckey });
-    await this.faults.point("call_tool.after_commit", session, { call: env.ckey });
+    await this.faults.point("call_tool.after_commit", session, { call: env.ckey, kind });
     await this.toldAndJoined(env.turn, done, env.n, env.i);
   }
 

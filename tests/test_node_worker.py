@@ -30,6 +30,7 @@ from jetloop.services.client import Client
 from jetloop.streams.topology import WORKERS_BUCKET
 from jetloop.tooling.trials.harness import WorkerProcess
 from tests.conftest import LEASE, SEAL_KEY, TEST_ENV, WorkerFactory, body, call, script, until
+from tests.test_matrix import rig as matrix_columns  # noqa: F401 (the matrix's columns)
 
 HERE = Path(__file__).resolve().parent.parent / "workers" / "node"
 NODE = shutil.which("node")
@@ -485,3 +486,58 @@ async def test_the_readmes_typescript_example_saves_a_note(
         assert [p.name for p in notes.iterdir()] == [f"{key}.json"]
     finally:
         node.kill()
+
+
+async def test_a_node_workers_write_across_each_failure_of_the_matrix(
+    matrix_columns: Any,  # noqa: F811 (the fixture imported above)
+    tmp_path: Path,
+    node_built: Path,
+) -> None:
+    """The crash matrix's columns on a Node worker's single-attempt write, held after the
+    tool ran and before its outcome is committed: its worker killed (the next Node worker
+    settles it ``outcome_unknown``), the server killed and restarted, or the node leading the
+    state and step streams killed (the cluster elects; the held worker goes on and commits
+    ``ok``). Made once in every column."""
+    assert NODE is not None
+    rig = matrix_columns  # tests/test_matrix.py's rig: one column a parameter
+    tools = tmp_path / "tools"
+    rig.app = FRONT
+
+    def node(name: str, **env: str) -> NodeWorker:
+        w = NodeWorker(
+            rig.workers.url,
+            "",
+            tmp_path / f"{name}.log",
+            worker_id=name,
+            env={
+                **TEST_ENV,
+                **rig.workers.env,
+                "JETLOOP_NATS_URL": rig.workers.url,
+                "JETLOOP_SEAL_KEY": SEAL_KEY,
+                "NODE_TOOLS_DIR": str(tools),
+                **env,
+            },
+        )
+        rig.workers.procs.append(w)
+        return w.start()
+
+    front = rig.worker()
+    victim = node(
+        "node-1",
+        JETLOOP_FAULT_HOLD="call_tool.before_commit",
+        JETLOOP_FAULT_RELEASE=str(rig.release),
+    )
+    await front.wait_for("worker.started", timeout=60)
+    await victim.wait_for("worker.started", timeout=60)
+    h = await rig.client.send("sider", "m", script([call("node_append", name="x")]))
+    await victim.wait_for("fault.hold", timeout=30)
+    if rig.worker_killed:
+        victim.kill()
+        node("node-2")
+        want = "outcome_unknown"
+    else:
+        await rig.fail(victim)  # servers down and up, then the held worker is released
+        want = "ok"
+    res = await rig.client.wait(h, timeout=90)
+    assert [s["status"] for s in body(res.text)["seen"]] == [want]
+    assert len(_lines(tools, "append.log")) == 1  # made once, never again

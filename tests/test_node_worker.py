@@ -335,6 +335,28 @@ async def test_a_killed_node_workers_call_is_taken_over_well_inside_its_lease(
     assert _lines(node_workers.vendor, "append.log") == []
 
 
+async def test_an_own_claim_whose_tool_never_began_is_continued_not_left_in_doubt(
+    client: Client, workers: WorkerFactory, node_workers: Any
+) -> None:
+    """The delivery of a single-attempt write ends after its in-doubt mark, before the tool
+    (an outage there, ``JETLOOP_FAULT_FAIL``); the next delivery in the same process finds
+    its own claim and continues that attempt: made once, ``ok``, no loss, no attempt spent
+    (not a false ``outcome_unknown``)."""
+    front = workers.start("front", app=FRONT)
+    node = node_workers("node-1", env={"JETLOOP_FAULT_FAIL": "call_tool.in_tool"})
+    await front.wait_for("worker.started", timeout=30)
+    h = await client.send("sider", "nw9", script([call("node_append", name="x")]))
+    res = await client.wait(h, timeout=30)
+    assert [s["status"] for s in body(res.text)["seen"]] == ["ok"]
+    assert node.find("fault.fail", point="call_tool.in_tool")
+    assert node.find("call.attempt_continued")
+    assert len(_lines(node_workers.vendor, "append.log")) == 1
+    rec = await client.call("nw9", h.turn_id, 0, 0)
+    assert rec is not None and rec.attempts == 1 and rec.marked == 1
+    turn = await client.turn("nw9", h.turn_id)
+    assert turn is not None and turn.lost == []
+
+
 async def test_a_call_running_past_the_lease_is_not_taken_over(
     client: Client, workers: WorkerFactory, node_workers: Any, tmp_path: Path
 ) -> None:

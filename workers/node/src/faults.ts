@@ -5,6 +5,8 @@
 // JETLOOP_FAULT_HOLD: points (comma-separated); a delivery that reaches one logs
 // `fault.hold` with the point and waits there (its heartbeats go on, so it keeps its lease)
 // until the file JETLOOP_FAULT_RELEASE exists, or forever.
+// JETLOOP_FAULT_FAIL: points too; the first time this process reaches one it raises an outage
+// there (a timeout it outlives), so the delivery ends with its claim still recorded.
 // JETLOOP_FAULT_PLAN: a file `{"holds": ["<point>@<session>#<k>", ...], "pass": false}` read
 // again when it changes: hold the k-th time (from 1; every time without `#k`) this process
 // reaches `point` for a call of `session`; with `"pass": true` log the point, do not hold.
@@ -81,7 +83,16 @@ class Plan {
   }
 }
 
+/** Raised at a point of JETLOOP_FAULT_FAIL: an outage the process outlives (a timeout). */
+export class InjectedOutage extends Error {
+  override name = "TimeoutError";
+  constructor(point: string) {
+    super(`injected outage at ${point} (JETLOOP_FAULT_FAIL)`);
+  }
+}
+
 export class Faults {
+  private readonly fails: Set<string>;
   private readonly holds: Set<string>;
   private readonly release: string | null;
   private readonly plan: Plan | null;
@@ -91,12 +102,17 @@ export class Faults {
     env: NodeJS.ProcessEnv = process.env,
   ) {
     this.holds = points(env.JETLOOP_FAULT_HOLD);
+    this.fails = points(env.JETLOOP_FAULT_FAIL); // each fails once
     this.release = env.JETLOOP_FAULT_RELEASE || null;
     this.plan = env.JETLOOP_FAULT_PLAN ? new Plan(env.JETLOOP_FAULT_PLAN) : null;
   }
 
   /** Reached `name` for a call of `session`: hold there if a test asked to. */
   async point(name: string, session: string, fields: Record<string, unknown> = {}): Promise<void> {
+    if (this.fails.delete(name)) {
+      this.log("fault.fail", { point: name, session, ...fields });
+      throw new InjectedOutage(name);
+    }
     if (this.plan !== null) {
       const planned = this.plan.match(name, session);
       if (planned !== null) {

@@ -291,6 +291,10 @@ export class Worker {
   private readonly sealer: Sealer;
   // Points where a test holds a call (JETLOOP_FAULT_HOLD / _PLAN / _RELEASE, faults.ts).
   private readonly faults = new Faults((event, fields) => this.log(event, fields));
+  // Attempts this process claimed whose tool has not been called (draft 5.5, runtime.py
+  // Unstarted): `<state key>#<attempt>`. Found again, held by no delivery here, such an
+  // attempt is continued under its number: no loss, no attempt spent, nothing in doubt.
+  private readonly unstarted = new Set<string>();
   // The crash test's ledger of tool invocations (JETLOOP_CRASHTEST_INVOCATIONS).
   private readonly invocations = new Invocations();
   // What this process holds, for a rescuer if it dies (draft 7.2, holds.ts).
@@ -1043,7 +1047,16 @@ export class Worker {
     const isWrite = effect !== Effect.READ;
     let rec = env.rec;
     const stepKey = `${env.turn.session_id}.${env.turn.turn_id}.m${env.n}.c${env.i}`;
-    if (rec.attempt && LOSABLE.has(String(rec.state))) {
+    const own = rec.attempt as Rec | undefined;
+    const again =
+      own !== undefined &&
+      LOSABLE.has(String(rec.state)) &&
+      env.takeover === "abandoned" &&
+      own.incarnation === this.incarnation &&
+      this.unstarted.delete(`${env.skey}#${String(own.no)}`);
+    if (again) {
+      this.log("call.attempt_continued", { attempt: rec.attempts, call: env.ckey });
+    } else if (rec.attempt && LOSABLE.has(String(rec.state))) {
       const lost = rec.attempt as Rec;
       const resume = await this.recordLoss(env.turn, stepKey, lost, env.takeover);
       if (resume === null) return; // one loss too many: the turn failed, close_turn settles this call
@@ -1074,7 +1087,7 @@ export class Worker {
       env = { ...env, rec };
       this.log("call.read_delivered_again", { delivery: env.d.msg.info.deliveryCount });
     }
-    const used = Number(rec.attempts ?? 0);
+    const used = Number(rec.attempts ?? 0) - (again ? 1 : 0);
     const firstAt = rec.first_attempt_at as number | undefined;
     if (used >= tool.maxAttempts || (firstAt !== undefined && Date.now() / 1000 - firstAt > tool.attemptWindowSeconds)) {
       await this.settle(env, this.exhausted(rec, isWrite), "attempts_exhausted");
@@ -1090,16 +1103,19 @@ export class Worker {
       state: isWrite ? "in_doubt" : "running",
       attempt,
       attempts: attempt.no,
-      marked: Number(rec.marked ?? 0) + (isWrite ? 1 : 0),
+      marked: Number(rec.marked ?? 0) + (isWrite && !again ? 1 : 0),
       first_attempt_at: firstAt ?? attempt.started_at,
     };
     if (unclaimed) {
       env = { ...env, rec: marked, rev: null };
     } else {
+      if (this.unstarted.size >= 4096) this.unstarted.clear(); // forgotten: counted, the safe side
+      this.unstarted.add(`${env.skey}#${attempt.no}`);
       env = await this.write(env, marked); // the claim: for a write, its in-doubt mark
     }
     await this.faults.point("call_tool.in_tool", session, { call: env.ckey, kind, attempt: attempt.no });
     if (!(await env.d.stillOurs((this.leaseSeconds * 1000) / 4))) throw new TakenOver(env.skey);
+    this.unstarted.delete(`${env.skey}#${attempt.no}`); // begun: from here it may have run
     const d = env.d;
     const ctx: ToolContext = {
       namespace: this.namespace,

@@ -266,10 +266,15 @@ class CountingSealer(Sealer):
         self.verified = 0
 
     def verify(
-        self, key: str, data: dict[str, Any], stored_at: float, replaced: int | None = 0
+        self,
+        key: str,
+        data: dict[str, Any],
+        stored_at: float,
+        replaced: int | None = 0,
+        stored: bytes | None = None,
     ) -> str | None:
         self.verified += 1
-        return super().verify(key, data, stored_at, replaced)
+        return super().verify(key, data, stored_at, replaced, stored)
 
 
 async def test_a_record_is_verified_once_and_an_edit_of_it_still_is_refused(

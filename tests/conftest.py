@@ -227,6 +227,7 @@ async def until(check: Any, timeout: float = 30.0, every: float = 0.05) -> Any:
 # long each takes).
 LONG = {
     "test_matrix",
+    "test_node_worker",
     "test_matrix_soak",
     "test_mutations",
     "test_trials",

@@ -286,15 +286,14 @@ def served_elsewhere(
     description: str = "",
     args_model: type[BaseModel] | None = None,
     schema: dict[str, Any] | None = None,
-    max_attempts: int = 3,
-    approval: ApprovalPolicy = False,
 ) -> Tool:
     """A tool whose calls other workers make: those that serve ``pool`` (a Node.js worker,
     or Python workers started with ``--pools <pool>``). This process offers it to the model,
     checks its arguments (``args_model``, else only that they are an object matching
     ``schema`` as the model was told), plans its calls with ``effect`` and sends each on
-    ``jl.step.<pool>.<agent>.…``; it never makes one. ``approval`` is decided by the worker
-    that makes the call."""
+    ``jl.step.<pool>.<agent>.…``; it never makes one. Whether a person approves a call first
+    is the policy of the worker that makes it (its own declaration of the tool), and so are
+    its attempts."""
     if args_model is None and schema is None:
         raise ValueError(f"tool {name}: give its arguments as args_model or a JSON schema")
     if pool == DEFAULT_TOOL_POOL:
@@ -308,8 +307,6 @@ def served_elsewhere(
         args_model=args_model or AnyArgs,
         fn=_served_elsewhere,
         effect=effect,
-        max_attempts=max_attempts,
-        approval=approval,
         schema=schema if args_model is None else None,
         pool=check_pool(pool, f"tool {name}"),
         elsewhere=True,

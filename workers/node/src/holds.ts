@@ -1,5 +1,5 @@
 // What this process holds, listed where a Python worker finds it if the process dies
-// (jetloop/streams/holds.py; draft 7.2): `held.<incarnation>` in `jl_workers`, the JSON
+// (jetloop/streams/holds.py; serving-tools.md 7.2): `held.<incarnation>` in `jl_workers`, the JSON
 // `{"worker": <id>, "held": [[<stream>, <sequence>], ...], "link": <server id>}` with header
 // `Jl-Link`. A Python worker that hears this process's connection close (or finds it gone on
 // its server) copies the listed messages with `Jl-Holder-Lost`, and the next worker of the

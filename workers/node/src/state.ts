@@ -21,7 +21,7 @@ export class Conflict extends Error {
   }
 }
 
-/** A record whose seal does not verify: never acted on (draft 8.3). */
+/** A record whose seal does not verify: never acted on (serving-tools.md 8.3). */
 export class SealBroken extends Error {
   constructor(readonly key: string, readonly reason: string) {
     super(`record ${key} is not trusted: ${reason}`);
@@ -138,7 +138,7 @@ export class StateStore {
 
   /** Create when `revision` is null, else CAS-update from it. A try that times out or meets
    * an outage is tried again for up to 15 s; a Conflict on a retry, or any failed try, first
-   * reads the key back: if it holds bytes we sent, the write landed (draft 3.3). */
+   * reads the key back: if it holds bytes we sent, the write landed (serving-tools.md 3.3). */
   async write(key: string, value: Rec, revision: number | null): Promise<number> {
     const sent: Uint8Array[] = [];
     const deadline = Date.now() + this.retryForMs;

@@ -1,6 +1,6 @@
 // A jetloop tool worker: serves the call steps of one agent's tools of a pool of their own
 // (`served_elsewhere` on the Python side): `jl.step.<pool>.<agent>.call_tool.<sid>` and
-// `.call_single_attempt_tool.<sid>`. The protocol: docs/serving-tools.md (a draft); the
+// `.call_single_attempt_tool.<sid>`. The protocol: docs/serving-tools.md; the
 // reference: jetloop/consumers/call_tool.py, calls.py, runtime.py,
 // liveness.py, losses.py, dispatch.py.
 
@@ -105,7 +105,7 @@ interface Outgoing {
   headers: Record<string, string>;
 }
 
-/** A step's kind, its pool and its body, checked (draft 2.1-2.3). */
+/** A step's kind, its pool and its body, checked (serving-tools.md 2.1-2.3). */
 interface Step {
   v: number;
   kind: string;
@@ -232,7 +232,7 @@ class Delivery {
     if (this.fenceKey !== null) this.w.holding.delete(this.fenceKey);
   }
 
-  /** The message's first delivery (draft 2.5): count 1, no rescuer's header, and stored after
+  /** The message's first delivery (serving-tools.md 2.5): count 1, no rescuer's header, and stored after
    * this process's link opened (on the server's clock, with the measured offset's error). */
   get firstSight(): boolean {
     if (this.msg.info.deliveryCount !== 1 || this.msg.headers?.get("Jl-Holder-Lost")) return false;
@@ -291,13 +291,13 @@ export class Worker {
   private readonly sealer: Sealer;
   // Points where a test holds a call (JETLOOP_FAULT_HOLD / _PLAN / _RELEASE, faults.ts).
   private readonly faults = new Faults((event, fields) => this.log(event, fields));
-  // Attempts this process claimed whose tool has not been called (draft 5.5, runtime.py
+  // Attempts this process claimed whose tool has not been called (serving-tools.md 5.5, runtime.py
   // Unstarted): `<state key>#<attempt>`. Found again, held by no delivery here, such an
   // attempt is continued under its number: no loss, no attempt spent, nothing in doubt.
   private readonly unstarted = new Set<string>();
   // The crash test's ledger of tool invocations (JETLOOP_CRASHTEST_INVOCATIONS).
   private readonly invocations = new Invocations();
-  // What this process holds, for a rescuer if it dies (draft 7.2, holds.ts).
+  // What this process holds, for a rescuer if it dies (serving-tools.md 7.2, holds.ts).
   private holds!: Holds;
   private readonly newerWriterSeconds: number;
   private readonly sealTolerance: number;
@@ -367,7 +367,7 @@ export class Worker {
     this.jsm = await jetstreamManager(this.nc);
     this.state = new StateStore(this.nc, this.js, this.jsm, this.sealer, this.leaseSeconds);
     this.holds = new Holds(this.nc, this.js, this.incarnation, this.workerId);
-    // Liveness (draft 1.2): subscribed before the first claim, never unsubscribed.
+    // Liveness (serving-tools.md 1.2): subscribed before the first claim, never unsubscribed.
     this.alive = this.nc.subscribe(`jl.alive.${this.incarnation}`, {
       callback: (_err, m) => this.answerAlive(m),
     });
@@ -826,7 +826,7 @@ export class Worker {
     return this.stepOut(step, `${sid}.${tid}.m${n}.c${i}.join`, "session");
   }
 
-  /** Tell the outcome, then hand the join to the session pool (draft 6, brief item 5). */
+  /** Tell the outcome, then hand the join to the session pool (serving-tools.md 6, brief item 5). */
   private async toldAndJoined(turn: Rec, rec: Rec, n: number, i: number, join = true): Promise<void> {
     await this.publish(this.callDone(turn, rec));
     if (join) await this.publish([this.joinStep(turn, n, i)]);
@@ -895,7 +895,7 @@ export class Worker {
     await this.run(passed);
   }
 
-  /** approvals.py gate (draft 8.1): the call held for a person's decision, once per call
+  /** approvals.py gate (serving-tools.md 8.1): the call held for a person's decision, once per call
    * (its approval record is created only if absent), or passed on once approved. null: held
    * (state `awaiting_approval`, `approval.requested` told) or denied (settled). */
   private async gate(env: CallEnv, overrides: Rec): Promise<CallEnv | null> {
@@ -988,7 +988,7 @@ export class Worker {
     await this.toldAndJoined(env.turn, done, env.n, env.i);
   }
 
-  /** liveness.py holder_lost (draft 5.1). */
+  /** liveness.py holder_lost (serving-tools.md 5.1). */
   private async holderLost(d: Delivery, key: string, held: Rec, storedAt: number): Promise<Takeover> {
     const lease = this.leaseSeconds;
     const no = held.no;
@@ -1081,7 +1081,7 @@ export class Worker {
     if (unclaimed && !env.d.firstSight) {
       // Delivered before with nothing in state: that delivery may have made the read
       // unclaimed and died. Counted as an attempt; this one claims. (A pool of its own never
-      // keeps reads together, so no `reads.` fence is written: draft 3.7.2, 6.4.)
+      // keeps reads together, so no `reads.` fence is written: serving-tools.md 1.7.)
       unclaimed = false;
       rec = { ...rec, attempts: Math.max(Number(rec.attempts ?? 0), 1) };
       env = { ...env, rec };
@@ -1198,7 +1198,7 @@ export class Worker {
     return { state: "failed", error: `every attempt (${k}) failed` };
   }
 
-  /** call_tool.py _resume_settlement (draft 5.3); no read-back in this version. */
+  /** call_tool.py _resume_settlement (serving-tools.md 5.3); no read-back in this version. */
   private async resumeSettlement(env: CallEnv, effect: Effect): Promise<string> {
     const rec = env.rec;
     const tool = env.tool!;
@@ -1217,7 +1217,7 @@ export class Worker {
     return "outcome_unknown";
   }
 
-  /** losses.py record_loss (draft 5.2); null when the turn failed of it. */
+  /** losses.py record_loss (serving-tools.md 5.2); null when the turn failed of it. */
   private async recordLoss(
     turn0: Rec,
     stepKey: string,
@@ -1289,7 +1289,7 @@ export class Worker {
     await this.publish([this.eventOut(audit), this.stepOut(close, `${sid}.${tid}.close`, "session")]);
   }
 
-  /** closing.py reject_untrusted (draft 8.3). */
+  /** closing.py reject_untrusted (serving-tools.md 8.3). */
   private async rejectUntrusted(step: Step, exc: SealBroken): Promise<void> {
     const sid = step.session_id;
     const tid = step.turn_id;
@@ -1311,7 +1311,7 @@ export class Worker {
     );
   }
 
-  /** dispatch.py _fail_its_turn (draft 8.4): a step dead-lettered for a failure fails its turn. */
+  /** dispatch.py _fail_its_turn (serving-tools.md 8.4): a step dead-lettered for a failure fails its turn. */
   private async failItsTurn(step: Step, m: JsMsg, reason: string): Promise<void> {
     const sid = step.session_id;
     const tid = step.turn_id;

@@ -5,6 +5,9 @@ does not have; ``jetloop bench peer`` runs them.)"""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 
 from jetloop.tooling.bench.peer import (
@@ -151,3 +154,25 @@ def test_lever_1s_floor_is_shown_against_restate() -> None:
     assert "| floor, lever 1 | 5.0 | 10.0 | 900 |" in text
     assert "| floor, lever 1 ÷ | sequential p50 |" in text
     assert "| Restate | 0.50× | 0.50× | 1.50× | 0.40× | 0.40× | 2.00× |" in text
+
+
+async def test_the_rig_beside_a_jetloop_up_store_uses_its_own_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run from a directory where `jetloop up` left its store (the README's first look does),
+    the bench's workers connect with the rig's credentials, not the store's: a turn runs."""
+    from jetloop.tooling.bench.rig import Rig
+
+    store = tmp_path / "cwd" / ".jetloop"
+    store.mkdir(parents=True)
+    (store / "nats-users.json").write_text('{"worker": "not-this-servers-password"}')
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.delenv("JETLOOP_STORE_DIR", raising=False)
+    r = Rig(tmp_path / "rig")
+    await r.start()
+    try:
+        await r.start_workers(1)
+        ended = await r.engine_turn("s1", "r1", 2)
+        await asyncio.wait_for(ended, 30)
+    finally:
+        await r.close()

@@ -200,7 +200,7 @@ class Rig:
         # The server as `jetloop up` configures it: the default namespace in an account of
         # its own (docs/design.md, "Namespaces"); the rig's connections, without a user, act
         # as its workers.
-        config, _, _ = write_namespaced_config(base, names=("default",), sync=sync)
+        config, _, self.auth_store = write_namespaced_config(base, names=("default",), sync=sync)
         self.server = EmbeddedServer(
             base / "store",
             port=0,
@@ -291,6 +291,9 @@ class Rig:
 
     def worker_env(self, **extra: str) -> dict[str, str]:
         return {
+            # The credentials of the rig's own server, never those of a `jetloop up` store in
+            # the working directory (the README's first look leaves one there).
+            "JETLOOP_STORE_DIR": str(self.auth_store),
             "JETLOOP_SEAL_KEY": SEAL_KEY,
             "JETLOOP_LOG_LEVEL": "info",
             "JETLOOP_VENDOR_DB": str(self.base / "vendor.sqlite"),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from jetloop.schemas import CallState
 from jetloop.schemas.ids import approval_id_for, idempotency_key
 from jetloop.services.client import Client
 from jetloop.streams.topology import WORKERS_BUCKET
-from jetloop.tooling.trials.harness import WorkerProcess
+from jetloop.tooling.trials.harness import CommandWorker, WorkerProcess
 from tests.conftest import LEASE, SEAL_KEY, TEST_ENV, WorkerFactory, body, call, script, until
 from tests.test_matrix import rig as matrix_columns  # noqa: F401 (the matrix's columns)
 
@@ -69,48 +68,30 @@ def node_built() -> Path:
     return cli
 
 
-class NodeWorker(WorkerProcess):
-    """A Node worker process, logging JSON lines as the Python workers do (``event``,
-    ``worker``): the harness's waits and finds read it the same way."""
-
-    app_module: Path = HERE / "example" / "tools.js"  # the tools it serves
-
-    def start(self) -> NodeWorker:
-        assert NODE is not None
-        env = {**os.environ, **self.env}
-        out = open(self.log_path, "ab")  # handed to the child
-        cli, app = str(HERE / "dist" / "src" / "cli.js"), str(self.app_module)
-        self.proc = subprocess.Popen(
-            [NODE, cli, "--app", app, "--id", self.worker_id],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        out.close()
-        return self
+def node_worker(
+    name: str, logs: Path, url: str, env: dict[str, str], app: Path = HERE / "example" / "tools.js"
+) -> WorkerProcess:
+    """A Node worker process serving the tools of ``app`` (the tests' own by default) on the
+    servers ``url``, logging JSON lines as the Python workers do (``event``, ``worker``): the
+    harness's waits and finds read it the same way."""
+    assert NODE is not None
+    cli = HERE / "dist" / "src" / "cli.js"
+    return CommandWorker(
+        [NODE, str(cli), "--app", str(app)],
+        logs / f"{name}.log",
+        worker_id=name,
+        env={**TEST_ENV, "JETLOOP_NATS_URL": url, "JETLOOP_SEAL_KEY": SEAL_KEY, **env},
+    ).start()
 
 
 @pytest.fixture
 def node_workers(node_built: Path, workers: WorkerFactory, tmp_path: Path) -> Iterator[Any]:
-    procs: list[NodeWorker] = []
+    procs: list[WorkerProcess] = []
     vendor = tmp_path / "node-vendor"
 
-    def start(name: str, env: dict[str, str] | None = None) -> NodeWorker:
-        w = NodeWorker(
-            workers.url,
-            "example/tools.js",
-            tmp_path / f"{name}.log",
-            worker_id=name,
-            env={
-                **TEST_ENV,
-                "JETLOOP_NATS_URL": workers.url,
-                "JETLOOP_SEAL_KEY": SEAL_KEY,
-                "NODE_TOOLS_DIR": str(vendor),
-                **(env or {}),
-            },
-        )
-        procs.append(w.start())
+    def start(name: str, env: dict[str, str] | None = None) -> WorkerProcess:
+        w = node_worker(name, tmp_path, workers.url, {"NODE_TOOLS_DIR": str(vendor), **(env or {})})
+        procs.append(w)
         return w
 
     start.vendor = vendor  # type: ignore[attr-defined]
@@ -482,21 +463,13 @@ async def test_the_readmes_typescript_example_saves_a_note(
     named by the call's idempotency key."""
     notes = tmp_path / "notes"
     front = workers.start("front", app="examples.ts_notes:app")
-    assert NODE is not None
-    node = NodeWorker(
+    node = node_worker(
+        "notes-1",
+        tmp_path,
         workers.url,
-        "",
-        tmp_path / "notes-node.log",
-        worker_id="notes-1",
-        env={
-            **TEST_ENV,
-            "JETLOOP_NATS_URL": workers.url,
-            "JETLOOP_SEAL_KEY": SEAL_KEY,
-            "NOTES_DIR": str(notes),
-        },
+        {"NOTES_DIR": str(notes)},
+        app=HERE / "dist" / "examples" / "notes.js",
     )
-    node.app_module = HERE / "dist" / "examples" / "notes.js"
-    node.start()
     try:
         await front.wait_for("worker.started", timeout=30)
         await node.wait_for("worker.started", timeout=30)
@@ -525,23 +498,11 @@ async def test_a_node_workers_write_across_each_failure_of_the_matrix(
     tools = tmp_path / "tools"
     rig.app = FRONT
 
-    def node(name: str, **env: str) -> NodeWorker:
-        w = NodeWorker(
-            rig.workers.url,
-            "",
-            tmp_path / f"{name}.log",
-            worker_id=name,
-            env={
-                **TEST_ENV,
-                **rig.workers.env,
-                "JETLOOP_NATS_URL": rig.workers.url,
-                "JETLOOP_SEAL_KEY": SEAL_KEY,
-                "NODE_TOOLS_DIR": str(tools),
-                **env,
-            },
-        )
+    def node(name: str, **env: str) -> WorkerProcess:
+        more = {**rig.workers.env, "NODE_TOOLS_DIR": str(tools), **env}
+        w = node_worker(name, tmp_path, rig.workers.url, more)
         rig.workers.procs.append(w)
-        return w.start()
+        return w
 
     front = rig.worker()
     victim = node(

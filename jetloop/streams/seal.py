@@ -62,6 +62,15 @@ def canonical(data: dict[str, Any]) -> bytes:
     return packed
 
 
+_SEAL_KEY: bytes = msgpack.packb(SEAL_FIELD)
+
+
+def _seal_entry(seal: str) -> bytes:
+    """The bytes of a record's last entry, ``"seal": <seal>``, as msgpack packs it."""
+    packed: bytes = msgpack.packb(seal)
+    return _SEAL_KEY + packed
+
+
 def with_seal(body: bytes, entries: int, seal: str) -> bytes:
     """The packed map ``body`` (``entries`` keys, packed by msgpack without a seal) with
     ``seal`` added as its last key: the bytes ``packb`` makes of the sealed map, without
@@ -73,8 +82,7 @@ def with_seal(body: bytes, entries: int, seal: str) -> bytes:
         head, rest = b"\xde" + (entries + 1).to_bytes(2, "big"), body[skip:]
     else:
         raise ValueError(f"a record of {entries} keys")
-    tail: bytes = msgpack.packb(SEAL_FIELD) + msgpack.packb(seal)
-    return head + rest + tail
+    return head + rest + _seal_entry(seal)
 
 
 def _map_head(entries: int) -> bytes:
@@ -92,7 +100,7 @@ def unsealed(stored: bytes, seal: str) -> bytes | None:
     when ``seal`` is not the stored map's last entry (then the record is packed again:
     ``canonical``). A writer in another language that puts ``seal`` last seals these bytes,
     whatever its msgpack library makes of the values (docs/security.md)."""
-    tail = msgpack.packb(SEAL_FIELD) + msgpack.packb(seal)
+    tail = _seal_entry(seal)
     if not stored or not stored.endswith(tail):
         return None
     first = stored[0]

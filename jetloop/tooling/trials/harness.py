@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
     from jetloop.tooling.releases import BuiltRelease
@@ -75,25 +75,26 @@ class WorkerProcess:
         cli = [sys.executable, "-m", "jetloop.services.cli"]
         if self.release is not None:
             env, cli = self.release.env(env), self.release.cli()
+        argv = [
+            *cli,
+            "worker",
+            "--app",
+            self.app,
+            "--nats",
+            self.nats_url,
+            *(["--pools", self.pools] if self.pools else []),
+            "--id",
+            self.worker_id,
+            *(["--processes", str(self.processes)] if self.processes != 1 else []),
+            *(["--namespace", self.namespaces] if self.namespaces else []),
+        ]
+        return self._spawn(argv, env)
+
+    def _spawn(self, argv: list[str], env: dict[str, str]) -> Self:
+        """The process, in a session of its own, its output appended to the log."""
         out = open(self.log_path, "ab")  # handed to the child
         self.proc = subprocess.Popen(
-            [
-                *cli,
-                "worker",
-                "--app",
-                self.app,
-                "--nats",
-                self.nats_url,
-                *(["--pools", self.pools] if self.pools else []),
-                "--id",
-                self.worker_id,
-                *(["--processes", str(self.processes)] if self.processes != 1 else []),
-                *(["--namespace", self.namespaces] if self.namespaces else []),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         out.close()
         return self
@@ -208,14 +209,4 @@ class CommandWorker(WorkerProcess):
         self.command = list(command)
 
     def start(self) -> CommandWorker:
-        env = {**os.environ, **self.env}
-        out = open(self.log_path, "ab")  # handed to the child
-        self.proc = subprocess.Popen(
-            [*self.command, "--id", self.worker_id],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-        out.close()
-        return self
+        return self._spawn([*self.command, "--id", self.worker_id], {**os.environ, **self.env})

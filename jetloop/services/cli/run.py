@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -494,6 +495,13 @@ def trials(
     "successor's work item; docs/performance.md) and print it against Restate",
 )
 @click.option(
+    "--floor-shards",
+    type=click.IntRange(1, 16),
+    default=None,
+    help="peer: the floor spreads its state and log over this many buckets and streams, by "
+    "session (lever 2, docs/performance.md; default 1, as the engine's)",
+)
+@click.option(
     "--turn-rate",
     type=click.FloatRange(min=0),
     default=20.0,
@@ -512,6 +520,7 @@ def bench(
     lazy_fsync: bool,
     count_syncs: bool,
     lever1: bool,
+    floor_shards: int | None,
     turn_rate: float,
     out_json: str | None,
     keep: str | None,
@@ -539,6 +548,12 @@ def bench(
         raise click.UsageError("--count-syncs counts the peer benchmark's: `jetloop bench peer`")
     if lever1 and "peer" not in which:
         raise click.UsageError("--lever1 runs beside the peer benchmark: `jetloop bench peer`")
+    if floor_shards is not None:
+        if "peer" not in which:
+            raise click.UsageError("--floor-shards shapes the peer benchmark's floor")
+        from jetloop.tooling.bench.floor import SHARDS_ENV
+
+        os.environ[SHARDS_ENV] = str(floor_shards)
     sys.exit(
         run(
             which or ("overhead", "throughput", "history"),

@@ -27,6 +27,11 @@ measured from stream sequences.
 The floor worker runs in its own process (``python -c`` on ``floor_worker_main``), like an
 engine worker, so both pay the same hops. It keeps the revisions it wrote in memory: it reads
 nothing back, which is what makes it a floor.
+
+With ``shards`` above 1 (``JETLOOP_FLOOR_SHARDS``, ``jetloop bench peer --floor-shards``) the
+same writes go to that many state buckets and event streams, a session's to the one its id
+hashes to: what spreading the engine's state and log over several streams would buy, measured
+before it is built (docs/performance.md, "Lever 2 measured").
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import asyncio
 import os
 import signal
 import sys
+import zlib
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -51,10 +57,32 @@ EVENTS = "FLOOR_EVENTS"
 BUCKET = "floor_state"
 TURNS_CONSUMER = "floor_turns"
 STEPS_CONSUMER = "floor_steps"
-COMPLETED = "floor.event.*.turn.completed"
+COMPLETED = "floor.*.*.turn.completed"
 CONNECTION_NAME = "jetloop-floor-worker"
 # The session log's layout the floor writes as (``folded`` or ``separate``), as the engine's.
 LAYOUT_ENV = "JETLOOP_FLOOR_EVENT_LOG"
+# How many state buckets and event streams the floor spreads its sessions over (1: one each).
+SHARDS_ENV = "JETLOOP_FLOOR_SHARDS"
+
+
+def shard_of(session_id: str, shards: int) -> int:
+    """The shard a session's records and log entries go to."""
+    return zlib.crc32(session_id.encode()) % shards if shards > 1 else 0
+
+
+def state_bucket(shard: int) -> str:
+    return BUCKET if shard == 0 else f"{BUCKET}_{shard}"
+
+
+def events_stream(shard: int) -> str:
+    return EVENTS if shard == 0 else f"{EVENTS}_{shard}"
+
+
+def event_subject(session_id: str, shards: int, what: str) -> str:
+    """A log entry's subject; shard 0's is the unsharded floor's (``floor.event.<sid>.…``),
+    another's ``floor.ev<k>.<sid>.…``: the same tokens, so ``COMPLETED`` hears every end."""
+    k = shard_of(session_id, shards)
+    return f"floor.{'event' if k == 0 else f'ev{k}'}.{session_id}.{what}"
 
 
 def turn_subject(session_id: str, turn_id: str, fan: int) -> str:
@@ -62,9 +90,10 @@ def turn_subject(session_id: str, turn_id: str, fan: int) -> str:
     return f"floor.turn.{session_id}.{turn_id}.{fan}"
 
 
-async def apply_topology(js: JetStreamContext) -> None:
+async def apply_topology(js: JetStreamContext, shards: int = 1) -> None:
     """The floor's streams, consumers and bucket, shaped like the engine's (file storage,
-    dedupe windows, a work-queue stream for requests, 8 revisions a key)."""
+    dedupe windows, a work-queue stream for requests, 8 revisions a key); ``shards`` state
+    buckets and event streams."""
     for cfg in (
         api.StreamConfig(
             name=TURNS,
@@ -85,11 +114,21 @@ async def apply_topology(js: JetStreamContext) -> None:
             storage=api.StorageType.FILE,
             duplicate_window=3600.0,
         ),
+        *(
+            api.StreamConfig(
+                name=events_stream(k),
+                subjects=[f"floor.ev{k}.>"],
+                storage=api.StorageType.FILE,
+                duplicate_window=3600.0,
+            )
+            for k in range(1, shards)
+        ),
     ):
         await js.add_stream(cfg)
-    await js.create_key_value(
-        api.KeyValueConfig(bucket=BUCKET, history=8, storage=api.StorageType.FILE)
-    )
+    for k in range(shards):
+        await js.create_key_value(
+            api.KeyValueConfig(bucket=state_bucket(k), history=8, storage=api.StorageType.FILE)
+        )
     for stream, name, subject in (
         (TURNS, TURNS_CONSUMER, "floor.turn.>"),
         (STEPS, STEPS_CONSUMER, "floor.step.>"),
@@ -122,23 +161,37 @@ class FloorWorker:
     """Handles floor steps: only the writes, publishes and acks an engine step makes."""
 
     def __init__(
-        self, nc: Client, kv: KeyValue, kv_bytes: int, msg_bytes: int, folded: bool = True
+        self,
+        nc: Client,
+        kv: KeyValue,
+        kv_bytes: int,
+        msg_bytes: int,
+        folded: bool = True,
+        shards: int = 1,
     ) -> None:
         self.folded = folded  # the session log's layout the engine beside it writes
         self.nc = nc
         self.js = nc.jetstream()
-        self.kv = kv
+        self.shards = shards
+        self.kvs: list[KeyValue] = [kv]  # a bucket a shard, the others opened on first use
         self.value = b"v" * kv_bytes
         self.body = b"m" * msg_bytes
         self.revisions: dict[str, int] = {}
 
     async def cas(self, key: str) -> None:
-        """A create (first write of a key) or an update from the revision written last."""
+        """A create (first write of a key) or an update from the revision written last, in
+        the bucket of the key's session (its second token)."""
+        if len(self.kvs) < self.shards:
+            self.kvs = [await self.js.key_value(state_bucket(k)) for k in range(self.shards)]
+        kv = self.kvs[shard_of(key.split(".")[1], self.shards)]
         last = self.revisions.get(key)
         if last is None:
-            self.revisions[key] = await self.kv.create(key, self.value)
+            self.revisions[key] = await kv.create(key, self.value)
         else:
-            self.revisions[key] = await self.kv.update(key, self.value, last=last)
+            self.revisions[key] = await kv.update(key, self.value, last=last)
+
+    def event(self, sid: str, what: str) -> str:
+        return event_subject(sid, self.shards, what)
 
     async def publish(self, subjects: Sequence[str], ids: Sequence[str], tid: str) -> None:
         """Confirmed publishes: one alone, several pipelined, as ``jetloop.streams.bus.Bus`` does,
@@ -176,7 +229,7 @@ class FloorWorker:
                 ("turn.started", f"{base}.started"),
             ]
         await self.publish(
-            [*(f"floor.event.{sid}.{s}" for s, _ in records), self._step("model", sid, tid, fan)],
+            [*(self.event(sid, s) for s, _ in records), self._step("model", sid, tid, fan)],
             [*(i for _, i in records), f"{base}.m0"],
             tid,
         )
@@ -185,14 +238,14 @@ class FloorWorker:
         key, base = f"turn.{sid}.{tid}", f"{sid}.{tid}"
         await self.cas(key)  # claim
         # The call's usage to the ledger, beside the commit (both in flight at once).
-        usage = self.publish([f"floor.event.{sid}.model.usage"], [f"{base}.m{n}.a1.usage"], tid)
+        usage = self.publish([self.event(sid, "model.usage")], [f"{base}.m{n}.a1.usage"], tid)
         await asyncio.gather(usage, self.cas(key))
         if n == 0 and fan > 0:
             answer = [("history.assistant", f"{base}.m0.assistant")]
             if not self.folded:
                 answer.append(("model.answered", f"{base}.m0.answered"))
             await self.publish(
-                [f"floor.event.{sid}.{s}" for s, _ in answer], [i for _, i in answer], tid
+                [self.event(sid, s) for s, _ in answer], [i for _, i in answer], tid
             )
             await self.publish([self._step("calls", sid, tid, fan, 0)], [f"{base}.m0.calls"], tid)
             return
@@ -201,7 +254,7 @@ class FloorWorker:
         last = [("turn.completed", f"{base}.completed")]
         if not self.folded:
             last.insert(0, ("history.assistant", f"{base}.m{n}.assistant"))
-        await self.publish([f"floor.event.{sid}.{s}" for s, _ in last], [i for _, i in last], tid)
+        await self.publish([self.event(sid, s) for s, _ in last], [i for _, i in last], tid)
         await self.cas(f"session.{sid}")  # the session moves on, in the same step
 
     async def calls(self, sid: str, tid: str, fan: int, arg: int) -> None:
@@ -215,7 +268,7 @@ class FloorWorker:
             results += [("call.outcome", f"call.{base}.0.{j}.outcome") for j in range(fan)]
         await self.publish(
             [
-                *(f"floor.event.{sid}.{s}" for s, _ in results),
+                *(self.event(sid, s) for s, _ in results),
                 self._step("model", sid, tid, fan, 1),
             ],
             [*(i for _, i in results), f"{base}.m1"],
@@ -300,13 +353,14 @@ def floor_worker_main() -> None:
     """Entry of the floor worker process (``worker_args``)."""
     url, kv_bytes, msg_bytes, concurrency = worker_args()
     folded = os.environ.get(LAYOUT_ENV, "folded") == "folded"
+    shards = int(os.environ.get(SHARDS_ENV, "1"))
     asyncio.run(
         serve(
             url,
             CONNECTION_NAME,
             BUCKET,
             ((TURNS, TURNS_CONSUMER), (STEPS, STEPS_CONSUMER)),
-            lambda nc, kv: FloorWorker(nc, kv, kv_bytes, msg_bytes, folded).handle,
+            lambda nc, kv: FloorWorker(nc, kv, kv_bytes, msg_bytes, folded, shards).handle,
             concurrency,
         )
     )

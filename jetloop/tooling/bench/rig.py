@@ -210,6 +210,8 @@ class Rig:
             wrap=bench_syncs.prefix(sync_trace) if sync_trace is not None else None,
         )
         self.sync_trace = sync_trace
+        # The floor's state buckets and event streams (``jetloop bench peer --floor-shards``).
+        self.floor_shards = int(os.environ.get(bench_floor.SHARDS_ENV, "1"))
         self.workers: list[WorkerProcess] = []
         self.floor: subprocess.Popen[bytes] | None = None
         # The floor of lever 1's write pattern (``jetloop.tooling.bench.floor_lever1``).
@@ -259,7 +261,7 @@ class Rig:
         self._probe = await nats.connect(self.server.url, name=PROBE_NAME)
         cfg = topology.TopologyConfig(event_log=LogLayout(self.event_log))
         await topology.apply(self.js, cfg)
-        await bench_floor.apply_topology(self.js)
+        await bench_floor.apply_topology(self.js, self.floor_shards)
         await floor_lever1.apply_topology(self.js)
         self._client = Client(self.nc, sealer=load_settings(seal_key=SEAL_KEY).sealer())
         # Subscribed while the raw driver runs turns only (``send``): through the public API
@@ -349,7 +351,10 @@ class Rig:
             "floor_worker_main",
             self.server.url,
             ops,
-            {bench_floor.LAYOUT_ENV: self.event_log},
+            {
+                bench_floor.LAYOUT_ENV: self.event_log,
+                bench_floor.SHARDS_ENV: str(self.floor_shards),
+            },
         )
 
     async def start_floor1(self, ops: OpCounts) -> None:

@@ -1,0 +1,92 @@
+"""The floor spread over shards (``jetloop bench peer --floor-shards``): on a real nats-server,
+7-step turns of sessions that hash to different shards complete, and each session's state
+writes and log entries are in its own shard's bucket and stream, the same counts a turn as
+the unsharded floor's (9 state writes, 10 log messages in the folded layout)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nats
+from click.testing import CliRunner
+
+from jetloop.services.cli import main
+from jetloop.services.embedded import EmbeddedServer
+from jetloop.tooling.bench import floor
+from tests.conftest import until
+
+SHARDS = 3
+
+
+def _sessions() -> list[str]:
+    """One session id per shard."""
+    found: dict[int, str] = {}
+    i = 0
+    while len(found) < SHARDS:
+        found.setdefault(floor.shard_of(f"s{i}", SHARDS), f"s{i}")
+        i += 1
+    return [found[k] for k in range(SHARDS)]
+
+
+async def test_each_session_writes_in_its_own_shard(tmp_path: Path) -> None:
+    conf = tmp_path / "server.conf"
+    conf.write_text("jetstream { sync_interval: always }\n")
+    server = EmbeddedServer(
+        tmp_path / "store", port=0, log_file=tmp_path / "nats.log", config_file=conf
+    )
+    await asyncio.to_thread(server.start)
+    worker: subprocess.Popen[bytes] | None = None
+    try:
+        await server.wait_jetstream()
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        await floor.apply_topology(js, SHARDS)
+        code = "from jetloop.tooling.bench.floor import floor_worker_main; floor_worker_main()"
+        worker = await asyncio.to_thread(
+            subprocess.Popen,
+            [sys.executable, "-c", code, server.url, "300", "200", "50"],
+            stdout=subprocess.PIPE,
+            env={**os.environ, floor.SHARDS_ENV: str(SHARDS)},
+        )
+        assert worker.stdout is not None
+        assert (await asyncio.to_thread(worker.stdout.readline)).strip() == b"ready"
+        ended: asyncio.Queue[str] = asyncio.Queue()
+
+        async def heard(msg: nats.aio.msg.Msg) -> None:
+            await ended.put((msg.headers or {}).get("Jl-Turn", ""))
+
+        await nc.subscribe(floor.COMPLETED, cb=heard)
+        for sid in _sessions():
+            tid = f"t{sid}"
+            await js.publish(floor.turn_subject(sid, tid, 5), b"r", headers={"Nats-Msg-Id": tid})
+            assert await asyncio.wait_for(ended.get(), 10) == tid
+
+        async def settled() -> bool:
+            info = await js.consumer_info(floor.STEPS, floor.STEPS_CONSUMER)
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        await until(settled, timeout=10)
+        for k in range(SHARDS):
+            state = await js.stream_info(f"KV_{floor.state_bucket(k)}")
+            log = await js.stream_info(floor.events_stream(k))
+            assert (state.state.last_seq, log.state.messages) == (9, 10), k
+        await nc.close()
+    finally:
+        if worker is not None:
+            worker.terminate()
+            worker.wait(15)
+            assert worker.stdout is not None
+            worker.stdout.close()
+        await asyncio.to_thread(server.stop, 30.0)
+        server.kill()
+
+
+def test_floor_shards_is_an_option_of_the_peer_benchmark_only() -> None:
+    out = CliRunner().invoke(main, ["bench", "overhead", "--floor-shards", "4"])
+    assert out.exit_code == 2 and "--floor-shards shapes the peer benchmark's floor" in out.output
+    out = CliRunner().invoke(main, ["bench", "peer", "--floor-shards", "0"])
+    assert out.exit_code == 2 and "--floor-shards" in out.output

@@ -47,9 +47,10 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
+
+from jetloop.streams.intake import Intake
 
 TURNS = "FLOOR_TURNS"
 STEPS = "FLOOR_STEPS"
@@ -244,9 +245,7 @@ class FloorWorker:
             answer = [("history.assistant", f"{base}.m0.assistant")]
             if not self.folded:
                 answer.append(("model.answered", f"{base}.m0.answered"))
-            await self.publish(
-                [self.event(sid, s) for s, _ in answer], [i for _, i in answer], tid
-            )
+            await self.publish([self.event(sid, s) for s, _ in answer], [i for _, i in answer], tid)
             await self.publish([self._step("calls", sid, tid, fan, 0)], [f"{base}.m0.calls"], tid)
             return
         # (Folded, one message: the assistant's entry carrying turn.completed, on the subject
@@ -284,9 +283,12 @@ async def pull(
     concurrency: int,
     stop: asyncio.Event,
 ) -> None:
-    """Fetch as many messages as there are free slots, like ``jetloop.services.worker``, and
-    ``handle`` each in a task of its own."""
-    sub = await js.pull_subscribe_bind(durable=consumer, stream=stream)
+    """Take as many messages as there are free slots through the worker's own intake
+    (``jetloop.streams.intake``: pull requests kept open, not nats-py's ``fetch(n)``, which
+    sometimes holds a message that arrived on an idle consumer for its whole timeout), and
+    ``handle`` each in a task of its own, as ``jetloop.services.worker`` does."""
+    intake = Intake(js._nc, stream, consumer)  # the context's connection: no public name
+    await intake.start()
     running: set[asyncio.Task[None]] = set()
     free = asyncio.Event()
     while not stop.is_set():
@@ -295,11 +297,7 @@ async def pull(
             free.clear()
             await free.wait()
             continue
-        try:
-            msgs = await sub.fetch(room, timeout=1.0)
-        except (NatsTimeoutError, TimeoutError):
-            continue
-        for m in msgs:
+        for m in await intake.take(room, timeout=1.0):
             task = asyncio.create_task(handle(m))
             running.add(task)
 
@@ -313,7 +311,8 @@ async def pull(
             task.add_done_callback(done)
     if running:
         await asyncio.wait(running)
-    await sub.unsubscribe()
+    for m in await intake.stop():
+        await m.nak()
 
 
 Handler = Callable[[Msg], Coroutine[Any, Any, None]]

@@ -44,6 +44,7 @@ from jetloop.services.embedded import EmbeddedServer, free_port
 from jetloop.services.settings import load_settings
 from jetloop.streams import topology
 from jetloop.streams.bus import H_TURN
+from jetloop.streams.connection import connect
 from jetloop.tooling.bench import floor as bench_floor
 from jetloop.tooling.bench import floor_lever1
 from jetloop.tooling.bench import syncs as bench_syncs
@@ -263,7 +264,14 @@ class Rig:
         await topology.apply(self.js, cfg)
         await bench_floor.apply_topology(self.js, self.floor_shards)
         await floor_lever1.apply_topology(self.js)
-        self._client = Client(self.nc, sealer=load_settings(seal_key=SEAL_KEY).sealer())
+        # The public API's client on a connection as ``Client.connect`` makes it (jetloop's
+        # own: its parser and its publish path), not on the driver's plain nats-py one, which
+        # a program using jetloop does not get.
+        self._client = Client(
+            await connect([self.server.url], name="jetloop-client"),
+            own=True,
+            sealer=load_settings(seal_key=SEAL_KEY).sealer(),
+        )
         # Subscribed while the raw driver runs turns only (``send``): through the public API
         # (``api_turn``) it would hear every turn's events, messages no user of it pays.
         answers = ["jl.event.*.history.assistant"] if self.event_log == "folded" else []
@@ -276,6 +284,8 @@ class Rig:
     async def close(self) -> None:
         self.stop_workers()
         self.stop_floor()
+        if self._client is not None:
+            await self._client.close()
         for nc in (self._nc, self._probe):
             if nc is not None and not nc.is_closed:
                 await nc.close()

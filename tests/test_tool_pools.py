@@ -192,3 +192,40 @@ async def test_a_worker_of_a_pool_of_its_own_does_not_split_other_steps(
     )
     await client.wait(h, timeout=30)
     assert kinds == ["call_tools"]
+
+
+async def test_an_agent_served_only_by_workers_of_a_pool_of_its_own_is_offline(
+    client: Client,
+) -> None:
+    """Its turns cannot run (no worker of the session and model pools lists it), so its
+    status is ``offline`` and a snapshot of its sessions says ``waiting_for_worker``; with a
+    front worker beside it, ``live``. A presence that lists no pools (a release before they
+    were listed) served every engine pool."""
+    kv = await client.js.key_value(WORKERS_BUCKET)
+    reg = await client.registry()
+    await reg.declare(["pooled"], "test")
+    side = {"agents": ["pooled"], "pools": ["side"], "since": time.time()}
+    await kv.put("worker.pooled-side", json.dumps(side).encode())
+    assert await client.agent_status("pooled") == "offline"
+    front = {"agents": ["pooled"], "pools": ["session", "model", "tool"], "since": time.time()}
+    await kv.put("worker.pooled-front", json.dumps(front).encode())
+    assert await client.agent_status("pooled") == "live"
+    await kv.delete("worker.pooled-front")
+    await kv.put("worker.pooled-old", json.dumps({"agents": ["pooled"]}).encode())
+    assert await client.agent_status("pooled") == "live"
+    await kv.delete("worker.pooled-old")
+    await kv.delete("worker.pooled-side")
+
+
+def test_a_worker_lists_only_the_agents_it_pulls_a_pool_of() -> None:
+    """A worker of pool ``side`` alone serves the agents with tools there, not every agent
+    of its app."""
+    from jetloop.agents import Agent, App, ScriptedModel
+    from jetloop.services.settings import load_settings
+    from jetloop.services.worker import Worker
+
+    other = Agent(name="plain", instructions="-", model=ScriptedModel(lambda r: None))
+    app = App([*side_tools_app.agents.values(), other])
+    settings = load_settings()
+    assert Worker(settings, app, pools=["side"]).agents() == ["sider"]
+    assert Worker(settings, app).agents() == ["plain", "sider"]

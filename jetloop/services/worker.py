@@ -132,6 +132,11 @@ class Worker(Service):
             topology.MODEL_POOL: s.model_concurrency,
         }.get(pool, s.tool_concurrency)  # the tool pool, and tools' pools of their own
 
+    def agents(self) -> list[str]:
+        """The agents this worker serves, as its presence lists them: those it pulls any
+        pool of (a worker of a pool of its own: the agents with tools in that pool)."""
+        return sorted(a for a in self.app.agents if self._pools_of(a))
+
     def _pools_of(self, agent: str) -> tuple[str, ...]:
         """The pools this worker pulls for ``agent``: a tool's pool of its own only for an
         agent that has such a tool."""
@@ -265,7 +270,7 @@ class Worker(Service):
                 worker=self.worker_id,
                 incarnation=incarnation,
                 pools=list(self.pools),
-                agents=sorted(self.app.agents),
+                agents=self.agents(),
                 loop=loop_name(),
             )
             self._started.set()
@@ -405,7 +410,7 @@ class Worker(Service):
         while not self._stopping.is_set():
             await _first(asyncio.sleep(topology.PRESENCE_TTL / 3), self._stopping.wait())
             try:
-                await registry.advertise(self.worker_id, self.app.agents, self.pools, self._since)
+                await registry.advertise(self.worker_id, self.agents(), self.pools, self._since)
                 if len(holds):
                     await holds.publish()
                 await self._kinds_written(registry)
@@ -495,7 +500,7 @@ class Worker(Service):
                     await topology.apply_agent(js, cfg, name, self._pools_of(name))
                 registry = await Registry.open(js)
                 # Before "started": a client that saw this worker start finds its agents.
-                await registry.advertise(self.worker_id, self.app.agents, self.pools, self._since)
+                await registry.advertise(self.worker_id, self.agents(), self.pools, self._since)
                 return registry
             except Exception as exc:
                 if self._stopping.is_set():

@@ -199,8 +199,15 @@ class Registry:
         return True
 
     async def status(self, agent: str) -> AgentStatus:
+        """``live`` when the live workers that list ``agent`` serve every engine pool between
+        them (its turns can run), ``offline`` when they do not (none, or only workers of a
+        pool of their own), ``unknown`` when no worker ever served it."""
         if not await self.known(agent):
             return "unknown"
-        if any(agent in w.agents for w in await self.workers()):
-            return "live"
-        return "offline"
+        served: set[str] = set()
+        for w in await self.workers():
+            if agent in w.agents:
+                # A presence without pools is of a release before they were listed, whose
+                # workers served every engine pool.
+                served.update(w.pools or ENGINE_POOLS)
+        return "live" if served.issuperset(ENGINE_POOLS) else "offline"

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import nats
+import structlog
 from click.testing import CliRunner
 
 from jetloop.services.cli import main
@@ -86,7 +87,14 @@ async def test_each_session_writes_in_its_own_shard(tmp_path: Path) -> None:
 
 
 def test_floor_shards_is_an_option_of_the_peer_benchmark_only() -> None:
-    out = CliRunner().invoke(main, ["bench", "overhead", "--floor-shards", "4"])
-    assert out.exit_code == 2 and "--floor-shards shapes the peer benchmark's floor" in out.output
-    out = CliRunner().invoke(main, ["bench", "peer", "--floor-shards", "0"])
-    assert out.exit_code == 2 and "--floor-shards" in out.output
+    # In this process: the command group configures logging (warnings only), which is put
+    # back after, or later tests that capture info events would hear none.
+    saved = structlog.get_config()
+    try:
+        out = CliRunner().invoke(main, ["bench", "overhead", "--floor-shards", "4"])
+        assert out.exit_code == 2
+        assert "--floor-shards shapes the peer benchmark's floor" in out.output
+        out = CliRunner().invoke(main, ["bench", "peer", "--floor-shards", "0"])
+        assert out.exit_code == 2 and "--floor-shards" in out.output
+    finally:
+        structlog.configure(**saved)

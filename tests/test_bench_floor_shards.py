@@ -6,19 +6,17 @@ the unsharded floor's (9 state writes, 10 log messages in the folded layout)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import nats
 import structlog
 from click.testing import CliRunner
+from nats.js import JetStreamContext
 
 from jetloop.services.cli import main
-from jetloop.services.embedded import EmbeddedServer
 from jetloop.tooling.bench import floor
 from tests.conftest import until
+from tests.floors import floor_on_a_server
 
 SHARDS = 3
 
@@ -34,27 +32,13 @@ def _sessions() -> list[str]:
 
 
 async def test_each_session_writes_in_its_own_shard(tmp_path: Path) -> None:
-    conf = tmp_path / "server.conf"
-    conf.write_text("jetstream { sync_interval: always }\n")
-    server = EmbeddedServer(
-        tmp_path / "store", port=0, log_file=tmp_path / "nats.log", config_file=conf
-    )
-    await asyncio.to_thread(server.start)
-    worker: subprocess.Popen[bytes] | None = None
-    try:
-        await server.wait_jetstream()
-        nc = await nats.connect(server.url)
-        js = nc.jetstream()
+    async def apply(js: JetStreamContext) -> None:
         await floor.apply_topology(js, SHARDS)
-        code = "from jetloop.tooling.bench.floor import floor_worker_main; floor_worker_main()"
-        worker = await asyncio.to_thread(
-            subprocess.Popen,
-            [sys.executable, "-c", code, server.url, "300", "200", "50"],
-            stdout=subprocess.PIPE,
-            env={**os.environ, floor.SHARDS_ENV: str(SHARDS)},
-        )
-        assert worker.stdout is not None
-        assert (await asyncio.to_thread(worker.stdout.readline)).strip() == b"ready"
+
+    async with floor_on_a_server(
+        tmp_path, apply, floor.__name__, "floor_worker_main", {floor.SHARDS_ENV: str(SHARDS)}
+    ) as nc:
+        js = nc.jetstream()
         ended: asyncio.Queue[str] = asyncio.Queue()
 
         async def heard(msg: nats.aio.msg.Msg) -> None:
@@ -75,15 +59,6 @@ async def test_each_session_writes_in_its_own_shard(tmp_path: Path) -> None:
             state = await js.stream_info(f"KV_{floor.state_bucket(k)}")
             log = await js.stream_info(floor.events_stream(k))
             assert (state.state.last_seq, log.state.messages) == (9, 10), k
-        await nc.close()
-    finally:
-        if worker is not None:
-            worker.terminate()
-            worker.wait(15)
-            assert worker.stdout is not None
-            worker.stdout.close()
-        await asyncio.to_thread(server.stop, 30.0)
-        server.kill()
 
 
 def test_floor_shards_is_an_option_of_the_peer_benchmark_only() -> None:

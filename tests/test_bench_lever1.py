@@ -7,40 +7,22 @@ the server, a copy of every state write, and its consumers deliver 5 work items.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from pathlib import Path
 
 import nats
 
-from jetloop.services.embedded import EmbeddedServer
 from jetloop.tooling.bench import floor_lever1 as floor1
 from tests.conftest import until
+from tests.floors import floor_on_a_server
 
 TURNS = 3
 
 
 async def test_a_turn_stores_what_the_pattern_says(tmp_path: Path) -> None:
-    conf = tmp_path / "server.conf"
-    conf.write_text("jetstream { sync_interval: always }\n")
-    server = EmbeddedServer(
-        tmp_path / "store", port=0, log_file=tmp_path / "nats.log", config_file=conf
-    )
-    await asyncio.to_thread(server.start)
-    worker: subprocess.Popen[bytes] | None = None
-    try:
-        await server.wait_jetstream()
-        nc = await nats.connect(server.url)
+    async with floor_on_a_server(
+        tmp_path, floor1.apply_topology, floor1.__name__, "worker_main"
+    ) as nc:
         js = nc.jetstream()
-        await floor1.apply_topology(js)
-        code = "from jetloop.tooling.bench.floor_lever1 import worker_main; worker_main()"
-        worker = await asyncio.to_thread(
-            subprocess.Popen,
-            [sys.executable, "-c", code, server.url, "300", "200", "50"],
-            stdout=subprocess.PIPE,
-        )
-        assert worker.stdout is not None
-        assert (await asyncio.to_thread(worker.stdout.readline)).strip() == b"ready"
         ended: asyncio.Queue[str] = asyncio.Queue()
 
         async def heard(msg: nats.aio.msg.Msg) -> None:
@@ -69,12 +51,3 @@ async def test_a_turn_stores_what_the_pattern_says(tmp_path: Path) -> None:
             return (await js.stream_info(floor1.LOG)).state.messages == (2 + 7) * TURNS
 
         await until(logged, timeout=10)
-        await nc.close()
-    finally:
-        if worker is not None:
-            worker.terminate()
-            worker.wait(15)
-            assert worker.stdout is not None
-            worker.stdout.close()
-        await asyncio.to_thread(server.stop, 30.0)
-        server.kill()

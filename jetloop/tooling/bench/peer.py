@@ -322,12 +322,14 @@ async def peer_side_by_side(
                 return b.latencies, b.wall
 
             await floor_batch(WARM_TURNS, WARM_IN_FLIGHT)
-            versions[FLOOR] = "the raw JetStream floor (the engine's writes, publishes, acks)"
-            if r.floor_shards > 1:
-                versions[FLOOR] = (
-                    f"the raw JetStream floor (the engine's writes, publishes, acks), its state"
-                    f" and log spread over {r.floor_shards} buckets and streams by session"
-                )
+            spread = (
+                f", its state and log spread over {r.floor_shards} buckets and streams by session"
+                if r.floor_shards > 1
+                else ""
+            )
+            versions[FLOOR] = (
+                f"the raw JetStream floor (the engine's writes, publishes, acks){spread}"
+            )
             runners[FLOOR] = floor_batch
         if floor and lever1:
             await r.start_floor1(engine_ops)

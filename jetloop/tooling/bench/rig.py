@@ -356,7 +356,7 @@ class Rig:
 
     async def start_floor(self, ops: OpCounts) -> None:
         """The floor worker process, with payloads sized like the engine's."""
-        self.floor = await _spawn_floor(
+        self.floor = await spawn_floor(
             bench_floor.__name__,
             "floor_worker_main",
             self.server.url,
@@ -369,12 +369,12 @@ class Rig:
 
     async def start_floor1(self, ops: OpCounts) -> None:
         """The worker of lever 1's write pattern, with the floor's payload sizes."""
-        self.floor1 = await _spawn_floor(floor_lever1.__name__, "worker_main", self.server.url, ops)
+        self.floor1 = await spawn_floor(floor_lever1.__name__, "worker_main", self.server.url, ops)
 
     def stop_floor(self) -> None:
         for proc in (self.floor, self.floor1):
             if proc is not None:
-                _stop(proc)
+                stop_floor_process(proc)
         self.floor = self.floor1 = None
 
     # turns
@@ -496,7 +496,7 @@ class Rig:
         return total
 
 
-async def _spawn_floor(
+async def spawn_floor(
     module: str, entry: str, url: str, ops: OpCounts, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
     """A floor worker process (``module.entry``), once it says it is ready."""
@@ -512,12 +512,12 @@ async def _spawn_floor(
     assert proc.stdout is not None
     line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
     if line.strip() != b"ready":
-        _stop(proc)
+        stop_floor_process(proc)
         raise RuntimeError(f"the floor worker {module} did not start: {line!r}")
     return proc
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_floor_process(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

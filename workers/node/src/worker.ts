@@ -826,7 +826,7 @@ export class Worker {
     return this.stepOut(step, `${sid}.${tid}.m${n}.c${i}.join`, "session");
   }
 
-  /** Tell the outcome, then hand the join to the session pool (serving-tools.md 6, brief item 5). */
+  /** Tell the outcome, then hand the join to the session pool (serving-tools.md 6). */
   private async toldAndJoined(turn: Rec, rec: Rec, n: number, i: number, join = true): Promise<void> {
     await this.publish(this.callDone(turn, rec));
     if (join) await this.publish([this.joinStep(turn, n, i)]);

@@ -6,20 +6,22 @@ started with ``JETLOOP_EVENT_LOG=separate``: a new deployment's log is folded), 
 deployment switched to folded (a worker started with ``JETLOOP_EVENT_LOG=folded`` sets it in
 ``JL_EVENTS``'s metadata). Every reader jetloop ships — ``Client.events``, ``Client.wait``,
 the read model and the gateway's event stream — tells both runs alike, and the folded log
-holds 6 fewer messages for this turn (13 → 7) (no ``turn.accepted``, ``turn.started``,
-``model.answered``, ``turn.completed`` or ``call.outcome`` on their own subjects).
+holds 7 fewer messages for this turn (13 → 6) (no ``turn.accepted``, ``turn.started``,
+``model.answered``, ``turn.completed`` or ``call.outcome`` on their own subjects, and the
+step's two results, both reads, in one entry).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
 from nats.js import api
 
 from jetloop.consumers.conversation import in_call_order
-from jetloop.schemas import HistoryEntry, HistoryRole, decode, encode, turn_id_for
+from jetloop.schemas import HistoryEntry, HistoryRole, StepKind, decode, encode, turn_id_for
 from jetloop.schemas.log import H_EVENTS, LogLayout, events_in
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer
@@ -27,6 +29,7 @@ from jetloop.services.gateway.sse import follow
 from jetloop.services.readmodel.model import Incoming, ReadModel
 from jetloop.streams import topology
 from jetloop.streams.history import HistoryReader
+from jetloop.streams.topology import WORKERS_BUCKET
 from tests.conftest import WorkerFactory, call, script
 
 TEXT = script([call("read", name="a"), call("read", name="b")], answer="both read")
@@ -110,6 +113,7 @@ async def test_the_folded_log_reads_as_the_separate_one(
 
     folded = workers.start("folded", env={"JETLOOP_EVENT_LOG": "folded"})
     await folded.wait_for("worker.started")
+    await folded.wait_for("worker.results_entry", now=True, timeout=30)
     c = await Client.connect(nats_ready.url)  # (a new client reads the layout anew)
     try:
         assert await topology.log_layout(c.js) == "folded"
@@ -129,8 +133,10 @@ async def test_the_folded_log_reads_as_the_separate_one(
         assert folded_away <= set(subjects["fl1"])
         assert not folded_away & set(subjects["fl2"])
         # Folded into the user's words (accepted, started), the answers (answered,
-        # completed) and the results (2 outcomes): 6 of the separate log's 13 messages.
-        assert (len(subjects["fl1"]), len(subjects["fl2"])) == (13, 7), subjects
+        # completed) and the results (2 outcomes, both reads, told in one entry): 7 of the
+        # separate log's 13 messages.
+        assert (len(subjects["fl1"]), len(subjects["fl2"])) == (13, 6), subjects
+        assert subjects["fl2"].count("history.tool") == 1
         carried = {
             m.subject.split(".", 3)[3]: (m.headers or {}).get(H_EVENTS)
             for m in logs["fl2"]
@@ -140,6 +146,17 @@ async def test_the_folded_log_reads_as_the_separate_one(
             "history.user": "turn.accepted turn.started",
             "history.tool": "call.outcome",
         }
+        # The results entry: both results as its parts, in call order, both outcomes in it.
+        (results,) = [
+            decode(HistoryEntry, m.data) for m in logs["fl2"] if m.subject.endswith(".tool")
+        ]
+        assert results.parts is not None
+        assert [same(p.key, "fl2") for p in results.parts] == [
+            "S.T.m0.c0.result",
+            "S.T.m0.c1.result",
+        ]
+        assert [p.result["name"] for p in results.parts] == ["a", "b"]
+        assert [e.type.value for e in results.events] == ["call.outcome"] * 2
 
         # Every reader tells the same events, in the same order, and the same conversation.
         told = {
@@ -197,6 +214,86 @@ def test_a_separate_message_reads_as_itself() -> None:
     """``events_in`` of an entry of the separate log is empty; of an event, the event."""
     entry = HistoryEntry(key="s.t.user", role=HistoryRole.USER, turn_id="t", text="hi")
     assert events_in("jl.event.s.history.user", encode(entry)) == []
+
+
+async def test_a_worker_that_does_not_read_it_means_an_entry_per_result(
+    nats_ready: EmbeddedServer, workers: WorkerFactory
+) -> None:
+    """While a live worker's presence does not list ``results_entry`` (a release before it,
+    which reads a step's reads record but not an entry of several results), each result of
+    the step's reads goes to the log in an entry of its own, which every release reads."""
+    c = await Client.connect(nats_ready.url)
+    kv = await c.js.key_value(WORKERS_BUCKET)
+    older = {"agents": ["tester"], "pools": ["tool"], "since": time.time()}
+    older |= {"kinds": sorted(StepKind), "records": ["step_reads"]}
+    await kv.put("worker.older-release", json.dumps(older).encode())
+    try:
+        w = workers.start()
+        await w.wait_for("worker.step_reads", now=True, timeout=30)
+        h = await c.send("tester", "fl4", TEXT, "r-fl4")
+        await c.wait(h, timeout=30)
+        entries = [
+            decode(HistoryEntry, m.data)
+            for m in await stored(c, "fl4")
+            if m.subject.endswith(".history.tool")
+        ]
+        assert sorted(same(e.key, "fl4") for e in entries) == [
+            "S.T.m0.c0.result",
+            "S.T.m0.c1.result",
+        ]
+        assert all(e.parts is None for e in entries)
+        assert not w.find("worker.results_entry", now=True)
+    finally:
+        await kv.delete("worker.older-release")
+        await c.close()
+
+
+async def test_an_entry_of_results_is_read_as_its_parts_each_key_once(
+    nats_ready: EmbeddedServer,
+) -> None:
+    """A results entry reads as its parts, in place; an entry of a key read before (a
+    result told on its own, then with the others after a crash, or the other way round) is
+    kept once, where it was first read."""
+    c = await Client.connect(nats_ready.url)
+    try:
+
+        def result(i: int) -> HistoryEntry:
+            return HistoryEntry(
+                key=f"rp.t.m0.c{i}.result", role=HistoryRole.TOOL, turn_id="t", result=i
+            )
+
+        told = [
+            HistoryEntry(key="rp.t.user", role=HistoryRole.USER, turn_id="t", text="hi"),
+            result(1),
+            HistoryEntry(
+                key="rp.t.m0.results",
+                role=HistoryRole.TOOL,
+                turn_id="t",
+                parts=[result(0), result(1), result(2)],
+            ),
+            result(2),
+            HistoryEntry(
+                key="rp.t.m0.results",  # the same entry again, past the dedupe window
+                role=HistoryRole.TOOL,
+                turn_id="t",
+                parts=[result(0), result(1), result(2)],
+            ),
+        ]
+        for n, entry in enumerate(told):
+            subject = topology.history_subject("rp", entry.role.value)
+            await c.js.publish(subject, encode(entry), headers={"Nats-Msg-Id": f"rp-{n}"})
+        got = await HistoryReader(c.nc).read("rp")
+        assert [(e.key, e.result) for e in got] == [
+            ("rp.t.user", None),
+            ("rp.t.m0.c1.result", 1),
+            ("rp.t.m0.c0.result", 0),
+            ("rp.t.m0.c2.result", 2),
+        ]
+        assert [e.key for e in await HistoryReader(c.nc, direct=False).read("rp")] == [
+            e.key for e in got
+        ]
+    finally:
+        await c.close()
 
 
 def test_the_model_is_given_a_steps_results_in_call_order() -> None:

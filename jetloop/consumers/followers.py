@@ -280,8 +280,33 @@ def call_done(turn: TurnRecord, rec: CallRecord, *, folded: bool) -> Followers:
     ``call.outcome``; the separate log publishes the entries when the join moves the turn).
     The step that committed it then joins the turn itself
     (``jetloop.consumers.join.join_calls``: no message of its own)."""
+    ev = outcome_event(turn, rec)
+    if folded:
+        return Followers([history_out(turn.session_id, result_entry(rec, ev))])
+    return Followers([event_out(ev)])
+
+
+def results_told(turn: TurnRecord, recs: list[CallRecord]) -> Followers:
+    """The outcomes of several calls of ``turn``'s current step told in one history entry
+    (the folded log): the calls' result entries as its ``parts``, in the order given, their
+    ``call.outcome`` events in its ``events``. A reader reads the parts as entries of their
+    own (``HistoryEntry.each``), so the conversation is the same as with an entry each,
+    and one stored message (one sync) carries them all."""
+    told = [outcome_event(turn, rec) for rec in recs]
+    entry = HistoryEntry(
+        key=f"{_base(turn)}.m{turn.model_step}.results",
+        role=HistoryRole.TOOL,
+        turn_id=turn.turn_id,
+        parts=[result_entry(rec) for rec in recs],
+        events=told,
+    )
+    return Followers([history_out(turn.session_id, entry)])
+
+
+def outcome_event(turn: TurnRecord, rec: CallRecord) -> Event:
+    """``call.outcome``: call ``rec`` of ``turn`` has its outcome."""
     assert rec.outcome is not None
-    ev = Event.of(
+    return Event.of(
         CallOutcomeData(
             call_key=rec.key,
             tool=rec.tool,
@@ -295,9 +320,6 @@ def call_done(turn: TurnRecord, rec: CallRecord, *, folded: bool) -> Followers:
         session_id=turn.session_id,
         turn_id=turn.turn_id,
     )
-    if folded:
-        return Followers([history_out(turn.session_id, result_entry(rec, ev))])
-    return Followers([event_out(ev)])
 
 
 def result_entry(

@@ -29,7 +29,7 @@ from enum import Enum
 
 from jetloop.consumers.carry import carry
 from jetloop.consumers.errors import DeadLetter, RetryLater, TakenOver
-from jetloop.consumers.followers import Followers, call_done, joined
+from jetloop.consumers.followers import Followers, call_done, joined, results_told
 from jetloop.consumers.runtime import Delivery
 from jetloop.consumers.side_by_side import side_by_side
 from jetloop.schemas import (
@@ -213,6 +213,10 @@ async def keep_reads(d: Delivery, known: StepCalls) -> Followers:
         raise TakenOver(key) from exc
     known.unrecorded.clear()
     await d.rt.faults.point("call_tool.after_commit")
+    if d.rt.folded_log and d.rt.results_entry and len(reads) > 1:
+        # One history entry for them all (a delivery that finds them kept, after a crash
+        # here, tells them one entry each: a reader keeps the first entry of each key).
+        return results_told(turn, reads)
     told = Followers()
     for rec in reads:
         told = told + call_done(turn, rec, folded=d.rt.folded_log)

@@ -129,6 +129,9 @@ class Runtime:
     # Whether a step's reads may keep their outcomes in one record (``StepReads``): only
     # while every live worker reads it (``Registry.every_worker_takes``).
     step_reads: bool = False
+    # Whether the results of a step's reads kept together go to the log in one history
+    # entry (``HistoryEntry.parts``): only while every live worker reads it.
+    results_entry: bool = False
     # The session log's layout (jetloop.schemas.log, JETLOOP_EVENT_LOG): True, folded (an
     # event that tells the same fact as a history entry rides in it).
     folded_log: bool = False

@@ -45,3 +45,12 @@ class HistoryEntry(BaseModel):
     # entry, carried in it instead of published on their own subjects. Empty in the
     # separate log.
     events: list[Event] = Field(default_factory=list)
+    # The results of several calls of one model step told together (the folded log, a
+    # step's reads kept together): each part is a ``tool`` entry of its own, in call order,
+    # and a reader reads the parts in place of this entry (``each``). This entry's own
+    # ``key`` names the set; the ``call.outcome`` events of every part ride in ``events``.
+    parts: list[HistoryEntry] | None = None
+
+    def each(self) -> list[HistoryEntry]:
+        """The entries this one stands for in the conversation: its parts, else itself."""
+        return self.parts if self.parts is not None else [self]

@@ -58,7 +58,7 @@ from jetloop.streams.history import HistoryReader
 from jetloop.streams.holds import Holds
 from jetloop.streams.intake import Intake
 from jetloop.streams.pauses import Pauses
-from jetloop.streams.registry import STEP_READS, Registry
+from jetloop.streams.registry import RESULTS_ENTRY, STEP_READS, Registry
 from jetloop.streams.state import StateStore
 from jetloop.streams.topology import alive_subject
 from jetloop.streams.windows import Windows
@@ -436,23 +436,27 @@ class Worker(Service):
         at with every presence refresh while an older worker lives, and with every
         ``KINDS_CHECK_EVERY``-th once none does (an older one started later, a roll back, meets
         the new kind only in that while, and hands it back for a worker that runs it). The
-        same for a step's reads kept in one record (``Runtime.step_reads``)."""
+        same for a step's reads kept in one record (``Runtime.step_reads``) and its results
+        in one history entry (``Runtime.results_entry``)."""
         rt = self._rt
         if rt is None:
             return
         self._kinds_checks += 1
-        settled = rt.calls_in_one_message and rt.step_reads
+        settled = rt.calls_in_one_message and rt.step_reads and rt.results_entry
         if settled and self._kinds_checks % KINDS_CHECK_EVERY:
             return
-        one, reads = await registry.every_worker_takes(
-            StepKind.CALL_TOOLS, STEP_READS, self.worker_id
-        )
+        one, records = await registry.every_worker_takes(StepKind.CALL_TOOLS, self.worker_id)
         if one != rt.calls_in_one_message:
             rt.calls_in_one_message = one
             log.info("worker.calls_in_one_message", now=one)
+        reads = STEP_READS in records
         if reads != rt.step_reads:
             rt.step_reads = reads
             log.info("worker.step_reads", now=reads)
+        together = RESULTS_ENTRY in records
+        if together != rt.results_entry:
+            rt.results_entry = together
+            log.info("worker.results_entry", now=together)
 
     async def _watch(self, rescuer: Rescuer, urls: list[str]) -> None:
         """Hear other workers' connections close (``jetloop.services.rescue``); a watch connection

@@ -92,7 +92,7 @@ def history_out(session_id: str, entry: HistoryEntry) -> Outgoing:
     h = headers(f"history.{entry.role.value}", session_id, entry.turn_id, entry.key)
     if entry.events:
         # The folded log (jetloop.schemas.log): the event types the entry carries.
-        h[H_EVENTS] = " ".join(e.type.value for e in entry.events)
+        h[H_EVENTS] = " ".join(dict.fromkeys(e.type.value for e in entry.events))
     return Outgoing(
         subject=history_subject(session_id, entry.role.value),
         body=encode(entry),

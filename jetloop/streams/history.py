@@ -2,8 +2,10 @@
 
 History is append-only and written after the checkpoint that decided it (rule 6): a step
 never rewrites the conversation. A reader keeps the first entry of each key, so an entry
-re-published after the dedupe window has passed is still read once. Each worker keeps the
-tail it has seen per session, so a model step reads only what was appended since.
+re-published after the dedupe window has passed is still read once; an entry that holds a
+step's results (``HistoryEntry.parts``) is read as its parts, each kept by its own key.
+Each worker keeps the tail it has seen per session, so a model step reads only what was
+appended since.
 """
 
 from __future__ import annotations
@@ -65,10 +67,10 @@ class HistoryReader:
 
     def _keep(self, tail: _Tail, seq: int, data: bytes) -> None:
         tail.next_seq = seq + 1
-        entry = decode(HistoryEntry, data)
-        if entry.key not in tail.keys:
-            tail.keys.add(entry.key)
-            tail.entries.append(entry)
+        for entry in decode(HistoryEntry, data).each():
+            if entry.key not in tail.keys:
+                tail.keys.add(entry.key)
+                tail.entries.append(entry)
 
     async def _read_from_leader(self, session_id: str, tail: _Tail) -> None:
         js = self.nc.jetstream()

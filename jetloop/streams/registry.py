@@ -80,9 +80,11 @@ class WorkerPresence:
 
 # Records a worker reads that an earlier release of the same schema version does not: a
 # release writes one only while every live worker's presence lists it. ``step_reads``: a
-# model step's reads kept together (``jetloop.schemas.StepReads``).
+# model step's reads kept together (``jetloop.schemas.StepReads``). ``results_entry``: a
+# step's results in one history entry (``HistoryEntry.parts``).
 STEP_READS = "step_reads"
-RECORDS_READ = (STEP_READS,)
+RESULTS_ENTRY = "results_entry"
+RECORDS_READ = (STEP_READS, RESULTS_ENTRY)
 
 
 # The kinds of step every release runs, also those whose presence does not list its kinds.
@@ -167,21 +169,25 @@ class Registry:
             )
         return out
 
-    async def every_worker_takes(self, kind: StepKind, record: str, me: str) -> tuple[bool, bool]:
-        """Whether every live worker runs steps of ``kind``, and whether every one reads
-        records of kind ``record`` (``RECORDS_READ``), from one listing: a release writes a
-        kind or a record that older ones do not take only then (docs/upgrading.md, "Rolling
-        upgrades: the policy"). ``me``, the asking worker, has its presence written: a
-        listing without it is not complete (nats-py's KV watch can end before the entries it
-        was sent), and says no to both."""
+    async def every_worker_takes(
+        self, kind: StepKind, me: str
+    ) -> tuple[bool, frozenset[str]]:
+        """Whether every live worker runs steps of ``kind``, and the records
+        (``RECORDS_READ``) every one reads, from one listing: a release writes a kind or a
+        record that older ones do not take only then (docs/upgrading.md, "Rolling upgrades:
+        the policy"). ``me``, the asking worker, has its presence written: a listing without
+        it is not complete (nats-py's KV watch can end before the entries it was sent), and
+        says no to the kind and to every record."""
         workers = await self.workers()
         if not any(w.worker_id == me for w in workers):
-            return False, False
+            return False, frozenset()
         # A worker of pools of their own only (a tool served elsewhere, maybe by another
-        # language) meets neither: its calls always travel one message each, and are never
-        # kept with a step's reads. One that lists no pools is counted.
+        # language) meets neither: its calls always travel one message each, are never
+        # kept with a step's reads, and it reads no history. One that lists no pools is
+        # counted.
         workers = [w for w in workers if not w.pools or set(w.pools) & set(ENGINE_POOLS)]
-        return all(w.runs(kind) for w in workers), all(record in w.records for w in workers)
+        read_by_all = frozenset(r for r in RECORDS_READ if all(r in w.records for w in workers))
+        return all(w.runs(kind) for w in workers), read_by_all
 
     async def declared(self) -> list[str]:
         """Every agent ever served, sorted."""

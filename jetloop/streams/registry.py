@@ -169,9 +169,7 @@ class Registry:
             )
         return out
 
-    async def every_worker_takes(
-        self, kind: StepKind, me: str
-    ) -> tuple[bool, frozenset[str]]:
+    async def every_worker_takes(self, kind: StepKind, me: str) -> tuple[bool, frozenset[str]]:
         """Whether every live worker runs steps of ``kind``, and the records
         (``RECORDS_READ``) every one reads, from one listing: a release writes a kind or a
         record that older ones do not take only then (docs/upgrading.md, "Rolling upgrades:

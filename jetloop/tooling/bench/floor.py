@@ -14,13 +14,13 @@ the folded log (the separate log's extra records in brackets):
                                              with run_model 0
     run_model 0   claim; commit beside the   the assistant's entry [answered]; then one       1
                   usage publish              call_tools step
-    call_tools    the step's reads, kept     every read's result entry [and call.outcome],    1
-                  together; the turn (join)  together with run_model 1
+    call_tools    the step's reads, kept     one entry of every read's result [an entry       1
+                  together; the turn (join)  and a call.outcome each], with run_model 1
     run_model 1   claim; commit beside the   the assistant's entry carrying turn.completed    1
                   usage publish; session     [turn.completed]
 
 (a one-model-step turn is the turn request and run_model 0 answering at once, as run_model 1
-does: 10 publishes of records [19], 9 CAS writes, 3 step publishes and 4 acks per 7-step turn
+does: 6 publishes of records [19], 9 CAS writes, 3 step publishes and 4 acks per 7-step turn
 whose calls are reads). ``jetloop.tooling.bench.run`` prints these counts beside the engine's,
 measured from stream sequences.
 
@@ -262,8 +262,11 @@ class FloorWorker:
         base = f"{sid}.{tid}"
         await self.cas(f"call.{sid}.{tid}.0.reads")
         await self.cas(f"turn.{sid}.{tid}")
-        results = [("history.tool", f"{base}.m0.c{j}.result") for j in range(fan)]
+        # (Folded: one entry holding every result, carrying the outcomes, as the engine
+        # tells a step's reads kept together.)
+        results = [("history.tool", f"{base}.m0.results")]
         if not self.folded:
+            results = [("history.tool", f"{base}.m0.c{j}.result") for j in range(fan)]
             results += [("call.outcome", f"call.{base}.0.{j}.outcome") for j in range(fan)]
         await self.publish(
             [

@@ -13,12 +13,14 @@ from typing import Any
 
 import msgpack
 from nats.aio.msg import Msg
+from nats.js import api
 from nats.js.errors import NoKeysError
 
 from jetloop.demo.vendor import Vendor
 from jetloop.schemas import CallState, StepKind
 from jetloop.services.client import Client
-from jetloop.streams.topology import STATE_BUCKET, WORKERS_BUCKET
+from jetloop.streams.history import HistoryReader
+from jetloop.streams.topology import EVENTS_STREAM, STATE_BUCKET, WORKERS_BUCKET
 from tests.conftest import WorkerFactory, body, call, script, until
 
 
@@ -250,6 +252,61 @@ async def test_reads_kept_before_their_worker_died_are_not_made_again(
     assert [s["status"] for s in body(res.text)["seen"]] == ["ok", "ok"]
     assert await _state_keys(client, f"call.kr2.{h.turn_id}.") == []
     assert await _state_keys(client, f"reads.kr2.{h.turn_id}.") == [f"reads.kr2.{h.turn_id}.0"]
+
+
+async def test_reads_told_in_one_entry_and_again_one_by_one_are_read_once(
+    client: Client, workers: WorkerFactory, vendor: Vendor
+) -> None:
+    """A worker killed after it told a step's kept reads in one entry (and sent the next
+    model step) but before it acked its message: the message's next delivery tells each read
+    again in an entry of its own. The conversation holds each result once, in call order, and
+    no read is made again."""
+    victim = workers.start("victim", hold="join.after_publish")
+    await victim.wait_for("worker.results_entry", now=True, timeout=30)
+    calls = [call("read", name="a"), call("read", name="bb"), call("read", name="ccc")]
+    h = await client.send("tester", "kr5", script(calls))
+    await victim.wait_for("fault.hold", point="join.after_publish", timeout=30)
+    victim.kill()
+    workers.start("survivor")
+    res = await client.wait(h, timeout=60)
+    assert sorted((await vendor.payload_counts("read")).values()) == [1, 1, 1]
+    assert [s["result"]["value"] for s in body(res.text)["seen"]] == [1, 2, 3]
+    base = f"kr5.{h.turn_id}.m0"
+    told = collections.Counter(
+        (m.headers or {}).get("Nats-Msg-Id") for m in await _log(client, "kr5", "history.tool")
+    )
+    assert told[f"{base}.results"] == 1
+    assert sorted(k for k in told if k != f"{base}.results") == [
+        f"{base}.c{i}.result" for i in range(3)
+    ]
+    reader = HistoryReader(client.nc)
+    keys = [e.key for e in await reader.read("kr5") if e.role.value == "tool"]
+    assert keys == [f"{base}.c{i}.result" for i in range(3)]
+
+
+async def _log(client: Client, sid: str, what: str) -> list[Msg]:
+    """The messages of session ``sid``'s log on ``jl.event.<sid>.<what>``, in order."""
+    subject = f"jl.event.{sid}.{what}"
+    cfg = api.ConsumerConfig(
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_policy=api.AckPolicy.NONE,
+        filter_subject=subject,
+        mem_storage=True,
+        num_replicas=1,
+    )
+    sub = await client.js.pull_subscribe(subject, stream=EVENTS_STREAM, config=cfg)
+    out: list[Msg] = []
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(100, timeout=1.0)
+            except TimeoutError:
+                return out
+            out += msgs
+            if msgs[-1].metadata.num_pending == 0:
+                return out
+    finally:
+        await sub.unsubscribe()
 
 
 async def test_a_worker_that_does_not_read_it_means_a_record_per_read(

@@ -21,7 +21,8 @@ conversation reaches.
 Points: turn_request.after_accept, run_model.in_call, run_model.before_commit,
 run_model.after_commit, call_tool.before_mark, call_tool.in_tool, call_tool.before_commit,
 call_tool.after_commit, call_tool.wait_over (an answer or a timer's firing is read, before the
-call is settled), join.before_publish, poll_tool_task.in_poll, compact_context.in_call,
+call is settled), join.before_publish, join.after_publish (a step's kept reads joined: what
+follows is published, the message not yet acked), poll_tool_task.in_poll, compact_context.in_call,
 projector.before_commit, projector.before_ack.
 """
 

@@ -191,6 +191,7 @@ async def _join_known(d: Delivery, known: StepCalls, n: int) -> None:
     if session is not None:
         carried = carry(d.rt.state.sealer, moved, rev, session.value, session.revision)
     await (told + joined(moved, results, carried, folded=d.rt.folded_log)).publish(d.rt.bus)
+    await d.rt.faults.point("join.after_publish")
 
 
 async def keep_reads(d: Delivery, known: StepCalls) -> Followers:

@@ -21,7 +21,19 @@ from typing import Any
 from nats.js import api
 
 from jetloop.consumers.conversation import in_call_order
-from jetloop.schemas import HistoryEntry, HistoryRole, StepKind, decode, encode, turn_id_for
+from jetloop.consumers.join import in_one_entry
+from jetloop.schemas import (
+    CallOutcome,
+    CallRecord,
+    CallState,
+    HistoryEntry,
+    HistoryRole,
+    StepKind,
+    TurnRecord,
+    decode,
+    encode,
+    turn_id_for,
+)
 from jetloop.schemas.log import H_EVENTS, LogLayout, events_in
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer
@@ -294,6 +306,34 @@ async def test_an_entry_of_results_is_read_as_its_parts_each_key_once(
         ]
     finally:
         await c.close()
+
+
+def test_a_steps_reads_are_told_in_one_entry_only_well_inside_the_limit() -> None:
+    """Two kept reads make one entry (their results as parts, both outcomes carried, one
+    event type in the header); a single read, or an entry over half the server's limit on
+    a message, is told one entry per read instead."""
+    turn = TurnRecord(session_id="s", turn_id="t", agent="a", request_id="r", text="hi")
+    reads = [
+        CallRecord(
+            key=f"s.t.0.{i}",
+            tool="read",
+            effect="read",
+            state=CallState.SUCCEEDED,
+            attempts=1,
+            outcome=CallOutcome(state=CallState.SUCCEEDED, result={"value": "x" * 3000}),
+        )
+        for i in range(2)
+    ]
+    together = in_one_entry(turn, reads, 1024 * 1024)
+    assert together is not None
+    (out,) = together.records
+    entry = decode(HistoryEntry, out.body)
+    assert out.headers["Nats-Msg-Id"] == entry.key == "s.t.m0.results"
+    assert out.headers[H_EVENTS] == "call.outcome"
+    assert [p.key for p in entry.each()] == ["s.t.m0.c0.result", "s.t.m0.c1.result"]
+    assert [e.data["call_key"] for e in entry.events] == ["s.t.0.0", "s.t.0.1"]
+    assert in_one_entry(turn, reads[:1], 1024 * 1024) is None
+    assert in_one_entry(turn, reads, 2 * len(out.body) - 2) is None
 
 
 def test_the_model_is_given_a_steps_results_in_call_order() -> None:

@@ -40,6 +40,7 @@ from jetloop.schemas import (
     TurnPhase,
     TurnRecord,
 )
+from jetloop.streams.connection import message_size
 from jetloop.streams.state import Conflict, Versioned, step_reads_key, turn_key
 
 
@@ -214,14 +215,30 @@ async def keep_reads(d: Delivery, known: StepCalls) -> Followers:
         raise TakenOver(key) from exc
     known.unrecorded.clear()
     await d.rt.faults.point("call_tool.after_commit")
-    if d.rt.folded_log and d.rt.results_entry and len(reads) > 1:
-        # One history entry for them all (a delivery that finds them kept, after a crash
-        # here, tells them one entry each: a reader keeps the first entry of each key).
-        return results_told(turn, reads)
+    if d.rt.folded_log and d.rt.results_entry:
+        together = in_one_entry(turn, reads, d.rt.nc.max_payload)
+        if together is not None:
+            return together
     told = Followers()
     for rec in reads:
         told = told + call_done(turn, rec, folded=d.rt.folded_log)
     return told
+
+
+def in_one_entry(turn: TurnRecord, reads: list[CallRecord], max_payload: int) -> Followers | None:
+    """The outcomes of ``reads`` told in one history entry (``followers.results_told``), or
+    None to tell them one entry each: for a single read, and for an entry that would not be
+    well inside the server's limit on a message (an account's limit may be low; one entry
+    each always fits where the step's reads record did). A delivery that finds them kept,
+    after a crash before its ack, tells them one entry each; a reader keeps the first entry
+    of each key."""
+    if len(reads) < 2:
+        return None
+    together = results_told(turn, reads)
+    (out,) = together.records
+    if message_size(out.body, out.headers) > max_payload // 2:
+        return None
+    return together
 
 
 def _moved(turn: TurnRecord, n: int, results: list[CallRecord]) -> TurnRecord:

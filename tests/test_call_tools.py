@@ -277,8 +277,7 @@ async def test_reads_told_in_one_entry_and_again_one_by_one_are_read_once(
         # The message's next delivery may come after the turn ended (the survivor ran the
         # next model step from what the victim had sent): waited for, not read once.
         ids = collections.Counter(
-            (m.headers or {}).get("Nats-Msg-Id")
-            for m in await _log(client, "kr5", "history.tool")
+            (m.headers or {}).get("Nats-Msg-Id") for m in await _log(client, "kr5", "history.tool")
         )
         return ids if len(ids) == 4 else None
 

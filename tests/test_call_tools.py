@@ -16,8 +16,10 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NoKeysError
 
+from jetloop.consumers.call_tool import outcome_bytes
+from jetloop.consumers.join import KEPT_READ_BYTES, KEPT_READ_OVERHEAD, StepCalls
 from jetloop.demo.vendor import Vendor
-from jetloop.schemas import CallState, StepKind
+from jetloop.schemas import CallOutcome, CallState, StepKind
 from jetloop.services.client import Client
 from jetloop.streams.history import HistoryReader
 from jetloop.streams.topology import EVENTS_STREAM, STATE_BUCKET, WORKERS_BUCKET
@@ -370,3 +372,26 @@ async def test_a_steps_reads_wait_for_a_sibling_that_waits(
     assert [s["tool"] for s in body(res.text)["seen"]] == ["read", "ask_user", "read"]
     assert sorted((await vendor.payload_counts("read")).values()) == [1, 1]
     assert await _state_keys(client, f"call.kr4.{h.turn_id}.") == [f"call.kr4.{h.turn_id}.0.1"]
+
+
+def test_reads_are_kept_together_only_while_the_record_stays_well_within_a_message() -> None:
+    """A read's outcome is kept for its step's reads record while it is small (its error
+    counted) and while the record, each outcome counted with its record's other fields,
+    stays within half the server's limit on a message: with a low limit (an account's) the
+    later reads write records of their own instead of one record the server would refuse."""
+    ok = CallOutcome(state=CallState.SUCCEEDED, result={"value": "x" * 1000})
+    size = outcome_bytes(ok)
+    assert size is not None and size > 1000
+    failed = CallOutcome(state=CallState.FAILED, error="e" * (KEPT_READ_BYTES + 1))
+    assert (outcome_bytes(failed) or 0) > KEPT_READ_BYTES
+    assert outcome_bytes(CallOutcome(state=CallState.SUCCEEDED, result={1, 2})) is None
+
+    roomy = StepCalls(parts=[])
+    assert all(roomy.keeps(size, 1024 * 1024) for _ in range(64))
+    assert not roomy.keeps(KEPT_READ_BYTES + 1, 1024 * 1024)
+
+    # Room for three: half of the limit holds three outcomes and their overheads.
+    limit = 2 * 3 * (size + KEPT_READ_OVERHEAD)
+    low = StepCalls(parts=[])
+    assert [low.keeps(size, limit) for _ in range(5)] == [True, True, True, False, False]
+    assert low.kept_bytes == 3 * (size + KEPT_READ_OVERHEAD)

@@ -440,24 +440,28 @@ async def run(env: CallEnv) -> None:
     await outcome_told_and_joined(env.d, env.turn, done, env.n, env.call.index)
 
 
-# A read's outcome is kept with its step's other reads only while it is this small (JSON
-# bytes): 64 of them stay far below a message's limit (a larger result has its own record).
-KEPT_READ_BYTES = 4096
-
-
 def _kept_with_reads(env: CallEnv, outcome: CallOutcome) -> bool:
     """Whether a read that ran unclaimed keeps its outcome with its step's other reads: in a
     message that carries every call of the step, while every live worker reads such a record
-    (``Runtime.step_reads``), and when the outcome is small."""
+    (``Runtime.step_reads``), and when the outcome is small and the record stays well
+    within a message's limit (``StepCalls.keeps``)."""
     known = env.d.together
     if not env.rt.step_reads or known is None or not known.carries_every_call(env.turn):
         return False
+    size = outcome_bytes(outcome)
+    return size is not None and known.keeps(size, env.rt.nc.max_payload)
+
+
+def outcome_bytes(outcome: CallOutcome) -> int | None:
+    """What an outcome weighs in a record, about (its result as JSON, or the reference to
+    its blob, and its error); None for a result that is not JSON."""
+    size = len((outcome.error or "").encode())
     if outcome.result_ref is not None:
-        return True
+        return size + len(outcome.result_ref.model_dump_json())
     try:
-        return len(json.dumps(outcome.result)) <= KEPT_READ_BYTES
+        return size + len(json.dumps(outcome.result))
     except (TypeError, ValueError):
-        return False
+        return None
 
 
 async def _reads_fenced(env: CallEnv) -> CallRecord | None:

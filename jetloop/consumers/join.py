@@ -43,6 +43,13 @@ from jetloop.schemas import (
 from jetloop.streams.connection import message_size
 from jetloop.streams.state import Conflict, Versioned, step_reads_key, turn_key
 
+# A read's outcome is kept with its step's other reads only while it is this small (JSON
+# bytes, its error included): a larger one has its own record.
+KEPT_READ_BYTES = 4096
+# What a kept read's record adds to its outcome in the step's reads record (its key, tool,
+# state, attempts, field names), counted generously.
+KEPT_READ_OVERHEAD = 512
+
 
 @dataclass
 class StepCalls:
@@ -57,6 +64,8 @@ class StepCalls:
     # Outcomes of reads not written yet: kept for one ``StepReads`` record of all of them
     # (``keep_reads``), written before the turn moves, or before the message is settled.
     unrecorded: dict[int, CallRecord] = field(default_factory=dict)
+    # What the outcomes kept for that record weigh (``keeps``).
+    kept_bytes: int = 0
 
     def saw(self, turn: Versioned[TurnRecord], session: Versioned[SessionRecord] | None) -> None:
         if self.turn is None or turn.revision > self.turn.revision:
@@ -65,6 +74,18 @@ class StepCalls:
             self.session is None or session.revision > self.session.revision
         ):
             self.session = session
+
+    def keeps(self, size: int, max_payload: int) -> bool:
+        """Whether an outcome of ``size`` bytes is kept for the step's reads record: while
+        it is small (``KEPT_READ_BYTES``), and while the record stays within half the
+        server's limit on a message (an account's limit may be low), each kept outcome
+        counted with ``KEPT_READ_OVERHEAD`` for its record's other fields. A read not kept
+        writes a record of its own."""
+        weight = size + KEPT_READ_OVERHEAD
+        if size > KEPT_READ_BYTES or self.kept_bytes + weight > max_payload // 2:
+            return False
+        self.kept_bytes += weight
+        return True
 
     def carries_every_call(self, turn: TurnRecord) -> bool:
         return len(self.parts) == len(turn.calls)

@@ -66,6 +66,7 @@ POINTS = (
     "call_tool.before_commit",
     "call_tool.after_commit",
     "join.before_publish",
+    "join.after_publish",
 )
 log = structlog.get_logger("jetloop.crashtest")
 

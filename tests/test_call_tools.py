@@ -13,7 +13,6 @@ from typing import Any
 
 import msgpack
 from nats.aio.msg import Msg
-from nats.js import api
 from nats.js.errors import NoKeysError
 
 from jetloop.consumers.call_tool import outcome_bytes
@@ -22,8 +21,9 @@ from jetloop.demo.vendor import Vendor
 from jetloop.schemas import CallOutcome, CallState, StepKind
 from jetloop.services.client import Client
 from jetloop.streams.history import HistoryReader
-from jetloop.streams.topology import EVENTS_STREAM, STATE_BUCKET, WORKERS_BUCKET
+from jetloop.streams.topology import STATE_BUCKET, WORKERS_BUCKET
 from tests.conftest import WorkerFactory, body, call, script, until
+from tests.test_folded_log import stored
 
 
 async def _tool_steps(client: Client) -> collections.Counter[str]:
@@ -279,7 +279,8 @@ async def test_reads_told_in_one_entry_and_again_one_by_one_are_read_once(
         # The message's next delivery may come after the turn ended (the survivor ran the
         # next model step from what the victim had sent): waited for, not read once.
         ids = collections.Counter(
-            (m.headers or {}).get("Nats-Msg-Id") for m in await _log(client, "kr5", "history.tool")
+            (m.headers or {}).get("Nats-Msg-Id")
+            for m in await stored(client, "kr5", "history.tool")
         )
         return ids if len(ids) == 4 else None
 
@@ -291,31 +292,6 @@ async def test_reads_told_in_one_entry_and_again_one_by_one_are_read_once(
     reader = HistoryReader(client.nc)
     keys = [e.key for e in await reader.read("kr5") if e.role.value == "tool"]
     assert keys == [f"{base}.c{i}.result" for i in range(3)]
-
-
-async def _log(client: Client, sid: str, what: str) -> list[Msg]:
-    """The messages of session ``sid``'s log on ``jl.event.<sid>.<what>``, in order."""
-    subject = f"jl.event.{sid}.{what}"
-    cfg = api.ConsumerConfig(
-        deliver_policy=api.DeliverPolicy.ALL,
-        ack_policy=api.AckPolicy.NONE,
-        filter_subject=subject,
-        mem_storage=True,
-        num_replicas=1,
-    )
-    sub = await client.js.pull_subscribe(subject, stream=EVENTS_STREAM, config=cfg)
-    out: list[Msg] = []
-    try:
-        while True:
-            try:
-                msgs = await sub.fetch(100, timeout=1.0)
-            except TimeoutError:
-                return out
-            out += msgs
-            if msgs[-1].metadata.num_pending == 0:
-                return out
-    finally:
-        await sub.unsubscribe()
 
 
 async def test_a_worker_that_does_not_read_it_means_a_record_per_read(

@@ -47,18 +47,17 @@ from tests.conftest import WorkerFactory, call, script
 TEXT = script([call("read", name="a"), call("read", name="b")], answer="both read")
 
 
-async def stored(c: Client, sid: str) -> list[Any]:
-    """Every message of the session's log, in order."""
+async def stored(c: Client, sid: str, what: str = ">") -> list[Any]:
+    """Every message of the session's log (on ``jl.event.<sid>.<what>``), in order."""
+    subject = topology.event_subject(sid, what)
     cfg = api.ConsumerConfig(
         deliver_policy=api.DeliverPolicy.ALL,
         ack_policy=api.AckPolicy.NONE,
-        filter_subject=topology.session_events_filter(sid),
+        filter_subject=subject,
         mem_storage=True,
         num_replicas=1,
     )
-    sub = await c.js.pull_subscribe(
-        topology.session_events_filter(sid), stream=topology.EVENTS_STREAM, config=cfg
-    )
+    sub = await c.js.pull_subscribe(subject, stream=topology.EVENTS_STREAM, config=cfg)
     out: list[Any] = []
     try:
         while True:

@@ -49,10 +49,12 @@ async def test_a_partitioned_leader_loses_its_stream_to_the_majority(tmp_path: P
         await cluster.wait_ready(timeout=60)
         nc = await _connect(cluster.urls)
         js = nc.jetstream()
-        await js.add_stream(
+        # A cluster that just formed may not know all its peers yet (10005 for a moment).
+        await topology.placed(
+            js.add_stream,
             api.StreamConfig(
                 name="F", subjects=["f.>"], num_replicas=3, storage=api.StorageType.FILE
-            )
+            ),
         )
         await js.publish("f.x", b"before")
         leader = await cluster.wait_leader("F", timeout=30)

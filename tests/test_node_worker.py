@@ -267,8 +267,13 @@ async def test_a_call_the_node_worker_holds_for_approval_waits_for_the_decision(
 
     snap = await until(asked, timeout=30)
     [approval] = snap.approvals
-    rec = await client.call("nw7", h.turn_id, 0, 0)
-    assert rec is not None and rec.state == CallState.AWAITING_APPROVAL
+
+    async def held() -> Any:
+        # The approval record is written before the call's, so a reader may see it first.
+        rec = await client.call("nw7", h.turn_id, 0, 0)
+        return rec if rec is not None and rec.state == CallState.AWAITING_APPROVAL else None
+
+    rec = await until(held, timeout=10)
     assert rec.approval_id == approval.approval_id
     # The id every worker derives from the call (ids.py), so a call routed again coalesces.
     assert approval.approval_id == approval_id_for(f"nw7.{h.turn_id}.0.0")

@@ -293,7 +293,7 @@ async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = 
         try:
             info = await js.stream_info(sc.name)
         except NotFoundError:
-            await _placed(js.add_stream, sc)
+            await placed(js.add_stream, sc)
             continue
         if not set_replicas and info.config.num_replicas:
             sc.num_replicas = info.config.num_replicas
@@ -305,7 +305,7 @@ async def apply(js: JetStreamContext, cfg: TopologyConfig, set_replicas: bool = 
             else:
                 kept[LOG_LAYOUT_KEY] = cfg.event_log
             sc.metadata = kept
-        await _placed(js.update_stream, sc)
+        await placed(js.update_stream, sc)
     for stream, name in LEGACY_CONSUMERS:
         try:
             await js.delete_consumer(stream, name)
@@ -349,7 +349,7 @@ async def _registry(js: JetStreamContext, cfg: TopologyConfig) -> None:
             )
 
 
-async def _placed(
+async def placed(
     op: Callable[[api.StreamConfig], Awaitable[object]],
     sc: api.StreamConfig,
     seconds: float = 30.0,

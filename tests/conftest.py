@@ -220,6 +220,20 @@ async def until(check: Any, timeout: float = 30.0, every: float = 0.05) -> Any:
         await asyncio.sleep(every)
 
 
+async def held_for_approval(
+    client: Any, session_id: str, turn_id: str, model_step: int, index: int
+) -> Any:
+    """The call's record once it says ``awaiting_approval``: a worker writes the approval
+    record first and the call's state after it, so a reader that saw the approval may read
+    the call a moment before it says so."""
+
+    async def held() -> Any:
+        rec = await client.call(session_id, turn_id, model_step, index)
+        return rec if rec is not None and rec.state == "awaiting_approval" else None
+
+    return await until(held, timeout=10)
+
+
 # The end-to-end suites that take most of a run's time (the crash matrix and its soak, the
 # mutations, the kill and power-cut trials, crash tests of whole agents, upgrades and deploys,
 # the framework adapters' takeovers, the attacks and noisy neighbours, the soak of `up`): marked

@@ -30,7 +30,7 @@ from jetloop.demo.vendor import Vendor
 from jetloop.services.client import Client
 from jetloop.streams.registry import Registry
 from jetloop.tooling.trials.harness import WorkerProcess
-from tests.conftest import WorkerFactory, until
+from tests.conftest import WorkerFactory, held_for_approval, until
 from tests.fakes import FakeAnthropic, FakeCall, Reply
 from tests.test_matrix import (  # the crash-matrix columns, reused
     Rig,
@@ -368,8 +368,7 @@ async def test_approval_holds_a_deferred_tool_until_approved(
         return snap if snap is not None and snap.approvals else None
 
     snap = await until(waiting)
-    rec = await client.call("ap", h.turn_id, 0, 0)
-    assert rec is not None and rec.state == "awaiting_approval"
+    await held_for_approval(client, "ap", h.turn_id, 0, 0)
     assert await count(vendor, "refund") == 0
     assert len(fake.received) == 1, "no segment runs while the call waits"
     await client.approve("ap", snap.approvals[0].approval_id, by="test")

@@ -40,7 +40,7 @@ from jetloop.demo.vendor import Vendor
 from jetloop.schemas.errors import ProviderRejected, ProviderRetryable
 from jetloop.services.client import Client
 from jetloop.streams.registry import Registry
-from tests.conftest import WorkerFactory, until
+from tests.conftest import WorkerFactory, held_for_approval, until
 from tests.fakes import Failure, FakeCall, FakeOpenAIChat, FakeOpenAIResponses, Raw, Reply, Stall
 from tests.fakes.base import Outcome
 from tests.test_matrix import Rig, rig  # noqa: F401  (the crash matrix's rig fixture)
@@ -472,17 +472,13 @@ async def test_approval_required_tools_wait_for_a_person(
     # The small payment needed no approval and runs; the other two wait, not made.
     await until(small_one_paid)
     assert await count(vendor, "refund") == 0
-    by_tool = {}
-    for index in range(3):
-        rec = await client.call("a", h.turn_id, 0, index)
-        assert rec is not None
-        by_tool[(rec.tool, index)] = rec
-    assert by_tool[("refund", 0)].state == "awaiting_approval"
-    assert by_tool[("pay", 2)].state == "awaiting_approval"
+    refund = await held_for_approval(client, "a", h.turn_id, 0, 0)
+    big_pay = await held_for_approval(client, "a", h.turn_id, 0, 2)
+    assert (refund.tool, big_pay.tool) == ("refund", "pay")
     ids = {a.approval_id for a in snap.approvals}
-    assert ids == {by_tool[("refund", 0)].approval_id, by_tool[("pay", 2)].approval_id}
-    await client.approve("a", by_tool[("refund", 0)].approval_id, by="test")
-    await client.reject("a", by_tool[("pay", 2)].approval_id, by="test", reason="too much")
+    assert ids == {refund.approval_id, big_pay.approval_id}
+    await client.approve("a", refund.approval_id, by="test")
+    await client.reject("a", big_pay.approval_id, by="test", reason="too much")
     res = await client.wait(h, timeout=60)
     assert res.text == "done"
     assert await count(vendor, "refund") == 1

@@ -28,7 +28,17 @@ from jetloop.schemas.ids import approval_id_for, idempotency_key
 from jetloop.services.client import Client
 from jetloop.streams.topology import WORKERS_BUCKET
 from jetloop.tooling.trials.harness import CommandWorker, WorkerProcess
-from tests.conftest import LEASE, SEAL_KEY, TEST_ENV, WorkerFactory, body, call, script, until
+from tests.conftest import (
+    LEASE,
+    SEAL_KEY,
+    TEST_ENV,
+    WorkerFactory,
+    body,
+    call,
+    held_for_approval,
+    script,
+    until,
+)
 from tests.test_matrix import rig as matrix_columns  # noqa: F401 (the matrix's columns)
 
 HERE = Path(__file__).resolve().parent.parent / "workers" / "node"
@@ -267,13 +277,7 @@ async def test_a_call_the_node_worker_holds_for_approval_waits_for_the_decision(
 
     snap = await until(asked, timeout=30)
     [approval] = snap.approvals
-
-    async def held() -> Any:
-        # The approval record is written before the call's, so a reader may see it first.
-        rec = await client.call("nw7", h.turn_id, 0, 0)
-        return rec if rec is not None and rec.state == CallState.AWAITING_APPROVAL else None
-
-    rec = await until(held, timeout=10)
+    rec = await held_for_approval(client, "nw7", h.turn_id, 0, 0)
     assert rec.approval_id == approval.approval_id
     # The id every worker derives from the call (ids.py), so a call routed again coalesces.
     assert approval.approval_id == approval_id_for(f"nw7.{h.turn_id}.0.0")

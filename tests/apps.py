@@ -504,6 +504,13 @@ node_front_app = App(
                     effect=Effect.IDEMPOTENT_WRITE,
                     args_model=Named,
                 ),
+                # Works for `seconds`, stopping early once the turn is cancelled.
+                served_elsewhere(
+                    name="node_patient",
+                    pool="node",
+                    effect=Effect.IDEMPOTENT_WRITE,
+                    args_model=Slow,
+                ),
             )
         )
     ]

@@ -25,7 +25,7 @@ from nats.js.errors import KeyNotFoundError
 
 from jetloop.schemas import CallState
 from jetloop.schemas.ids import approval_id_for, idempotency_key
-from jetloop.services.client import Client
+from jetloop.services.client import Client, TurnFailed
 from jetloop.streams.topology import WORKERS_BUCKET
 from jetloop.tooling.trials.harness import CommandWorker, WorkerProcess
 from tests.conftest import (
@@ -298,6 +298,39 @@ async def test_a_call_the_node_worker_holds_for_approval_waits_for_the_decision(
         assert rec.outcome.error == "denied by bob: not today"
     assert len(node.find("call.awaiting_approval")) == 1
     assert node.find("step.acked", kind="await_tool_approval")
+
+
+async def test_a_node_tool_sees_its_turn_cancelled_and_stops_early(
+    client: Client, workers: WorkerFactory, node_workers: Any
+) -> None:
+    """The Node worker's beats read the turn (every lease/3): cancelled, the running tool
+    finds ``ctx.cancelled`` true and ``ctx.signal`` aborted, stops without its effect, and
+    the next message of the session runs."""
+    front = workers.start("front", app=FRONT)
+    node = node_workers("node-1")
+    await front.wait_for("worker.started", timeout=30)
+    await node.wait_for("worker.started", timeout=30)
+    h = await client.send("sider", "nw9", script([call("node_patient", name="p", seconds=60)]))
+    h2 = await client.send("sider", "nw9", script([call("node_lookup", name="after")]))
+    vendor = node_workers.vendor
+
+    async def running() -> bool:
+        return any(ln[0] == "node_patient" for ln in _lines(vendor, "requests.log"))
+
+    await until(running, timeout=30)
+    turn = await client.cancel("nw9", by="grace")
+    assert turn.status == "cancelled"
+    with pytest.raises(TurnFailed, match="cancelled"):
+        await client.wait(h, timeout=30)
+    res = await client.wait(h2, timeout=30)
+    assert [s["status"] for s in body(res.text)["seen"]] == ["ok"]
+
+    async def stopped() -> list[list[str]]:
+        return _lines(vendor, "stopped.log")
+
+    [line] = await until(stopped, timeout=LEASE * 3)
+    assert line[1:3] == ["p", "true"]  # its name, and the signal was aborted too
+    assert _lines(vendor, "patient.log") == []
 
 
 async def test_a_killed_node_workers_call_is_taken_over_well_inside_its_lease(

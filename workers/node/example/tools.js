@@ -9,6 +9,8 @@
 //   keyed.log     the keyed write's applied effects, one line per idempotency key (it dedupes)
 //   append.log    the single-attempt write's applied effects (appended unconditionally)
 //   guarded.log   the approved write's effects (node_guarded: a person approves each call)
+//   patient.log   node_patient's effect, made only if it worked its `seconds` to the end;
+//                 stopped.log when it stopped early because the turn was cancelled
 // With TEST_LATCH set (a file path), the writes hold until that file exists: node_append
 // before its effect, node_keyed after it (a kill then leaves an applied effect in doubt).
 
@@ -80,6 +82,24 @@ export const tools = [
       line("requests.log", `node_guarded ${ctx.idempotency_key} ${ctx.attempt} ${process.pid}`);
       line("guarded.log", `${ctx.idempotency_key} ${name} ${process.pid}`);
       return { name, pid: process.pid };
+    },
+  }),
+  tool({
+    name: "node_patient",
+    effect: Effect.IDEMPOTENT_WRITE,
+    async run(args, ctx) {
+      const name = named(args);
+      line("requests.log", `node_patient ${ctx.idempotency_key} ${ctx.attempt} ${process.pid}`);
+      const until = Date.now() + Number(args.seconds ?? 0) * 1000;
+      while (Date.now() < until) {
+        if (ctx.cancelled) {
+          line("stopped.log", `${ctx.idempotency_key} ${name} ${ctx.signal.aborted} ${process.pid}`);
+          return { name, stopped: true };
+        }
+        await new Promise((r) => setTimeout(r, 50));
+      }
+      line("patient.log", `${ctx.idempotency_key} ${name} ${process.pid}`);
+      return { name, stopped: false };
     },
   }),
 ];

@@ -37,6 +37,10 @@ export interface ToolContext {
   readonly attempt: number;
   /** Beat at once (rewrite the claim, extend the lease); beats also run every lease/3. */
   heartbeat(): Promise<void>;
+  /** True once the turn was cancelled (each beat reads it): stop early if you can. */
+  readonly cancelled: boolean;
+  /** Aborted when `cancelled` becomes true: hand it to `fetch` and the like. */
+  readonly signal: AbortSignal;
 }
 
 export interface ToolSpec<A = any, R = unknown> {

@@ -139,6 +139,11 @@ class Delivery {
   fenceValue: Rec | null = null;
   fencedAt = 0;
   lost = false;
+  /** `turn.<sid>.<tid>` while a tool of this delivery runs: each beat reads it (7.1 (3)). */
+  watchTurn: string | null = null;
+  /** The turn was found cancelled: `ctx.cancelled` is true and `ctx.signal` aborted. */
+  cancelled = false;
+  readonly cancelling = new AbortController();
   private lock = new Mutex();
 
   constructor(readonly w: Worker, readonly msg: JsMsg) {}
@@ -221,6 +226,13 @@ class Delivery {
       }
     });
     if (!this.lost) this.msg.working();
+    if (this.watchTurn !== null && !this.cancelled) {
+      const turn = await this.w.state.get(this.watchTurn);
+      if (turn !== null && turn.value.status === "cancelled") {
+        this.cancelled = true;
+        this.cancelling.abort(new Error(`the turn was cancelled by ${String(turn.value.cancelled_by ?? "someone")}`));
+      }
+    }
   }
 
   private lose(): void {
@@ -1117,6 +1129,7 @@ export class Worker {
     if (!(await env.d.stillOurs((this.leaseSeconds * 1000) / 4))) throw new TakenOver(env.skey);
     this.unstarted.delete(`${env.skey}#${attempt.no}`); // begun: from here it may have run
     const d = env.d;
+    d.watchTurn = `turn.${String(env.turn.session_id)}.${String(env.turn.turn_id)}`;
     const ctx: ToolContext = {
       namespace: this.namespace,
       session_id: String(env.turn.session_id),
@@ -1126,6 +1139,10 @@ export class Worker {
       idempotency_key: String(env.call.idempotency_key),
       attempt: attempt.no,
       heartbeat: () => d.heartbeat(),
+      get cancelled() {
+        return d.cancelled;
+      },
+      signal: d.cancelling.signal,
     };
     this.log("tool.call", { tool: tool.name, call: env.ckey, attempt: attempt.no, effect });
     let outcome: Rec;

@@ -504,6 +504,17 @@ node_front_app = App(
                     effect=Effect.IDEMPOTENT_WRITE,
                     args_model=Named,
                 ),
+                # A read whose result is `size` bytes.
+                served_elsewhere(
+                    name="node_big",
+                    pool="node",
+                    effect=Effect.READ,
+                    schema={
+                        "type": "object",
+                        "properties": {"size": {"type": "integer"}},
+                        "required": ["size"],
+                    },
+                ),
                 # Works for `seconds`, stopping early once the turn is cancelled.
                 served_elsewhere(
                     name="node_patient",

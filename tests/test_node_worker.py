@@ -333,6 +333,28 @@ async def test_a_node_tool_sees_its_turn_cancelled_and_stops_early(
     assert _lines(vendor, "patient.log") == []
 
 
+async def test_an_outcome_too_large_for_a_message_is_dead_lettered_at_once(
+    client: Client, workers: WorkerFactory, node_workers: Any
+) -> None:
+    """With results kept inline up to 2 MB (``JETLOOP_BLOB_THRESHOLD``), a 1.2 MB result
+    makes a record past the server's ``max_payload``: nats.js refuses the write, and the
+    step is dead-lettered on its first delivery with that reason (the tool made once, not
+    five times), its turn failed."""
+    front = workers.start("front", app=FRONT)
+    node = node_workers("node-1", env={"JETLOOP_BLOB_THRESHOLD": str(2_000_000)})
+    await front.wait_for("worker.started", timeout=30)
+    await node.wait_for("worker.started", timeout=30)
+    sub = await client.js.subscribe("jl.dead.jl.step.node.sider.>", ordered_consumer=True)
+    h = await client.send("sider", "nw10", script([call("node_big", size=1_200_000)]))
+    with pytest.raises(TurnFailed, match="max_payload"):
+        await client.wait(h, timeout=30)
+    dead = await sub.next_msg(timeout=10)
+    assert dead.headers is not None and "max_payload" in dead.headers["Jl-Dead-Reason"]
+    made = [ln for ln in _lines(node_workers.vendor, "requests.log") if ln[0] == "node_big"]
+    assert len(made) == 1, made
+    assert [f["delivery"] for f in node.find("step.failed")] == [1]
+
+
 async def test_a_killed_node_workers_call_is_taken_over_well_inside_its_lease(
     client: Client, workers: WorkerFactory, node_workers: Any
 ) -> None:

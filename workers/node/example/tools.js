@@ -9,6 +9,8 @@
 //   keyed.log     the keyed write's applied effects, one line per idempotency key (it dedupes)
 //   append.log    the single-attempt write's applied effects (appended unconditionally)
 //   guarded.log   the approved write's effects (node_guarded: a person approves each call)
+//   node_big returns a text of `size` bytes (a result too large for a message, unless it goes
+//                 to the blob store)
 //   patient.log   node_patient's effect, made only if it worked its `seconds` to the end;
 //                 stopped.log when it stopped early because the turn was cancelled
 // With TEST_LATCH set (a file path), the writes hold until that file exists: node_append
@@ -82,6 +84,14 @@ export const tools = [
       line("requests.log", `node_guarded ${ctx.idempotency_key} ${ctx.attempt} ${process.pid}`);
       line("guarded.log", `${ctx.idempotency_key} ${name} ${process.pid}`);
       return { name, pid: process.pid };
+    },
+  }),
+  tool({
+    name: "node_big",
+    effect: Effect.READ,
+    async run(args, ctx) {
+      line("requests.log", `node_big ${ctx.idempotency_key} ${ctx.attempt} ${process.pid}`);
+      return { text: "x".repeat(Number(args.size ?? 0)) };
     },
   }),
   tool({

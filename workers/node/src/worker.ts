@@ -68,6 +68,11 @@ export interface ServeOptions {
 }
 
 class DeadLetter extends Error {}
+
+/** nats.js's refusal of a message whose headers and body pass the server's `max_payload`. */
+function tooLarge(err: unknown): boolean {
+  return /max_payload size exceeded/.test(String((err as Error)?.message ?? ""));
+}
 class RetryLater extends Error {
   constructor(readonly delay: number, why: string) {
     super(why);
@@ -608,7 +613,9 @@ export class Worker {
     const transient = isTransient(err);
     this.log("step.failed", { error: String((err as Error)?.stack ?? err), transient, delivery: n });
     const storedFor = Date.now() / 1000 - Number(m.info.timestampNanos) / 1e9;
-    if ((transient && storedFor > 900) || (!transient && n >= 5)) {
+    // 8.4: a publish past the server's max_payload (nats.js refuses it before sending, headers
+    // counted) fails the same way at every delivery: dead-lettered at once, not made again.
+    if (tooLarge(err) || (transient && storedFor > 900) || (!transient && n >= 5)) {
       const reason = `${(err as Error)?.name ?? "Error"}: ${(err as Error)?.message ?? String(err)}`;
       if (await this.deadLetter(m, reason)) {
         if (step !== null) await this.failItsTurn(step, m, reason).catch(() => {});

@@ -504,6 +504,13 @@ node_front_app = App(
                     effect=Effect.IDEMPOTENT_WRITE,
                     args_model=Named,
                 ),
+                # A single-attempt write the Node worker reads back after a lost attempt.
+                served_elsewhere(
+                    name="node_checked",
+                    pool="node",
+                    effect=Effect.NON_IDEMPOTENT_WRITE,
+                    args_model=Named,
+                ),
                 # A read whose result is `size` bytes.
                 served_elsewhere(
                     name="node_big",

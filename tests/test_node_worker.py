@@ -259,6 +259,45 @@ async def test_a_node_worker_killed_at_each_point_of_a_single_attempt_write(
     assert turn is not None and len(turn.lost) == losses
 
 
+# A single-attempt write with a read-back, killed with its mark made: before its effect, the
+# reader finds nothing and it is made again; after it, the reader finds it and its result is
+# recorded. (point, settlement of the call, what the model sees, lines of the read-back.)
+READ_BACK = [
+    ("call_tool.in_tool", None, {"name": "r", "made": True}),
+    ("call_tool.before_commit", "read_back", {"name": "r", "made": True, "read_back": True}),
+]
+
+
+@pytest.mark.parametrize(("point", "settlement", "result"), READ_BACK)
+async def test_a_lost_single_attempt_write_is_read_back_by_the_node_worker(
+    client: Client,
+    workers: WorkerFactory,
+    node_workers: Any,
+    point: str,
+    settlement: str | None,
+    result: dict[str, Any],
+) -> None:
+    front = workers.start("front", app=FRONT)
+    victim = node_workers("node-1", env={"JETLOOP_FAULT_HOLD": point})
+    await front.wait_for("worker.started", timeout=30)
+    h = await client.send("sider", "nw11", script([call("node_checked", name="r")]))
+    await victim.wait_for("fault.hold", timeout=20)
+    victim.signal(signal.SIGKILL)
+    node_workers("node-2")
+    res = await client.wait(h, timeout=30)
+    [seen] = body(res.text)["seen"]
+    assert seen["status"] == "ok" and seen["result"] == result, seen
+    vendor = node_workers.vendor
+    assert len(_lines(vendor, "checked.log")) == 1  # applied once, whoever made it
+    asked = [r for r in _lines(vendor, "requests.log") if r[0] == "node_checked.read_back"]
+    assert len(asked) == 1 and asked[0][2] == "1"  # asked once, about the lost attempt 1
+    rec = await client.call("nw11", h.turn_id, 0, 0)
+    assert rec is not None and rec.state == CallState.SUCCEEDED and rec.marked >= 1
+    assert rec.settlement == settlement
+    turn = await client.turn("nw11", h.turn_id)
+    assert turn is not None and len(turn.lost) == 1
+
+
 @pytest.mark.parametrize("approve", [True, False])
 async def test_a_call_the_node_worker_holds_for_approval_waits_for_the_decision(
     client: Client, workers: WorkerFactory, node_workers: Any, approve: bool
@@ -310,15 +349,15 @@ async def test_a_node_tool_sees_its_turn_cancelled_and_stops_early(
     node = node_workers("node-1")
     await front.wait_for("worker.started", timeout=30)
     await node.wait_for("worker.started", timeout=30)
-    h = await client.send("sider", "nw9", script([call("node_patient", name="p", seconds=60)]))
-    h2 = await client.send("sider", "nw9", script([call("node_lookup", name="after")]))
+    h = await client.send("sider", "nw12", script([call("node_patient", name="p", seconds=60)]))
+    h2 = await client.send("sider", "nw12", script([call("node_lookup", name="after")]))
     vendor = node_workers.vendor
 
     async def running() -> bool:
         return any(ln[0] == "node_patient" for ln in _lines(vendor, "requests.log"))
 
     await until(running, timeout=30)
-    turn = await client.cancel("nw9", by="grace")
+    turn = await client.cancel("nw12", by="grace")
     assert turn.status == "cancelled"
     with pytest.raises(TurnFailed, match="cancelled"):
         await client.wait(h, timeout=30)
@@ -365,10 +404,12 @@ async def test_a_killed_node_workers_call_is_taken_over_well_inside_its_lease(
     front = workers.start("front", app=FRONT)
     victim = node_workers("node-1", env={**lease, "JETLOOP_FAULT_HOLD": "call_tool.in_tool"})
     await front.wait_for("worker.started", timeout=30)
-    second = node_workers("node-2", env=lease)
-    await second.wait_for("worker.started", timeout=30)
+    await victim.wait_for("worker.started", timeout=30)
     h = await client.send("sider", "nw8", script([call("node_append", name="x")]))
     await victim.wait_for("fault.hold", timeout=20)
+    # Started once the victim holds the call (running before, it could take the call itself).
+    second = node_workers("node-2", env=lease)
+    await second.wait_for("worker.started", timeout=30)
     await asyncio.sleep(0.2)  # the list that names the held message has gone out
     victim.signal(signal.SIGKILL)
     killed = time.monotonic()

@@ -9,6 +9,7 @@
 //   keyed.log     the keyed write's applied effects, one line per idempotency key (it dedupes)
 //   append.log    the single-attempt write's applied effects (appended unconditionally)
 //   guarded.log   the approved write's effects (node_guarded: a person approves each call)
+//   checked.log   node_checked's effects (a single-attempt write with a read-back)
 //   node_big returns a text of `size` bytes (a result too large for a message, unless it goes
 //                 to the blob store)
 //   patient.log   node_patient's effect, made only if it worked its `seconds` to the end;
@@ -18,7 +19,7 @@
 
 import { appendFileSync, existsSync, mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
-import { Effect, ToolError, tool } from "../dist/src/index.js";
+import { Effect, ToolError, found, notFound, tool } from "../dist/src/index.js";
 
 const dir = process.env.NODE_TOOLS_DIR ?? "/tmp/jetloop-node-tools";
 mkdirSync(dir, { recursive: true });
@@ -84,6 +85,23 @@ export const tools = [
       line("requests.log", `node_guarded ${ctx.idempotency_key} ${ctx.attempt} ${process.pid}`);
       line("guarded.log", `${ctx.idempotency_key} ${name} ${process.pid}`);
       return { name, pid: process.pid };
+    },
+  }),
+  tool({
+    name: "node_checked",
+    effect: Effect.NON_IDEMPOTENT_WRITE,
+    async run(args, ctx) {
+      const name = named(args);
+      line("requests.log", `node_checked ${ctx.idempotency_key} ${ctx.attempt} ${process.pid}`);
+      line("checked.log", `${ctx.idempotency_key} ${name} ${process.pid}`);
+      return { name, made: true };
+    },
+    // A lost attempt is settled by asking the "vendor" whether its key was applied.
+    async readBack(args, ctx) {
+      line("requests.log", `node_checked.read_back ${ctx.idempotency_key} ${ctx.attempt} ${process.pid}`);
+      const file = join(dir, "checked.log");
+      const applied = existsSync(file) && readFileSync(file, "utf8").split("\n").some((l) => l.startsWith(`${ctx.idempotency_key} `));
+      return applied ? found({ name: named(args), made: true, read_back: true }) : notFound();
     },
   }),
   tool({

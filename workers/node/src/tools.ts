@@ -60,13 +60,32 @@ export interface ToolSpec<A = any, R = unknown> {
   /** A person approves each call first: true, or a predicate over the arguments (the
    * session's override, `jetloop approval-policy`, wins over it). Default false. */
   approval?: boolean | ((args: A) => boolean);
+  /** A single-attempt write (or a keyed write past its dedupe window) whose attempt was lost
+   * may have applied: this asks the vendor. `found(result)`: it applied, its result is
+   * recorded (settlement `read_back`); `notFound()`: it did not, so it is made again.
+   * Without it such a call is settled `outcome_unknown`. `ctx.attempt` is the lost one's. */
+  readBack?(args: A, ctx: ToolContext): Promise<ReadBack<R>> | ReadBack<R>;
+}
+
+/** What a `readBack` found. */
+export type ReadBack<R = unknown> = { found: true; result: R } | { found: false };
+
+/** The write applied: `result` is what the call returns. */
+export function found<R>(result: R): ReadBack<R> {
+  return { found: true, result };
+}
+
+/** No trace of the write: it did not apply, and may be made. */
+export function notFound(): ReadBack<never> {
+  return { found: false };
 }
 
 export interface Tool<A = any, R = unknown>
-  extends Required<Omit<ToolSpec<A, R>, "check" | "dedupeWindowSeconds" | "approval">> {
+  extends Required<Omit<ToolSpec<A, R>, "check" | "dedupeWindowSeconds" | "approval" | "readBack">> {
   dedupeWindowSeconds: number | null;
   check?: (args: unknown) => string | null;
   approval: boolean | ((args: A) => boolean);
+  readBack?: (args: A, ctx: ToolContext) => Promise<ReadBack<R>> | ReadBack<R>;
 }
 
 const NAME = /^[A-Za-z0-9_-]{1,64}$/;
@@ -85,6 +104,7 @@ export function tool<A = any, R = unknown>(spec: ToolSpec<A, R>): Tool<A, R> {
     dedupeWindowSeconds: spec.dedupeWindowSeconds ?? null,
     check: spec.check,
     approval: spec.approval ?? false,
+    readBack: spec.readBack,
   };
 }
 

@@ -1137,20 +1137,7 @@ export class Worker {
     this.unstarted.delete(`${env.skey}#${attempt.no}`); // begun: from here it may have run
     const d = env.d;
     d.watchTurn = `turn.${String(env.turn.session_id)}.${String(env.turn.turn_id)}`;
-    const ctx: ToolContext = {
-      namespace: this.namespace,
-      session_id: String(env.turn.session_id),
-      turn_id: String(env.turn.turn_id),
-      model_step: env.n,
-      call_id: String(env.call.call_id),
-      idempotency_key: String(env.call.idempotency_key),
-      attempt: attempt.no,
-      heartbeat: () => d.heartbeat(),
-      get cancelled() {
-        return d.cancelled;
-      },
-      signal: d.cancelling.signal,
-    };
+    const ctx = this.toolContext(env, attempt.no);
     this.log("tool.call", { tool: tool.name, call: env.ckey, attempt: attempt.no, effect });
     let outcome: Rec;
     const row = this.invocations.started({
@@ -1222,7 +1209,26 @@ export class Worker {
     return { state: "failed", error: `every attempt (${k}) failed` };
   }
 
-  /** call_tool.py _resume_settlement (serving-tools.md 5.3); no read-back in this version. */
+  /** The context a tool's `run` (or `readBack`) is given for attempt `no` of the call. */
+  private toolContext(env: CallEnv, no: number): ToolContext {
+    const d = env.d;
+    return {
+      namespace: this.namespace,
+      session_id: String(env.turn.session_id),
+      turn_id: String(env.turn.turn_id),
+      model_step: env.n,
+      call_id: String(env.call.call_id),
+      idempotency_key: String(env.call.idempotency_key),
+      attempt: no,
+      heartbeat: () => d.heartbeat(),
+      get cancelled() {
+        return d.cancelled;
+      },
+      signal: d.cancelling.signal,
+    };
+  }
+
+  /** call_tool.py _resume_settlement (serving-tools.md 5.3). */
   private async resumeSettlement(env: CallEnv, effect: Effect): Promise<string> {
     const rec = env.rec;
     const tool = env.tool!;
@@ -1233,6 +1239,17 @@ export class Worker {
       effect === Effect.IDEMPOTENT_WRITE && window !== null && firstAt !== undefined && Date.now() / 1000 - firstAt > window;
     if (effect === Effect.IDEMPOTENT_WRITE && !pastWindow) {
       this.log("call.resume", { settlement: "made again with the same idempotency key" });
+      return "made again";
+    }
+    // A single-attempt write, or a keyed write whose vendor has forgotten the key by now.
+    if (tool.readBack !== undefined) {
+      const back = await tool.readBack(structuredClone(env.call.args ?? {}), this.toolContext(env, Number(rec.attempts ?? 0)));
+      if (back.found) {
+        const outcome = await this.succeeded(env.ckey, Number(rec.attempts ?? 0), back.result);
+        await this.settle(env, outcome, "read_back");
+        return "read back";
+      }
+      this.log("call.resume", { settlement: "read back: not applied, made again" });
       return "made again";
     }
     let error = NOT_SENT_AGAIN;

@@ -25,6 +25,7 @@ every presence first (docs/upgrading.md, "Rolling upgrades: the policy").
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterable
@@ -85,6 +86,9 @@ class WorkerPresence:
 STEP_READS = "step_reads"
 RESULTS_ENTRY = "results_entry"
 RECORDS_READ = (STEP_READS, RESULTS_ENTRY)
+# The pauses before listing the workers again when a listing misses the asking worker's own
+# presence (``every_worker_takes``); after the last, it says no.
+LISTING_RETRIES = (0.05, 0.1, 0.2)
 
 
 # The kinds of step every release runs, also those whose presence does not list its kinds.
@@ -174,9 +178,16 @@ class Registry:
         (``RECORDS_READ``) every one reads, from one listing: a release writes a kind or a
         record that older ones do not take only then (docs/upgrading.md, "Rolling upgrades:
         the policy"). ``me``, the asking worker, has its presence written: a listing without
-        it is not complete (nats-py's KV watch can end before the entries it was sent), and
-        says no to the kind and to every record."""
+        it is not complete (nats-py's KV watch can end before the entries it was sent): it
+        is listed again after a moment (``LISTING_RETRIES``), and one still without it says
+        no to the kind and to every record. (Said no at its start, a worker would write the
+        older forms until its next presence refresh.)"""
         workers = await self.workers()
+        for wait in LISTING_RETRIES:
+            if any(w.worker_id == me for w in workers):
+                break
+            await asyncio.sleep(wait)
+            workers = await self.workers()
         if not any(w.worker_id == me for w in workers):
             return False, frozenset()
         # A worker of pools of their own only (a tool served elsewhere, maybe by another

@@ -99,7 +99,9 @@ async def test_usage_equals_what_the_provider_billed_across_a_worker_kill(
     client: Client, workers: WorkerFactory, tmp_path: Path
 ) -> None:
     """Killed between the provider's answer and the commit: the step's model call is made
-    again, and the ledger holds both attempts — the sum the provider billed, call for call."""
+    again, and the ledger holds both attempts — the sum the provider billed, call for call.
+    (The usage goes out beside the commit, so the kill waits until it has left the process:
+    a kill in the instant before, as in any design, would take it along.)"""
     async with FakeOpenAIChat() as fake:
         opening = (FakeCall("create_ticket", {"title": "printer"}),)
         fake.script(
@@ -112,6 +114,11 @@ async def test_usage_equals_what_the_provider_billed_across_a_worker_kill(
         )
         h = await client.send("demo", "u1", "please open a printer ticket")
         await victim.wait_for("fault.hold", point="run_model.before_commit", timeout=30)
+
+        async def first_paid() -> bool:
+            return any(x.attempt == 1 for x in await client.usage("u1"))
+
+        await until(first_paid, timeout=10)
         victim.kill()
         workers.start(env=env_of(fake), app="jetloop.demo.agent:app")
         res = await client.wait(h, timeout=60)

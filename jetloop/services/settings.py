@@ -114,7 +114,12 @@ class Settings(BaseSettings):
     blob_threshold: int = Field(
         64 * 1024, ge=1024, le=900 * 1024, description="payloads above this go to jl_blobs"
     )
-    model_concurrency: int = Field(8, ge=1, description="model steps one worker runs at once")
+    model_concurrency: int = Field(
+        64,
+        ge=1,
+        description="model steps one worker runs at once (each mostly waits on its provider; "
+        "JETLOOP_PROVIDER_LIMITS caps what an endpoint is sent)",
+    )
     tool_concurrency: int = Field(
         16,
         ge=1,

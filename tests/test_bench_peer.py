@@ -92,6 +92,23 @@ def test_tables_show_each_system_and_the_ratios() -> None:
     assert "0.50 / 0.40 / 0.30 at the start" in text
 
 
+def test_the_report_says_how_many_steps_a_worker_ran_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pools' sizes decide throughput at width: the notes give them, as the workers'
+    settings resolve in the bench's environment (which its workers inherit)."""
+    from dataclasses import replace
+
+    from jetloop.tooling.bench.peer import worker_pools
+
+    monkeypatch.delenv("JETLOOP_MODEL_CONCURRENCY", raising=False)
+    monkeypatch.setenv("JETLOOP_TOOL_CONCURRENCY", "5")
+    monkeypatch.delenv("JETLOOP_SESSION_CONCURRENCY", raising=False)
+    assert worker_pools() == (64, 5, 32)
+    text = render(replace(_result(), pools=worker_pools()))
+    assert "through one worker (a worker runs at once up to 64 model, 5 tool and 32" in text
+
+
 def test_the_restate_target_is_judged() -> None:
     """Issue 15's bar against Restate: steps/s at width, p50 and p99 sequential."""
     rep = BenchReport(machine={}, peer=_result())
@@ -107,7 +124,7 @@ def test_jetloop_on_several_workers_is_named_in_the_table_and_the_target() -> No
     result = replace(_result(), workers=2)
     text = render(result)
     assert "| **jetloop**, 2 workers | 20.0 |" in text
-    assert "through 2 worker processes." in text
+    assert "through 2 worker processes (a worker runs at once up to" in text
     (target,) = judge(BenchReport(machine={}, peer=result))
     assert target.measured.endswith("; jetloop on 2 workers")
 

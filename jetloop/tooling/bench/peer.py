@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from jetloop.services import durability
+from jetloop.services.settings import Settings
 from jetloop.tooling.bench import syncs as bench_syncs
 from jetloop.tooling.bench.costs import Cost
 from jetloop.tooling.bench.restate import side as restate_side
@@ -163,6 +164,18 @@ class PeerResult:
     nats_sync: str = durability.ALWAYS  # when jetloop's server syncs (services.durability)
     # load → system → syncs per turn by where (jetloop.tooling.bench.syncs), when counted.
     syncs: dict[str, dict[str, bench_syncs.Syncs]] = field(default_factory=dict)
+    # Steps each worker runs at once, by pool, as its settings resolve in the bench's
+    # environment (which its workers inherit): model, tool, session.
+    pools: tuple[int, int, int] = (0, 0, 0)
+
+
+def worker_pools() -> tuple[int, int, int]:
+    """The pool sizes a worker started from this environment runs with."""
+    names = ("model_concurrency", "tool_concurrency", "session_concurrency")
+    fields = Settings.model_fields
+    return tuple(  # type: ignore[return-value]
+        int(os.environ.get(f"JETLOOP_{n.upper()}", fields[n].default)) for n in names
+    )
 
 
 @dataclass
@@ -444,6 +457,7 @@ async def peer_side_by_side(
         event_log=event_log,
         nats_sync=r.sync,
         syncs=syncs,
+        pools=worker_pools(),
     )
 
 
@@ -502,7 +516,9 @@ def format_peer(result: PeerResult) -> str:
         f" alternate in {result.chunks} chunks per load, jetloop's quiet (every trailing step"
         " acked) before each batch of any system. A jetloop turn runs from Client.send until"
         " Client.wait returns (jetloop's public API), through"
-        + (" one worker." if result.workers == 1 else f" {result.workers} worker processes.")
+        + (" one worker" if result.workers == 1 else f" {result.workers} worker processes")
+        + " (a worker runs at once up to {} model, {} tool and {} session steps:"
+        " JETLOOP_MODEL_CONCURRENCY, _TOOL_, _SESSION_).".format(*result.pools)
         + f" Its session log is {result.event_log} (JETLOOP_EVENT_LOG); its nats-server"
         + (
             " syncs to disk before it acknowledges (sync_interval always, JETLOOP_NATS_SYNC),"

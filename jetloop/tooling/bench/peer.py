@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from jetloop.services import durability
-from jetloop.services.settings import Settings
+from jetloop.services.settings import load_settings
 from jetloop.tooling.bench import syncs as bench_syncs
 from jetloop.tooling.bench.costs import Cost
 from jetloop.tooling.bench.restate import side as restate_side
@@ -170,12 +170,10 @@ class PeerResult:
 
 
 def worker_pools() -> tuple[int, int, int]:
-    """The pool sizes a worker started from this environment runs with."""
-    names = ("model_concurrency", "tool_concurrency", "session_concurrency")
-    fields = Settings.model_fields
-    return tuple(  # type: ignore[return-value]
-        int(os.environ.get(f"JETLOOP_{n.upper()}", fields[n].default)) for n in names
-    )
+    """The pool sizes a worker started from this environment runs with (its settings, read
+    as the worker reads them)."""
+    s = load_settings()
+    return s.model_concurrency, s.tool_concurrency, s.session_concurrency
 
 
 @dataclass
@@ -300,6 +298,7 @@ async def peer_side_by_side(
     if peers is None:
         peers, skipped = available()
     load_before = os.getloadavg()
+    pools = worker_pools()
     await r.start_workers(workers)
     restate_base = r.base / "restate"
     tracing = r.sync_trace is not None
@@ -457,7 +456,7 @@ async def peer_side_by_side(
         event_log=event_log,
         nats_sync=r.sync,
         syncs=syncs,
-        pools=worker_pools(),
+        pools=pools,
     )
 
 

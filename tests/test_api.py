@@ -253,7 +253,7 @@ async def test_a_client_closed_in_an_outage_stops_reconnecting_even_if_the_cance
         client.nc._reconnection_task = decoy  # close() cancels this one, not the loop
         await client.close()
         assert decoy.cancelled() or decoy.cancelling()
-        # The loop's next attempt (after the 0.5 s reconnect wait) sees the client closed.
+        # The loop's next attempt (after the reconnect wait) sees the client closed.
         await asyncio.wait_for(asyncio.shield(reconnecting), 5)
         srv.start()  # the server back on the same port: the closed client stays closed
         await asyncio.sleep(1.5)

@@ -23,13 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from jetloop.schemas import SessionRecord
 from jetloop.schemas.errors import TurnFailed
 from jetloop.services.client import Client
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams.clock import ClockGuard, ClockOff, Reading, measure, server_time
 from jetloop.streams.connection import connect
 from jetloop.streams.seal import SEAL_VERSION, Sealer, canonical, key_bytes
-from jetloop.streams.state import StateStore, session_key
+from jetloop.streams.state import StateStore, Versioned, session_key
 from tests.conftest import SEAL_KEY, WorkerFactory, call, script, until
 
 LIBFAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))), None)
@@ -123,8 +124,14 @@ async def test_a_session_sealed_by_a_wrong_clock_fails_its_next_turn_with_the_re
         ahead = await StateStore.open(
             nc, Sealer([key_bytes(SEAL_KEY)], clock=lambda: time.time() + 90)
         )
-        cur = await ahead.session("wedge")
-        assert cur is not None
+
+        async def moved_on() -> Versioned[SessionRecord] | None:
+            # The turn's end is told before its step moves the session on: the session's
+            # record is read once it has (written over before, the write would lose its CAS).
+            found = await ahead.session("wedge")
+            return found if found is not None and found.value.active is None else None
+
+        cur = await until(moved_on, timeout=10)
         await ahead.write(session_key("wedge"), cur.value, cur.revision)
         h = await client.send("tester", "wedge", script(answer="second"))
         with pytest.raises(TurnFailed) as failed:

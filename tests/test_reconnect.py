@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 
 from jetloop.services.embedded import EmbeddedServer
 from jetloop.streams.connection import OUTAGE_WARN_EVERY, RECONNECT_WAIT, connect, finish
+from tests.conftest import until
 
 
 async def test_an_outage_is_tried_often_and_warned_of_once(tmp_path: Path) -> None:
@@ -30,11 +31,11 @@ async def test_an_outage_is_tried_often_and_warned_of_once(tmp_path: Path) -> No
             assert 1 <= len(warned) <= 2, warned
             assert len(tries) - len(warned) >= 6, tries
             srv.start()
-            for _ in range(200):
-                if nc.is_connected:
-                    break
-                await asyncio.sleep(0.05)
-            assert nc.is_connected
+
+            async def linked() -> bool:
+                return bool(nc.is_connected)
+
+            await until(linked, timeout=10)
         # A later outage warns of its first failed try again.
         with capture_logs() as logs:
             srv.kill()

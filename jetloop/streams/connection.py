@@ -100,11 +100,12 @@ async def connect(
 
     refusals: list[str] = []
     connected: list[bool] = []
-    # This outage's failed tries: when one was last warned of, and how many since.
-    quieted: list[float] = []
-    unwarned = [0]
+    # This outage's failed tries: when one was last warned of, and how many were not since.
+    warned_at: float | None = None
+    unwarned = 0
 
     async def on_error(exc: Exception) -> None:
+        nonlocal warned_at, unwarned
         if "authorization violation" in str(exc).lower():
             refusals.append(str(exc))
             if not connected:
@@ -116,18 +117,17 @@ async def connect(
                 raise NotAuthorized()
         if "permissions violation" in str(exc).lower():
             nc.refused(str(exc))
-        if nc.is_reconnecting:
-            now = time.monotonic()
-            if quieted and now - quieted[0] < OUTAGE_WARN_EVERY:
-                unwarned[0] += 1
-                log.debug("nats.error", error=str(exc))
-                return
-            quieted[:] = [now]
-            if unwarned[0]:
-                note("nats.error", error=str(exc), tries_since=unwarned[0])
-                unwarned[0] = 0
-                return
-        note("nats.error", error=str(exc))
+        if not nc.is_reconnecting:
+            note("nats.error", error=str(exc))
+            return
+        now = time.monotonic()
+        if warned_at is not None and now - warned_at < OUTAGE_WARN_EVERY:
+            unwarned += 1
+            log.debug("nats.error", error=str(exc))
+            return
+        since = {"tries_since": unwarned} if unwarned else {}
+        note("nats.error", error=str(exc), **since)
+        warned_at, unwarned = now, 0
 
     closing: list[Client] = []
 
@@ -140,8 +140,8 @@ async def connect(
         note("nats.disconnected")
 
     async def on_reconnect() -> None:
-        quieted.clear()
-        unwarned[0] = 0
+        nonlocal warned_at, unwarned
+        warned_at, unwarned = None, 0
         nc.link_opened()
         log.info("nats.reconnected")
         if reconnected_cb is not None:

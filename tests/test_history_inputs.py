@@ -5,20 +5,29 @@ RunModel message together, one round trip, instead of confirming the entries fir
 land in different streams, so RunModel checks that what it needs is in, reads again, and
 publishes again from state what a failed publish lost. Real nats-server and stores; the
 lost entries are simply never published here.
+
+A RunModel whose message carried its records reads the history while it claims; an attempt
+whose history then cannot be had is handed back unused.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from jetloop.consumers.errors import RetryLater
-from jetloop.consumers.run_model import _with_its_inputs
+from jetloop.consumers.run_model import _model_step, _with_its_inputs
 from jetloop.consumers.runtime import Delivery
 from jetloop.schemas import (
     CallOutcome,
     CallRecord,
     CallState,
+    HistoryEntry,
     PlannedCall,
+    SessionRecord,
+    StepKind,
+    StepMessage,
     TurnPhase,
     TurnRecord,
     TurnStatus,
@@ -26,7 +35,7 @@ from jetloop.schemas import (
     idempotency_key,
 )
 from jetloop.services.embedded import EmbeddedServer
-from jetloop.streams.state import call_state_key, turn_key
+from jetloop.streams.state import Versioned, call_state_key, session_key, turn_key
 from tests.test_heartbeat import delivery as delivery
 
 SID = "inputs"
@@ -105,3 +114,35 @@ async def test_nothing_is_read_or_sent_when_the_entries_are_in(
     turn = _turn("t-in", 0, 0)
     first = await _with_its_inputs(delivery.rt, turn, [])
     assert await _with_its_inputs(delivery.rt, turn, first) is first
+
+
+async def test_an_attempt_whose_history_cannot_be_had_after_its_claim_is_handed_back(
+    delivery: Delivery, nats_ready: EmbeddedServer
+) -> None:
+    rt = delivery.rt
+    turn = _turn("t-late", 1, 2)
+    rev = await rt.state.write(turn_key(SID, "t-late"), turn, None)
+    session = SessionRecord(session_id=SID, agent="tester", active="t-late")
+    session_rev = await rt.state.write(session_key(SID), session, None)
+    await _record(delivery, "t-late", 0, CallState.SUCCEEDED)
+    await _record(delivery, "t-late", 1, CallState.RUNNING)  # its result is not in yet
+    history: asyncio.Future[list[HistoryEntry]] = asyncio.ensure_future(rt.history.read(SID))
+    step = StepMessage(
+        kind=StepKind.RUN_MODEL, agent="tester", session_id=SID, turn_id="t-late", model_step=1
+    )
+    with pytest.raises(RetryLater, match="not all recorded"):
+        await _model_step(
+            delivery,
+            step,
+            Versioned(turn, rev),
+            Versioned(session, session_rev),
+            history,
+            hinted=True,
+        )
+    now = await rt.state.turn(SID, "t-late")
+    assert now is not None
+    writes = await rt.state.kv.history(turn_key(SID, "t-late"))
+    assert len(writes) == 3, "the record, the claim, the attempt handed back"
+    assert now.value.attempt is None, "the attempt was handed back"
+    assert now.value.attempts == 0, "and not counted"
+    assert now.value.status == TurnStatus.RUNNING

@@ -101,21 +101,54 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
     """The step, from the records its message carried (checked by the claim's CAS: a record
     written since is ``StaleCarry``, before anything is written) or from what it reads."""
     rt = d.rt
-    sid, tid, n = step.session_id, step.turn_id, step.model_step
+    sid, tid = step.session_id, step.turn_id
     cur: Versioned[TurnRecord] | None
     session: Versioned[SessionRecord] | None
+    history: asyncio.Future[list[HistoryEntry]]
     if carried is not None:
-        history = await rt.history.read(sid)
+        # Nothing to read before deciding: the history is on its way while the step decides
+        # and claims, and is taken where it is first needed (``_model_step``).
+        history = asyncio.ensure_future(rt.history.read(sid))
         cur = Versioned(carried.turn, carried.turn_revision)
         session = Versioned(carried.session, carried.session_revision)
     else:
         # The session's history is read with the turn, not after it: one round trip less
         # on every model step (a step that turns out to have nothing to do wasted one
         # read). The entries it needs are checked below (``_with_its_inputs``).
-        history, (cur, session) = await side_by_side(
+        read, (cur, session) = await side_by_side(
             rt.history.read(sid), rt.state.turn_view(sid, tid)
         )
-    hinted = carried is not None
+        history = asyncio.get_running_loop().create_future()
+        history.set_result(read)
+    try:
+        await _model_step(d, step, cur, session, history, hinted=carried is not None)
+    finally:
+        if not history.done():
+            history.cancel()  # not needed after all (the step ended, or was taken over)
+        history.add_done_callback(_settled)
+
+
+def _settled(read: asyncio.Future[list[HistoryEntry]]) -> None:
+    """A read nobody took: its failure is not news (the step ended without it)."""
+    if not read.cancelled():
+        read.exception()
+
+
+async def _model_step(
+    d: Delivery,
+    step: StepMessage,
+    cur: Versioned[TurnRecord] | None,
+    session: Versioned[SessionRecord] | None,
+    history: asyncio.Future[list[HistoryEntry]],
+    *,
+    hinted: bool,
+) -> None:
+    """``history``: the session's history, read or on its way. When nothing before the claim
+    needs it (no context budget, no spending budget), it is taken after the claim, so that
+    its read and the claim's write overlap; an attempt whose read then fails is handed back
+    unused, as one that finds no free slot of the model endpoint is."""
+    rt = d.rt
+    sid, tid, n = step.session_id, step.turn_id, step.model_step
     if cur is None:
         raise DeadLetter(f"run_model for turn {tid} of session {sid}, which has no record")
     turn = cur.value
@@ -138,9 +171,13 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
     if agent is None:
         raise RetryLater(5.0, f"agent {turn.agent!r} is not served by this worker")
 
-    history = await _with_its_inputs(rt, turn, history)
-    now = time.time()
     limits = agent.limits
+    # Whether the conversation is needed before the claim (for a budget), or after it.
+    budgeted = limits.turn_budget is not None or limits.session_budget is not None
+    late = hinted and not (limits.context_budget_tokens or budgeted)
+    if not late:
+        read = await _with_its_inputs(rt, turn, await history)
+    now = time.time()
     resumed = turn.attempt
     lost = list(turn.lost)
     stopped = False  # the lost attempt's worker stopped on purpose (jetloop.consumers.losses)
@@ -189,7 +226,7 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
     )
     messages: list[Message] | None = None  # read once: for the budget, then for the model
     if not exhausted and n < limits.max_model_steps and limits.context_budget_tokens:
-        messages = await conversation(rt, sid, session=session, history=history)
+        messages = await conversation(rt, sid, session=session, history=read)
         if await compaction_needed(rt, agent, turn, messages, session):
             await compact_first(rt, turn)
             return
@@ -201,16 +238,17 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
     elif n >= limits.max_model_steps:
         reason = f"the turn reached its limit of {limits.max_model_steps} model steps"
     else:
-        if messages is None:
+        if messages is None and not late:
             # Read before the claim: a read that fails (an election) then leaves no claimed
             # attempt behind, which the next delivery would have to count as lost.
-            messages = await conversation(rt, sid, session=session, history=history)
+            messages = await conversation(rt, sid, session=session, history=read)
         try:
             # Listed before the claim too: the MCP servers' tools as they are now.
             tools = await agent.list_tools()
         except MCPUnreachable as exc:
             raise RetryLater(5.0, str(exc)) from exc
-        if limits.turn_budget is not None or limits.session_budget is not None:
+        if budgeted:
+            assert messages is not None  # read before the claim: ``late`` is False
             reads = estimate(agent, messages)
             reason = over_budget(
                 limits,
@@ -232,7 +270,6 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
         await d.claim(turn_key(sid, tid), failed, cur.revision, hinted)
         await end_turn(rt, failed)
         return
-    assert messages is not None
     # A provider's pause and the endpoint's window, before the claim: no attempt is used.
     admission = await flow.admit(rt, agent.model)
     try:
@@ -256,6 +293,15 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
             # not used.
             await d.commit(claimed.model_copy(update={"attempt": None, "attempts": used}))
             raise RetryLater(0.25, "every slot of the model endpoint is in use")
+        if messages is None:
+            try:
+                read = await _with_its_inputs(rt, turn, await history)
+                messages = await conversation(rt, sid, session=session, history=read)
+            except Exception:
+                # No model call was made: the attempt is handed back unused (a failure of
+                # this write, such as a takeover, is what the step then ends with).
+                await d.commit(claimed.model_copy(update={"attempt": None, "attempts": used}))
+                raise
         if resumed is not None:
             await tell_resumed(
                 rt, turn, step.step_key(), resumed, Resume(len(lost), stopped, abandoned), {}

@@ -24,9 +24,11 @@ thousand waiting requests paid that a thousand times.
 In the folded log (``jetloop.schemas.log``) ``turn.completed`` rides in the last answer's
 history entry (``jl.event.<session>.history.assistant``, header ``Jl-Events:
 turn.completed``): there the session's assistant entries are heard too, and only one whose
-header names a turn end wakes a wait. The layout is read from ``JL_EVENTS`` when a session
-is listened to, at most every ``LAYOUT_SECONDS`` (read as separate if it cannot be: a wait
-then hears a folded end only by its reads, within ``RECHECK_SECONDS``).
+header names a turn end wakes a wait. There a turn's ``accepted`` and ``started`` ride in its
+user's entry, so the session's ``turn.*`` is one subscription for its ends. The layout is
+read from ``JL_EVENTS`` when a session is listened to, at most every ``LAYOUT_SECONDS`` (read
+as separate if it cannot be: a wait then hears a folded end only by its reads, within
+``RECHECK_SECONDS``).
 """
 
 from __future__ import annotations
@@ -173,9 +175,16 @@ class TurnEnds:
             )
             subs: list[Subscription] = []
             try:
-                subjects = [topology.event_subject(session_id, end.value) for end in TURN_ENDS]
                 if await self._log_folded():
-                    subjects.append(topology.history_subject(session_id, HistoryRole.ASSISTANT))
+                    # Folded, a turn's ``accepted`` (when it starts at once) and ``started``
+                    # ride in its user entry: ``turn.*`` brings its ends (and the ``accepted``
+                    # of a queued turn), two subscriptions fewer for each session.
+                    subjects = [
+                        topology.event_subject(session_id, "turn.*"),
+                        topology.history_subject(session_id, HistoryRole.ASSISTANT),
+                    ]
+                else:
+                    subjects = [topology.event_subject(session_id, e.value) for e in TURN_ENDS]
                 for subject in subjects:
                     subs.append(await self.nc.subscribe(subject, cb=self._on))
                 entry.ready.set_result(subs)

@@ -19,7 +19,7 @@ import pytest
 from nats.aio.client import Client as Nats
 
 from jetloop.consumers.errors import RetryLater
-from jetloop.consumers.liveness import RECONNECT_GRACE, holder_lost
+from jetloop.consumers.liveness import GONE_PATIENCE, RECONNECT_GRACE, holder_lost, patience_after
 from jetloop.consumers.runtime import Delivery
 from jetloop.schemas import Attempt
 from jetloop.services.embedded import EmbeddedServer
@@ -93,3 +93,15 @@ async def test_a_handed_on_copy_waits_for_the_judges_link_to_settle(
         await holder_lost(copy, KEY, HELD, time.time())  # returns: taken over
     finally:
         await nc.close()
+
+
+def test_a_reset_socket_is_given_the_short_patience_whichever_way_the_server_met_it() -> None:
+    # A killed worker's socket is reset by its kernel: the server reports a read error or a
+    # write error depending on what it was doing with the socket at that moment (both were
+    # seen in the kill trials). Neither is a live process the server gave up on.
+    assert patience_after("Read Error") == GONE_PATIENCE
+    assert patience_after("Write Error") == GONE_PATIENCE
+    assert patience_after("Client Closed") == 0.0
+    assert patience_after("Slow Consumer (Write Deadline)") == RECONNECT_GRACE
+    assert patience_after("Stale Connection") == RECONNECT_GRACE
+    assert GONE_PATIENCE < 1.0 < RECONNECT_GRACE  # the first under the detection target

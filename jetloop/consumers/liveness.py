@@ -84,6 +84,9 @@ async def settled_link(nc: Client) -> None:
 # other nodes): silence is asked again, not taken as an answer either way.
 CLIENT_CLOSED = "Client Closed"  # the process closed its socket: its kernel did, if killed
 READ_ERROR = "Read Error"  # also what a process killed with unread data in its socket gives
+# The server's write to the socket failed (not a timeout: the peer reset it), what a killed
+# process's socket gives when the server was writing to it (deliveries, heartbeats, pings).
+WRITE_ERROR = "Write Error"
 GONE_PATIENCE = 0.75
 ASK_AGAIN_TIMEOUT = 0.2
 
@@ -91,13 +94,15 @@ ASK_AGAIN_TIMEOUT = 0.2
 def patience_after(reason: str) -> float:
     """How long a process whose connection closed for ``reason`` is given to answer.
 
-    Its own close: none ("no responders" is final at once). A read error: ``GONE_PATIENCE``,
-    short, since that is also how the server sees most killed workers, and a live process that
-    had a read error reconnects at once. Any other (a slow consumer, a stale connection, a
-    write error: the server gave up on a live process that was slow): ``RECONNECT_GRACE``."""
+    Its own close: none ("no responders" is final at once). A read or a write error (the
+    socket was reset): ``GONE_PATIENCE``, short, since that is also how the server sees most
+    killed workers (which of the two depends on whether it was reading from the socket or
+    writing to it), and a live process whose socket was reset reconnects at once. Any other
+    (a slow consumer, a stale connection: the server gave up on a live process that was
+    slow): ``RECONNECT_GRACE``."""
     if reason == CLIENT_CLOSED:
         return 0.0
-    if reason == READ_ERROR:
+    if reason in (READ_ERROR, WRITE_ERROR):
         return GONE_PATIENCE
     return RECONNECT_GRACE
 

@@ -11,9 +11,10 @@ connection of this worker's own account and own NATS user (below) —:
    client's own close ("Client Closed": what a killed process's socket gives) "no
    responders" settles it at once; after another close the process may be connecting again,
    and silence is asked again for a patience that depends on the reason
-   (``jetloop.consumers.liveness.patience_after``): 0.75 s after a read error (also what a
-   process killed with unread data gives), 3 s after the server gave up on a slow process
-   (a slow consumer, a stale connection);
+   (``jetloop.consumers.liveness.patience_after``): 0.75 s after a read or a write error
+   (also what a killed process's socket gives: the kernel resets it when data was unread, and
+   the server meets the reset reading or writing), 3 s after the server gave up on a slow
+   process (a slow consumer, a stale connection);
 2. it reads the messages that process held (``jetloop.streams.holds``) and, for each one
    still in its stream (a work queue deletes what was acked), publishes a copy on the same
    subject with the header ``Jl-Holder-Lost: <incarnation>`` and the message id

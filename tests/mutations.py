@@ -452,8 +452,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "throttle-uses-an-attempt",
         "jetloop/consumers/run_model.py",
         "            await admission.throttled(exc, wait)\n"
-        '            await d.commit(claimed.model_copy(update={"attempt": None, '
-        '"attempts": used}))\n',
+        "            await d.commit(_unused(claimed, used))\n",
         "            await admission.throttled(exc, wait)\n"
         '            await d.commit(claimed.model_copy(update={"attempt": None}))\n',
         "a 429 with Retry-After uses up one of the model step's attempts",

@@ -128,6 +128,11 @@ async def _run_model(d: Delivery, step: StepMessage, carried: Carried | None) ->
         history.add_done_callback(_settled)
 
 
+def _unused(claimed: TurnRecord, used: int) -> TurnRecord:
+    """The claimed turn handed back, its attempt not used: none held, none counted."""
+    return claimed.model_copy(update={"attempt": None, "attempts": used})
+
+
 def _settled(read: asyncio.Future[list[HistoryEntry]]) -> None:
     """A read nobody took: its failure is not news (the step ended without it)."""
     if not read.cancelled():
@@ -291,7 +296,7 @@ async def _model_step(
         if not await admission.take_slot(holder):
             # Every call the endpoint may have in flight is: hand the step back, its attempt
             # not used.
-            await d.commit(claimed.model_copy(update={"attempt": None, "attempts": used}))
+            await d.commit(_unused(claimed, used))
             raise RetryLater(0.25, "every slot of the model endpoint is in use")
         if messages is None:
             try:
@@ -300,7 +305,7 @@ async def _model_step(
             except Exception:
                 # No model call was made: the attempt is handed back unused (a failure of
                 # this write, such as a takeover, is what the step then ends with).
-                await d.commit(claimed.model_copy(update={"attempt": None, "attempts": used}))
+                await d.commit(_unused(claimed, used))
                 raise
         if resumed is not None:
             await tell_resumed(
@@ -351,7 +356,7 @@ async def _model_step(
             # Too many requests, and the provider said for how long: not this step's fault, so
             # not one of its attempts; every worker calling that endpoint waits as long.
             await admission.throttled(exc, wait)
-            await d.commit(claimed.model_copy(update={"attempt": None, "attempts": used}))
+            await d.commit(_unused(claimed, used))
             raise RetryLater(wait, f"model call throttled: {exc}") from exc
         except Exception as exc:
             await _attempt_failed(d, claimed, attempt.no, exc)
